@@ -1,0 +1,1 @@
+"""Clients: training helpers shared by every node, board ClientApps and telemetry."""

@@ -1,0 +1,81 @@
+"""A local training loop that counts its work and can stop early.
+
+Every flowerbed node (simulated, board, phone gateway) trains through
+:func:`train_steps`, so ``num-steps`` and ``num-examples`` mean the same everywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class TrainStats:
+    """What one call of :func:`train_steps` did."""
+
+    num_steps: int
+    num_examples: int
+    mean_loss: float
+
+
+def train_steps(
+    model: nn.Module,
+    x: np.ndarray,
+    y: np.ndarray,
+    *,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    seed: int,
+    should_stop: Callable[[int], bool] | None = None,
+) -> TrainStats:
+    """Run up to ``steps`` SGD steps on minibatches cycling through (x, y).
+
+    Batches come from a seeded permutation, reshuffled at each pass over the data.
+    ``should_stop(steps_done)`` is asked before each step; when it answers True the
+    loop stops and reports the partial work done so far.
+    """
+    if steps < 0:
+        raise ValueError(f"steps must be >= 0, got {steps}")
+    if len(x) == 0:
+        raise ValueError("no training samples")
+    rng = np.random.default_rng(seed)
+    optimiser = torch.optim.SGD(model.parameters(), lr=lr)
+    loss_fn = nn.CrossEntropyLoss()
+    xt = torch.from_numpy(np.ascontiguousarray(x))
+    yt = torch.from_numpy(np.ascontiguousarray(y))
+    batch = max(1, min(batch_size, len(x)))
+    order = rng.permutation(len(x))
+    cursor = 0
+    done = examples = 0
+    loss_sum = 0.0
+    model.train()
+    while done < steps and not (should_stop is not None and should_stop(done)):
+        if cursor + batch > len(order):
+            order, cursor = rng.permutation(len(x)), 0
+        idx = torch.from_numpy(order[cursor : cursor + batch])
+        cursor += batch
+        optimiser.zero_grad()
+        loss = loss_fn(model(xt[idx]), yt[idx])
+        loss.backward()
+        optimiser.step()
+        loss_sum += float(loss.detach())
+        done += 1
+        examples += len(idx)
+    return TrainStats(done, examples, loss_sum / done if done else float("nan"))
+
+
+def evaluate(model: nn.Module, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """Mean cross-entropy loss and accuracy of ``model`` on (x, y)."""
+    model.eval()
+    with torch.no_grad():
+        logits = model(torch.from_numpy(np.ascontiguousarray(x)))
+        target = torch.from_numpy(np.ascontiguousarray(y))
+        loss = nn.functional.cross_entropy(logits, target).item()
+        acc = (logits.argmax(dim=1) == target).float().mean().item()
+    return float(loss), float(acc)

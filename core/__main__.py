@@ -1,0 +1,7 @@
+"""``python -m flowerbed`` runs the ``flowerbed`` command."""
+
+import sys
+
+from flowerbed.cli import main
+
+sys.exit(main())

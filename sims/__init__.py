@@ -1,0 +1,1 @@
+"""Simulated fleets: device profiles, virtual clock, in-process engine, Flower apps."""

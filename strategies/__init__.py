@@ -1,0 +1,3 @@
+"""Drop-in Flower strategies for fleets of unequal devices."""
+
+__all__: list[str] = []
