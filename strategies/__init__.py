@@ -1,3 +1,5 @@
 """Drop-in Flower strategies for fleets of unequal devices."""
 
-__all__: list[str] = []
+from .runtime_weighted import RuntimeWeightedFedAvg
+
+__all__ = ["RuntimeWeightedFedAvg"]

@@ -1,0 +1,713 @@
+"""RuntimeWeightedFedAvg: FedAvg weighted by each node's measured runtime."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from logging import INFO, WARNING
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from flowerbed import keys
+from flowerbed.clock import Clock, clock_of
+from flwr.app import (
+    ArrayRecord,
+    ConfigRecord,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import FedAvg, Result
+from flwr.supercore import log
+
+from .utils import (
+    CheckpointError,
+    InFlight,
+    MetricsAccumulator,
+    Quarantine,
+    ReplyRejected,
+    Ticket,
+    UpdateAccumulator,
+    check_evaluate_reply,
+    check_train_reply,
+    load_checkpoint,
+    metric_history_from_json,
+    metric_history_to_json,
+    round_rng,
+    sample_nodes,
+    save_checkpoint,
+    to_arrayrecord,
+    to_numpy,
+)
+
+WEIGHTINGS = ("runtime", "throughput", "fednova", "examples")
+"""Valid values of ``weighting``."""
+
+DEFAULT_WEIGHTING = "runtime"
+DEFAULT_SPEED_SMOOTHING = 0.5
+DEFAULT_QUARANTINE_AFTER = 3
+DEFAULT_QUARANTINE_ROUNDS = 5
+
+
+class RuntimeWeightedFedAvg(FedAvg):
+    """FedAvg with runtime-aware weights, work balancing and robust rounds.
+
+    Each accepted reply ``i`` gets an unnormalised weight ``w_i`` and the new global
+    model is ``x + m * sum_i w_i c_i (x_i - x) / sum_i w_i`` (streamed: replies are
+    folded in as they arrive, never held together). With ``t_i`` the node's
+    runtime (``train-time-s``, or the measured reply round trip when the node does
+    not report it), ``n_i`` its ``num-examples`` and ``tau_i`` its ``num-steps``:
+
+    - ``"runtime"`` (Hemed, Lavie, Kaplan, ICSEE 2018, S0: "factors in the
+      contribution from each node according to its run time on a specific training
+      task, relative to the other nodes"): ``w_i = (1/t_i) / sum_j (1/t_j)``, so a
+      node twice as fast on the same task counts twice as much; ``c_i = m = 1``.
+    - ``"throughput"``: ``w_i = n_i / t_i`` samples per second (``samples-per-s``
+      when reported), so nodes count by how much data they got through per second.
+    - ``"fednova"`` (Wang et al., "Tackling the Objective Inconsistency Problem in
+      Heterogeneous Federated Optimization", NeurIPS 2020, Eq. 6 with plain SGD):
+      ``w_i = n_i``, ``c_i = 1/tau_i``, ``m = tau_eff = sum_i p_i tau_i`` with
+      ``p_i = n_i / sum_j n_j``: each update is normalised by its local steps, which
+      removes the bias of unequal local work.
+    - ``"examples"``: ``w_i = n_i``, Flower's FedAvg (McMahan et al., 2017).
+
+    Work balancing (``balance_work=True``) assigns node ``i`` the ``local-steps``
+    ``L * s_i / mean_j(s_j)`` (clamped), where ``s_i`` is its speed in steps per
+    second, exponentially smoothed over rounds: ``s <- a s_new + (1 - a) s``.
+    Nodes without an estimate are probed with ``L`` steps. Then every known node
+    needs about ``L / mean(s)`` seconds, so they finish together.
+
+    Bad replies (errors, NaN/Inf, missing or extra arrays, wrong shapes or dtypes,
+    missing, negative or invalid weights) are rejected and logged with the node id
+    and reason; the round goes on. A node with ``quarantine_after`` consecutive
+    rejected replies sits out ``quarantine_rounds`` rounds.
+
+    Parameters
+    ----------
+    fraction_train, fraction_evaluate, min_train_nodes, min_evaluate_nodes,
+    min_available_nodes, weighted_by_key, arrayrecord_key, configrecord_key,
+    train_metrics_aggr_fn, evaluate_metrics_aggr_fn
+        As in Flower's ``FedAvg`` (same defaults). ``weighted_by_key`` is ``n_i``.
+    weighting : str (default: "runtime")
+        One of ``"runtime"``, ``"throughput"``, ``"fednova"``, ``"examples"``.
+    balance_work : bool (default: False)
+        Assign ``local-steps`` proportional to each node's smoothed speed.
+    local_steps : int, optional (default: None)
+        Base work ``L`` per node; if None, ``train_config["local-steps"]`` is used.
+        Sent as ``local-steps`` when set (needed when ``balance_work`` is on).
+    speed_smoothing : float (default: 0.5)
+        Weight ``a`` of the newest speed measurement, in (0, 1].
+    min_local_steps : int (default: 1)
+        Fewest steps work balancing assigns.
+    max_local_steps : int, optional (default: None)
+        Most steps work balancing assigns; None means ``4 * L``.
+    quarantine_after : int (default: 3)
+        Consecutive rejected replies that put a node in quarantine.
+    quarantine_rounds : int (default: 5)
+        Rounds a quarantined node sits out (0 disables quarantine).
+    message_ttl_s : float, optional (default: None)
+        Time-to-live of each message; None means ``start``'s ``timeout``.
+    checkpoint_path : str or Path, optional (default: None)
+        Where to write the global arrays and strategy state after every round;
+        an existing checkpoint there is resumed.
+    seed : int (default: 0)
+        Seeds node sampling (per round, so resumed runs sample the same nodes).
+    """
+
+    # pylint: disable=too-many-arguments,too-many-locals
+    def __init__(
+        self,
+        fraction_train: float = 1.0,
+        fraction_evaluate: float = 1.0,
+        min_train_nodes: int = 2,
+        min_evaluate_nodes: int = 2,
+        min_available_nodes: int = 2,
+        weighted_by_key: str = keys.NUM_EXAMPLES,
+        arrayrecord_key: str = keys.ARRAYS,
+        configrecord_key: str = keys.CONFIG,
+        train_metrics_aggr_fn: Callable[[list[RecordDict], str], MetricRecord]
+        | None = None,
+        evaluate_metrics_aggr_fn: Callable[[list[RecordDict], str], MetricRecord]
+        | None = None,
+        *,
+        weighting: str = DEFAULT_WEIGHTING,
+        balance_work: bool = False,
+        local_steps: int | None = None,
+        speed_smoothing: float = DEFAULT_SPEED_SMOOTHING,
+        min_local_steps: int = 1,
+        max_local_steps: int | None = None,
+        quarantine_after: int = DEFAULT_QUARANTINE_AFTER,
+        quarantine_rounds: int = DEFAULT_QUARANTINE_ROUNDS,
+        message_ttl_s: float | None = None,
+        checkpoint_path: str | Path | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(
+            fraction_train=fraction_train,
+            fraction_evaluate=fraction_evaluate,
+            min_train_nodes=min_train_nodes,
+            min_evaluate_nodes=min_evaluate_nodes,
+            min_available_nodes=min_available_nodes,
+            weighted_by_key=weighted_by_key,
+            arrayrecord_key=arrayrecord_key,
+            configrecord_key=configrecord_key,
+            train_metrics_aggr_fn=train_metrics_aggr_fn,
+            evaluate_metrics_aggr_fn=evaluate_metrics_aggr_fn,
+        )
+        if weighting not in WEIGHTINGS:
+            raise ValueError(
+                f"unknown weighting {weighting!r}; valid: {', '.join(WEIGHTINGS)}"
+            )
+        if not 0 < speed_smoothing <= 1:
+            raise ValueError(
+                f"speed_smoothing must be in (0, 1], got {speed_smoothing}"
+            )
+        if local_steps is not None and local_steps < 1:
+            raise ValueError(f"local_steps must be >= 1, got {local_steps}")
+        if min_local_steps < 1:
+            raise ValueError(f"min_local_steps must be >= 1, got {min_local_steps}")
+        if max_local_steps is not None and max_local_steps < min_local_steps:
+            raise ValueError(
+                f"max_local_steps ({max_local_steps}) must be >= min_local_steps "
+                f"({min_local_steps})"
+            )
+        if message_ttl_s is not None and message_ttl_s <= 0:
+            raise ValueError(f"message_ttl_s must be > 0, got {message_ttl_s}")
+        self.weighting = weighting
+        self.balance_work = balance_work
+        self.local_steps = local_steps
+        self.speed_smoothing = speed_smoothing
+        self.min_local_steps = min_local_steps
+        self.max_local_steps = max_local_steps
+        self.message_ttl_s = message_ttl_s
+        self.checkpoint_path = (
+            None if checkpoint_path is None else Path(checkpoint_path)
+        )
+        self.seed = seed
+        self.quarantine = Quarantine(quarantine_after, quarantine_rounds)
+        self.speeds: dict[int, float] = {}
+        """Smoothed speed of each node, in optimiser steps per second."""
+        self._fallbacks_logged: set[str] = set()
+        self._global: ArrayRecord = ArrayRecord()
+        self._global_np: dict[str, np.ndarray] = {}
+        self._timeout = 3600.0
+        self._inflight: InFlight | None = None
+
+    # ------------------------------------------------------------------ summary
+    def summary(self) -> None:
+        """Log the configuration."""
+        super().summary()
+        log(INFO, "\t└──> %s:", self.__class__.__name__)
+        log(INFO, "\t\t├── Weighting: %s", self.weighting)
+        log(
+            INFO,
+            "\t\t├── Work balancing: %s (base local steps %s, smoothing %.2f)",
+            self.balance_work,
+            self.local_steps,
+            self.speed_smoothing,
+        )
+        log(
+            INFO,
+            "\t\t├── Quarantine: after %d rejected replies, for %d rounds",
+            self.quarantine.after,
+            self.quarantine.rounds,
+        )
+        log(INFO, "\t\t└── Checkpoint: %s", self.checkpoint_path or "(none)")
+
+    # ----------------------------------------------------------------- messages
+    def _fallback_once(self, what: str, message: str) -> None:
+        if what not in self._fallbacks_logged:
+            self._fallbacks_logged.add(what)
+            log(WARNING, message)
+
+    def _base_steps(self, config: ConfigRecord) -> int | None:
+        if self.local_steps is not None:
+            return self.local_steps
+        steps = config.get(keys.LOCAL_STEPS)
+        return steps if isinstance(steps, int) and not isinstance(steps, bool) else None
+
+    def assign_steps(self, node_ids: list[int], base: int) -> dict[int, int]:
+        """Work balancing: ``L * s_i / mean(s)`` steps for known nodes, ``L`` else.
+
+        The mean runs over the known nodes among ``node_ids``.
+        """
+        known = [self.speeds[n] for n in node_ids if n in self.speeds]
+        mean = sum(known) / len(known) if known else 0.0
+        most = self.max_local_steps or 4 * base
+        steps = {}
+        for node in node_ids:
+            if node in self.speeds and mean > 0:
+                share = round(base * self.speeds[node] / mean)
+                steps[node] = int(min(most, max(self.min_local_steps, share)))
+            else:
+                steps[node] = base
+        return steps
+
+    def _message_ttl(self) -> float:
+        return self.message_ttl_s if self.message_ttl_s is not None else self._timeout
+
+    def _node_config(self, node_id: int, config: ConfigRecord) -> ConfigRecord:
+        """Extra per-node config (subclasses add ``deadline-s``)."""
+        return config
+
+    def _messages(
+        self,
+        node_ids: list[int],
+        arrays: ArrayRecord,
+        config: ConfigRecord,
+        message_type: str,
+        server_round: int,
+        steps: dict[int, int] | None = None,
+    ) -> list[Message]:
+        messages = []
+        for node in node_ids:
+            node_config = ConfigRecord(dict(config))
+            node_config[keys.SERVER_ROUND] = server_round
+            if steps is not None:
+                node_config[keys.LOCAL_STEPS] = steps[node]
+            if message_type == MessageType.TRAIN:
+                node_config = self._node_config(node, node_config)
+            content = RecordDict(
+                {self.arrayrecord_key: arrays, self.configrecord_key: node_config}
+            )
+            messages.append(
+                Message(
+                    content,
+                    dst_node_id=node,
+                    message_type=message_type,
+                    ttl=self._message_ttl(),
+                    group_id=str(server_round),
+                )
+            )
+        return messages
+
+    def _sample(
+        self, grid: Grid, server_round: int, count: int, purpose: str
+    ) -> list[int]:
+        clock = clock_of(grid)
+        busy = self._inflight.busy_nodes() if self._inflight is not None else set()
+        benched = {
+            n
+            for n in grid.get_node_ids()
+            if self.quarantine.is_quarantined(n, server_round)
+        }
+        return sample_nodes(
+            grid,
+            clock,
+            count=count,
+            min_available=self.min_available_nodes,
+            exclude=benched | busy,
+            rng=round_rng(self.seed, server_round, purpose),
+            timeout=self._timeout,
+        )
+
+    def _sample_size(self, grid: Grid, fraction: float, minimum: int) -> int:
+        if fraction == 0.0:
+            return 0
+        return max(int(len(list(grid.get_node_ids())) * fraction), minimum)
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Sample nodes (skipping quarantined ones) and build their train messages."""
+        count = self._sample_size(grid, self.fraction_train, self.min_train_nodes)
+        return self._train_messages(server_round, arrays, config, grid, count)
+
+    def _train_messages(
+        self,
+        server_round: int,
+        arrays: ArrayRecord,
+        config: ConfigRecord,
+        grid: Grid,
+        count: int,
+    ) -> list[Message]:
+        node_ids = self._sample(grid, server_round, count, "train")
+        log(INFO, "configure_train: sampled %d nodes", len(node_ids))
+        self._set_global(arrays)
+        base = self._base_steps(config)
+        steps: dict[int, int] | None = None
+        if self.balance_work:
+            if base is None:
+                raise ValueError(
+                    "balance_work needs a base amount of work: pass local_steps=... "
+                    f"or put {keys.LOCAL_STEPS!r} in train_config"
+                )
+            steps = self.assign_steps(node_ids, base)
+        elif base is not None:
+            steps = dict.fromkeys(node_ids, base)
+        return self._messages(
+            node_ids, arrays, config, MessageType.TRAIN, server_round, steps
+        )
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Sample nodes (skipping quarantined ones) and build evaluate messages."""
+        count = self._sample_size(grid, self.fraction_evaluate, self.min_evaluate_nodes)
+        if count == 0:
+            return []
+        node_ids = self._sample(grid, server_round, count, "evaluate")
+        return self._messages(
+            node_ids, arrays, config, MessageType.EVALUATE, server_round
+        )
+
+    # ------------------------------------------------------------------ replies
+    def _set_global(self, arrays: ArrayRecord) -> None:
+        if arrays is not self._global:
+            self._global = arrays
+            self._global_np = to_numpy(arrays)
+
+    def _runtime(
+        self, metrics: MetricRecord, ticket: Ticket | None, arrived: float | None
+    ) -> float:
+        if keys.TRAIN_TIME_S in metrics:
+            return float(metrics[keys.TRAIN_TIME_S])  # type: ignore[arg-type]
+        if ticket is None or arrived is None:
+            raise ReplyRejected(
+                f"no {keys.TRAIN_TIME_S!r} and no measured round trip", fault=False
+            )
+        self._fallback_once(
+            "runtime",
+            f"replies carry no {keys.TRAIN_TIME_S!r}: using the measured reply "
+            "round-trip time as each node's runtime",
+        )
+        return arrived - ticket.sent_at
+
+    def _steps(self, metrics: MetricRecord, ticket: Ticket | None) -> float | None:
+        if keys.NUM_STEPS in metrics:
+            return float(metrics[keys.NUM_STEPS])  # type: ignore[arg-type]
+        if ticket is not None and ticket.assigned_steps is not None:
+            self._fallback_once(
+                "steps",
+                f"replies carry no {keys.NUM_STEPS!r}: assuming each node did the "
+                f"{keys.LOCAL_STEPS!r} it was assigned",
+            )
+            return float(ticket.assigned_steps)
+        return None
+
+    def reply_weight(
+        self,
+        metrics: MetricRecord,
+        num_examples: float,
+        ticket: Ticket | None = None,
+        arrived: float | None = None,
+    ) -> tuple[float, float, float]:
+        """Return ``(w_i, c_i, tau_i)`` of one reply under ``self.weighting``.
+
+        Raises
+        ------
+        ReplyRejected
+            When the metrics the weighting needs are zero or unavailable.
+        """
+        steps = self._steps(metrics, ticket)
+        if self.weighting == "examples":
+            return num_examples, 1.0, steps or 1.0
+        if self.weighting == "fednova":
+            if steps is None:
+                self._fallback_once(
+                    "fednova",
+                    f"fednova weighting without {keys.NUM_STEPS!r} or assigned "
+                    f"{keys.LOCAL_STEPS!r}: every node counts as one step (FedAvg)",
+                )
+                steps = 1.0
+            if steps <= 0:
+                raise ReplyRejected(
+                    "0 optimiser steps: nothing to average", fault=False
+                )
+            return num_examples, 1.0 / steps, steps
+        if self.weighting == "throughput" and keys.SAMPLES_PER_S in metrics:
+            rate = float(metrics[keys.SAMPLES_PER_S])  # type: ignore[arg-type]
+            if rate <= 0:
+                raise ReplyRejected(f"{keys.SAMPLES_PER_S!r} is 0", fault=False)
+            return rate, 1.0, steps or 1.0
+        runtime = self._runtime(metrics, ticket, arrived)
+        if runtime <= 0:
+            raise ReplyRejected(
+                f"runtime is {runtime:g} s: cannot weight by runtime", fault=False
+            )
+        if self.weighting == "runtime":
+            return 1.0 / runtime, 1.0, steps or 1.0
+        return num_examples / runtime, 1.0, steps or 1.0
+
+    def _update_speed(
+        self,
+        node_id: int,
+        metrics: MetricRecord,
+        ticket: Ticket | None,
+        arrived: float | None,
+    ) -> None:
+        steps = self._steps(metrics, ticket)
+        if steps is None or steps <= 0:
+            return
+        try:
+            runtime = self._runtime(metrics, ticket, arrived)
+        except ReplyRejected:
+            return
+        if runtime <= 0:
+            return
+        speed = steps / runtime
+        old = self.speeds.get(node_id)
+        a = self.speed_smoothing
+        self.speeds[node_id] = speed if old is None else a * speed + (1 - a) * old
+
+    def fold_train_reply(
+        self,
+        reply: Message,
+        server_round: int,
+        updates: UpdateAccumulator,
+        metrics_acc: MetricsAccumulator,
+        *,
+        ticket: Ticket | None = None,
+        arrived: float | None = None,
+        base: dict[str, np.ndarray] | None = None,
+        discount: float = 1.0,
+    ) -> bool:
+        """Validate one train reply and fold it into the running sums.
+
+        Returns True when accepted; a rejected reply is logged with its node id and
+        reason (and counted towards quarantine when it is the node's fault).
+        """
+        node = reply.metadata.src_node_id if ticket is None else ticket.node_id
+        try:
+            arrays, metrics, n = check_train_reply(
+                reply, self._global, self.weighted_by_key
+            )
+            weight, scale, steps = self.reply_weight(metrics, n, ticket, arrived)
+        except ReplyRejected as rejection:
+            log(
+                WARNING,
+                "round %d: rejected reply from node %d: %s",
+                server_round,
+                node,
+                rejection.reason,
+            )
+            if rejection.fault:
+                self.quarantine.record_failure(node, server_round)
+            return False
+        self.quarantine.record_success(node)
+        self._update_speed(node, metrics, ticket, arrived)
+        updates.add(
+            arrays,
+            self._global_np if base is None else base,
+            weight * discount,
+            scale=scale,
+            steps=steps,
+        )
+        metrics_acc.add(metrics, n)
+        return True
+
+    def _finish(
+        self, updates: UpdateAccumulator, metrics_acc: MetricsAccumulator
+    ) -> tuple[ArrayRecord, MetricRecord | None]:
+        new = updates.result(
+            self._global_np, normalise_steps=self.weighting == "fednova"
+        )
+        return to_arrayrecord(new), metrics_acc.result(self.train_metrics_aggr_fn)
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Validate and fold replies one at a time; None if none was usable.
+
+        The replies must answer the arrays last passed to ``configure_train``.
+        """
+        updates = UpdateAccumulator()
+        metrics_acc = MetricsAccumulator(self.weighted_by_key)
+        for reply in replies:
+            self.fold_train_reply(reply, server_round, updates, metrics_acc)
+        if updates.count == 0:
+            log(WARNING, "round %d: no usable train replies", server_round)
+            return None, None
+        return self._finish(updates, metrics_acc)
+
+    def aggregate_evaluate(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> MetricRecord | None:
+        """Aggregate evaluation metrics, rejecting bad replies (logged)."""
+        metrics_acc = MetricsAccumulator(self.weighted_by_key)
+        for reply in replies:
+            try:
+                metrics = check_evaluate_reply(reply, self.weighted_by_key)
+            except ReplyRejected as rejection:
+                log(
+                    WARNING,
+                    "round %d: rejected evaluate reply from node %d: %s",
+                    server_round,
+                    reply.metadata.src_node_id,
+                    rejection.reason,
+                )
+                continue
+            metrics_acc.add(metrics, float(metrics[self.weighted_by_key]))  # type: ignore[arg-type]
+        return metrics_acc.result(self.evaluate_metrics_aggr_fn)
+
+    # -------------------------------------------------------------------- rounds
+    def _train_round(
+        self,
+        server_round: int,
+        config: ConfigRecord,
+        grid: Grid,
+        clock: Clock,
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Synchronous round: wait for every sampled node (or ``timeout``)."""
+        assert self._inflight is not None
+        messages = self.configure_train(server_round, self._global, config, grid)
+        sent = set(self._inflight.push(messages, server_round))
+        updates = UpdateAccumulator()
+        metrics_acc = MetricsAccumulator(self.weighted_by_key)
+        until = clock.now() + self._timeout
+        for reply, ticket, arrived in self._inflight.replies(
+            until, kind=MessageType.TRAIN
+        ):
+            self.fold_train_reply(
+                reply,
+                server_round,
+                updates,
+                metrics_acc,
+                ticket=ticket,
+                arrived=arrived,
+            )
+        self._inflight.forget(sent)
+        if updates.count == 0:
+            log(WARNING, "round %d: no usable replies, model unchanged", server_round)
+            return None, None
+        return self._finish(updates, metrics_acc)
+
+    def _evaluate_wait(self) -> float:
+        """Clock seconds to wait for evaluation replies."""
+        return self._timeout
+
+    def _evaluate_round(
+        self, server_round: int, config: ConfigRecord, grid: Grid, clock: Clock
+    ) -> MetricRecord | None:
+        assert self._inflight is not None
+        messages = self.configure_evaluate(server_round, self._global, config, grid)
+        sent = set(self._inflight.push(messages, server_round))
+        if not sent:
+            return None
+        until = clock.now() + self._evaluate_wait()
+        replies = (
+            reply
+            for reply, _, _ in self._inflight.replies(until, kind=MessageType.EVALUATE)
+        )
+        metrics = self.aggregate_evaluate(server_round, replies)
+        self._inflight.forget(sent)
+        return metrics
+
+    def _after_round(self, server_round: int, result: Result) -> None:
+        """Hook run after each round's evaluation (subclasses adapt here)."""
+
+    # ---------------------------------------------------------------- checkpoint
+    def state(self) -> dict[str, Any]:
+        """JSON-able strategy state (what a checkpoint holds besides arrays)."""
+        return {
+            "speeds": {str(k): v for k, v in self.speeds.items()},
+            "quarantine": self.quarantine.state(),
+        }
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state` returned."""
+        self.speeds = {int(k): float(v) for k, v in state["speeds"].items()}
+        self.quarantine.load_state(state["quarantine"])
+
+    def _write_checkpoint(self, server_round: int, result: Result) -> None:
+        if self.checkpoint_path is None:
+            return
+        save_checkpoint(
+            self.checkpoint_path,
+            self._global_np,
+            {
+                "strategy": type(self).__name__,
+                "round": server_round,
+                "strategy_state": self.state(),
+                "train_metrics": metric_history_to_json(result.train_metrics_clientapp),
+                "evaluate_metrics": metric_history_to_json(
+                    result.evaluate_metrics_clientapp
+                ),
+                "server_metrics": metric_history_to_json(
+                    result.evaluate_metrics_serverapp
+                ),
+            },
+        )
+
+    def _resume(self, initial_arrays: ArrayRecord, result: Result) -> int:
+        """Load the checkpoint if there is one; return the last completed round."""
+        if self.checkpoint_path is None or not self.checkpoint_path.exists():
+            return 0
+        arrays, saved = load_checkpoint(self.checkpoint_path, initial_arrays)
+        if saved.get("strategy") != type(self).__name__:
+            raise CheckpointError(
+                f"checkpoint {self.checkpoint_path} was written by "
+                f"{saved.get('strategy')!r}, not {type(self).__name__!r}"
+            )
+        try:
+            last_round = int(saved["round"])
+            histories = (
+                metric_history_from_json(saved["train_metrics"]),
+                metric_history_from_json(saved["evaluate_metrics"]),
+                metric_history_from_json(saved["server_metrics"]),
+            )
+            self.load_state(saved["strategy_state"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise CheckpointError(
+                f"checkpoint {self.checkpoint_path} has incomplete state ({err!r})"
+            ) from err
+        (
+            result.train_metrics_clientapp,
+            result.evaluate_metrics_clientapp,
+            result.evaluate_metrics_serverapp,
+        ) = histories
+        self._set_global(to_arrayrecord(arrays))
+        log(INFO, "resumed from %s after round %d", self.checkpoint_path, last_round)
+        return last_round
+
+    # --------------------------------------------------------------------- start
+    def start(
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int = 3,
+        timeout: float = 3600,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+    ) -> Result:
+        """Run ``num_rounds`` rounds on the grid's clock; same contract as FedAvg."""
+        log(INFO, "Starting %s strategy:", type(self).__name__)
+        self.summary()
+        clock = clock_of(grid)
+        self._timeout = float(timeout)
+        self._inflight = InFlight(grid, clock)
+        train_config = ConfigRecord() if train_config is None else train_config
+        evaluate_config = ConfigRecord() if evaluate_config is None else evaluate_config
+        result = Result()
+        self._set_global(initial_arrays)
+        done = self._resume(initial_arrays, result)
+        if done == 0 and evaluate_fn is not None:
+            res = evaluate_fn(0, initial_arrays)
+            if res is not None:
+                result.evaluate_metrics_serverapp[0] = res
+        for server_round in range(done + 1, num_rounds + 1):
+            log(INFO, "[ROUND %s/%s] t=%.1fs", server_round, num_rounds, clock.now())
+            arrays, train_metrics = self._train_round(
+                server_round, train_config, grid, clock
+            )
+            if arrays is not None:
+                self._set_global(arrays)
+            if train_metrics is not None:
+                result.train_metrics_clientapp[server_round] = train_metrics
+            eval_metrics = self._evaluate_round(
+                server_round, evaluate_config, grid, clock
+            )
+            if eval_metrics is not None:
+                result.evaluate_metrics_clientapp[server_round] = eval_metrics
+            if evaluate_fn is not None:
+                res = evaluate_fn(server_round, self._global)
+                if res is not None:
+                    result.evaluate_metrics_serverapp[server_round] = res
+            self._after_round(server_round, result)
+            self._write_checkpoint(server_round, result)
+        result.arrays = self._global
+        log(INFO, "%s finished at t=%.1fs", type(self).__name__, clock.now())
+        return result

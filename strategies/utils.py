@@ -1,0 +1,624 @@
+"""Mechanics shared by the flowerbed strategies.
+
+One home for what every strategy needs: rejecting bad replies, folding replies into a
+running weighted sum, quarantining nodes that keep failing, staleness discounts,
+the clock-driven push/pull loop, and atomic checkpoints.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import math
+import os
+import random
+import tempfile
+import zipfile
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from logging import INFO, WARNING
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from flowerbed import keys
+from flowerbed.clock import Clock
+from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.supercore import log
+
+StalenessFn = Callable[[int], float]
+"""Maps an update's staleness (model versions behind) to a weight multiplier."""
+
+WAIT_FOR_NODES_S = 1.0
+"""Clock seconds between checks while too few nodes are connected."""
+
+
+# ---------------------------------------------------------------------------------
+# Staleness discounts
+# ---------------------------------------------------------------------------------
+
+
+def polynomial_staleness(staleness: int, exponent: float = 0.5) -> float:
+    """Return ``(1 + s) ** -exponent``; with 0.5 this is FedBuff's ``1/sqrt(1+s)``.
+
+    Nguyen et al., "Federated Learning with Buffered Asynchronous Aggregation",
+    AISTATS 2022, Sec. 3 (staleness scaling of client updates); the polynomial
+    family is from Xie et al., "Asynchronous Federated Optimization", 2019, Sec. 5.
+    """
+    if staleness < 0:
+        raise ValueError(f"staleness must be >= 0, got {staleness}")
+    return float((1.0 + staleness) ** -exponent)
+
+
+def constant_staleness(staleness: int) -> float:
+    """Return 1: stale updates count as much as fresh ones."""
+    if staleness < 0:
+        raise ValueError(f"staleness must be >= 0, got {staleness}")
+    return 1.0
+
+
+def hinge_staleness(staleness: int, a: float = 10.0, b: int = 4) -> float:
+    """Return 1 up to ``b`` versions behind, then ``1 / (a (s - b) + 1)``.
+
+    Xie et al., "Asynchronous Federated Optimization", 2019, Sec. 5 (hinge function).
+    """
+    if staleness < 0:
+        raise ValueError(f"staleness must be >= 0, got {staleness}")
+    return 1.0 if staleness <= b else 1.0 / (a * (staleness - b) + 1.0)
+
+
+STALENESS_FUNCTIONS: dict[str, StalenessFn] = {
+    "polynomial": polynomial_staleness,
+    "constant": constant_staleness,
+    "hinge": hinge_staleness,
+}
+
+
+def resolve_staleness_fn(fn: str | StalenessFn) -> StalenessFn:
+    """Return ``fn`` itself, or the named function from :data:`STALENESS_FUNCTIONS`."""
+    if callable(fn):
+        return fn
+    if fn not in STALENESS_FUNCTIONS:
+        raise ValueError(
+            f"unknown staleness function {fn!r}; valid: {sorted(STALENESS_FUNCTIONS)}"
+        )
+    return STALENESS_FUNCTIONS[fn]
+
+
+# ---------------------------------------------------------------------------------
+# Reply validation
+# ---------------------------------------------------------------------------------
+
+
+class ReplyRejected(Exception):
+    """A reply that cannot be used; ``reason`` says why.
+
+    ``fault`` is False when the node did nothing wrong (e.g. it had no time to
+    train), so the rejection does not count towards quarantine.
+    """
+
+    def __init__(self, reason: str, *, fault: bool = True) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.fault = fault
+
+
+NON_NEGATIVE_METRICS = (keys.TRAIN_TIME_S, keys.NUM_STEPS, keys.COMM_TIME_S)
+
+
+def _number(metrics: MetricRecord, key: str, *, required: bool) -> float | None:
+    if key not in metrics:
+        if required:
+            raise ReplyRejected(f"metric {key!r} is missing")
+        return None
+    value = metrics[key]
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ReplyRejected(f"metric {key!r} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ReplyRejected(f"metric {key!r} is not finite ({value})")
+    if value < 0:
+        raise ReplyRejected(f"metric {key!r} is negative ({value})")
+    return float(value)
+
+
+def _single_metricrecord(content: RecordDict) -> MetricRecord:
+    count = len(content.metric_records)
+    if count != 1:
+        raise ReplyRejected(f"expected exactly one MetricRecord, got {count}")
+    return next(iter(content.metric_records.values()))
+
+
+def _content(reply: Message) -> RecordDict:
+    if reply.has_error():
+        reason = reply.error.reason or "no reason given"
+        raise ReplyRejected(f"error reply (code {reply.error.code}): {reason}")
+    if not reply.has_content():
+        raise ReplyRejected("reply has neither content nor error")
+    return reply.content
+
+
+def check_metrics(metrics: MetricRecord, weighted_by_key: str) -> float:
+    """Check a reply's metrics and return its weight (``weighted_by_key``).
+
+    Raises
+    ------
+    ReplyRejected
+        When the weight is missing, not a number, negative, NaN/Inf or zero, or a
+        runtime metric (``train-time-s``, ``num-steps``, ``comm-time-s``) is invalid.
+    """
+    weight = _number(metrics, weighted_by_key, required=True)
+    for key in NON_NEGATIVE_METRICS:
+        if key != weighted_by_key:
+            _number(metrics, key, required=False)
+    for key, value in metrics.items():
+        values = value if isinstance(value, list) else [value]
+        if any(isinstance(v, float) and not math.isfinite(v) for v in values):
+            raise ReplyRejected(f"metric {key!r} is not finite ({value})")
+    if weight == 0:
+        raise ReplyRejected(f"weight {weighted_by_key!r} is 0: no work", fault=False)
+    assert weight is not None
+    return weight
+
+
+def check_train_reply(
+    reply: Message, reference: ArrayRecord, weighted_by_key: str
+) -> tuple[dict[str, np.ndarray], MetricRecord, float]:
+    """Validate a training reply against the global arrays it was trained from.
+
+    Returns the reply's arrays (as NumPy), its MetricRecord and its weight.
+
+    Raises
+    ------
+    ReplyRejected
+        Error content; not exactly one ArrayRecord/MetricRecord; missing or extra
+        array keys; wrong shape or dtype; NaN/Inf values; invalid weight or metrics.
+    """
+    content = _content(reply)
+    count = len(content.array_records)
+    if count != 1:
+        raise ReplyRejected(f"expected exactly one ArrayRecord, got {count}")
+    metrics = _single_metricrecord(content)
+    weight = check_metrics(metrics, weighted_by_key)
+    record = next(iter(content.array_records.values()))
+    missing = sorted(set(reference) - set(record))
+    extra = sorted(set(record) - set(reference))
+    if missing:
+        raise ReplyRejected(f"missing arrays {missing}")
+    if extra:
+        raise ReplyRejected(f"unexpected arrays {extra}")
+    arrays: dict[str, np.ndarray] = {}
+    for name, ref in reference.items():
+        got = record[name]
+        if tuple(got.shape) != tuple(ref.shape):
+            raise ReplyRejected(
+                f"array {name!r} has shape {tuple(got.shape)}, "
+                f"expected {tuple(ref.shape)}"
+            )
+        if got.dtype != ref.dtype:
+            raise ReplyRejected(
+                f"array {name!r} has dtype {got.dtype}, expected {ref.dtype}"
+            )
+        try:
+            value = got.numpy()
+        except Exception as err:  # undecodable bytes: the node's fault, not ours
+            raise ReplyRejected(f"array {name!r} cannot be decoded: {err}") from err
+        if value.dtype.kind in "fc" and not np.isfinite(value).all():
+            raise ReplyRejected(f"array {name!r} contains NaN or Inf")
+        arrays[name] = value
+    return arrays, metrics, weight
+
+
+def check_evaluate_reply(reply: Message, weighted_by_key: str) -> MetricRecord:
+    """Validate an evaluation reply; return its MetricRecord."""
+    metrics = _single_metricrecord(_content(reply))
+    check_metrics(metrics, weighted_by_key)
+    return metrics
+
+
+# ---------------------------------------------------------------------------------
+# Streaming aggregation
+# ---------------------------------------------------------------------------------
+
+
+def to_numpy(record: ArrayRecord) -> dict[str, np.ndarray]:
+    """Decode every array of ``record``."""
+    return {name: array.numpy() for name, array in record.items()}
+
+
+def to_arrayrecord(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
+    """Encode NumPy arrays as an ArrayRecord (order kept)."""
+    return ArrayRecord({name: Array(np.asarray(v)) for name, v in arrays.items()})
+
+
+class UpdateAccumulator:
+    """Running weighted sum of model updates: O(model) memory, any number of replies.
+
+    Each reply ``i`` contributes its update ``delta_i = x_i - base_i`` (``base_i``
+    is the global model it trained from) with weight ``w_i`` and scale ``c_i``::
+
+        S = sum_i w_i c_i delta_i,   W = sum_i w_i,   T = sum_i w_i tau_i
+
+    :meth:`result` returns ``x + m S / W`` where ``m = 1`` for plain averaging
+    (with ``c_i = 1`` and a common base this equals ``sum_i (w_i/W) x_i``, FedAvg)
+    and ``m = T / W`` for FedNova (Wang et al., NeurIPS 2020, Eq. 6 with vanilla
+    SGD: ``c_i = 1/tau_i``, ``tau_eff = sum_i p_i tau_i``).
+    """
+
+    def __init__(self) -> None:
+        self._sum: dict[str, np.ndarray] = {}
+        self.total_weight = 0.0
+        self.weighted_steps = 0.0
+        self.count = 0
+
+    def add(
+        self,
+        arrays: Mapping[str, np.ndarray],
+        base: Mapping[str, np.ndarray],
+        weight: float,
+        *,
+        scale: float = 1.0,
+        steps: float = 1.0,
+    ) -> None:
+        """Fold one update in; ``arrays`` and ``base`` may be dropped afterwards."""
+        if not (weight > 0 and math.isfinite(weight)):
+            raise ValueError(f"weight must be finite and > 0, got {weight}")
+        factor = weight * scale
+        for name, value in arrays.items():
+            delta = np.subtract(value, base[name], dtype=np.float64)
+            delta *= factor
+            if name in self._sum:
+                self._sum[name] += delta
+            else:
+                self._sum[name] = delta
+        self.total_weight += weight
+        self.weighted_steps += weight * steps
+        self.count += 1
+
+    def result(
+        self, current: Mapping[str, np.ndarray], *, normalise_steps: bool = False
+    ) -> dict[str, np.ndarray]:
+        """Return ``current + m S / W`` in each array's own dtype."""
+        if self.count == 0:
+            raise ValueError("no updates to aggregate")
+        m = self.weighted_steps / self.total_weight if normalise_steps else 1.0
+        out: dict[str, np.ndarray] = {}
+        for name, value in current.items():
+            new = value.astype(np.float64) + (m / self.total_weight) * self._sum[name]
+            if value.dtype.kind in "iub":
+                new = np.rint(new)
+            out[name] = new.astype(value.dtype)
+        return out
+
+
+class MetricsAccumulator:
+    """Keeps only the MetricRecords of accepted replies (small), for aggregation."""
+
+    def __init__(self, weighted_by_key: str) -> None:
+        self.weighted_by_key = weighted_by_key
+        self.records: list[RecordDict] = []
+
+    def add(self, metrics: MetricRecord, weight: float) -> None:
+        """Keep ``metrics`` with ``weight`` as its weighting value."""
+        kept = MetricRecord(dict(metrics))
+        kept[self.weighted_by_key] = weight
+        self.records.append(RecordDict({keys.METRICS: kept}))
+
+    def result(
+        self, aggr_fn: Callable[[list[RecordDict], str], MetricRecord]
+    ) -> MetricRecord | None:
+        """Aggregate with Flower's ``(list[RecordDict], str) -> MetricRecord``."""
+        if not self.records:
+            return None
+        return aggr_fn(self.records, self.weighted_by_key)
+
+
+# ---------------------------------------------------------------------------------
+# Quarantine
+# ---------------------------------------------------------------------------------
+
+
+class Quarantine:
+    """Bench nodes whose replies keep being rejected.
+
+    After ``after`` consecutive faulty replies a node sits out ``rounds`` rounds;
+    an accepted reply resets its count.
+    """
+
+    def __init__(self, after: int = 3, rounds: int = 5) -> None:
+        if after < 1:
+            raise ValueError(f"quarantine_after must be >= 1, got {after}")
+        if rounds < 0:
+            raise ValueError(f"quarantine_rounds must be >= 0, got {rounds}")
+        self.after = after
+        self.rounds = rounds
+        self.failures: dict[int, int] = {}
+        self.until: dict[int, int] = {}
+
+    def record_failure(self, node_id: int, server_round: int) -> None:
+        """Count a rejected reply; quarantine the node when the count reaches limit."""
+        self.failures[node_id] = self.failures.get(node_id, 0) + 1
+        if self.failures[node_id] >= self.after and self.rounds > 0:
+            self.until[node_id] = server_round + self.rounds
+            self.failures[node_id] = 0
+            log(
+                WARNING,
+                "node %d quarantined after %d rejected replies: out until round %d",
+                node_id,
+                self.after,
+                self.until[node_id],
+            )
+
+    def record_success(self, node_id: int) -> None:
+        """An accepted reply clears the node's count."""
+        self.failures.pop(node_id, None)
+
+    def is_quarantined(self, node_id: int, server_round: int) -> bool:
+        """True while ``server_round`` is at or before the node's release round."""
+        return self.until.get(node_id, -1) >= server_round
+
+    def state(self) -> dict[str, Any]:
+        """JSON-able state for checkpoints."""
+        return {
+            "failures": {str(k): v for k, v in self.failures.items()},
+            "until": {str(k): v for k, v in self.until.items()},
+        }
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state` returned."""
+        self.failures = {int(k): int(v) for k, v in state["failures"].items()}
+        self.until = {int(k): int(v) for k, v in state["until"].items()}
+
+
+# ---------------------------------------------------------------------------------
+# Push and pull on a clock
+# ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """What the strategy remembers about one message in flight."""
+
+    node_id: int
+    server_round: int
+    sent_at: float
+    kind: str
+    assigned_steps: int | None = None
+
+
+def _assigned_steps(message: Message) -> int | None:
+    for config in message.content.config_records.values():
+        steps = config.get(keys.LOCAL_STEPS)
+        if isinstance(steps, int) and not isinstance(steps, bool):
+            return steps
+    return None
+
+
+class InFlight:
+    """Messages pushed and not yet answered, pulled on the grid's clock."""
+
+    def __init__(self, grid: Grid, clock: Clock) -> None:
+        self.grid = grid
+        self.clock = clock
+        self.tickets: dict[str, Ticket] = {}
+
+    def push(self, messages: Iterable[Message], server_round: int) -> list[str]:
+        """Push ``messages``; remember each one's node, round and send time."""
+        batch = list(messages)
+        if not batch:
+            return []
+        sent_at = self.clock.now()
+        ids = list(self.grid.push_messages(batch))
+        pushed = []
+        for message, message_id in zip(batch, ids, strict=False):
+            if not message_id:
+                log(WARNING, "push to node %d failed", message.metadata.dst_node_id)
+                continue
+            self.tickets[message_id] = Ticket(
+                node_id=message.metadata.dst_node_id,
+                server_round=server_round,
+                sent_at=sent_at,
+                kind=message.metadata.message_type,
+                assigned_steps=_assigned_steps(message),
+            )
+            pushed.append(message_id)
+        return pushed
+
+    def busy_nodes(self, kind: str | None = None) -> set[int]:
+        """Nodes with a message of ``kind`` (any kind if None) in flight."""
+        return {
+            t.node_id for t in self.tickets.values() if kind is None or t.kind == kind
+        }
+
+    def forget(self, message_ids: Iterable[str]) -> None:
+        """Stop waiting for these messages (their replies will be ignored)."""
+        for message_id in message_ids:
+            self.tickets.pop(message_id, None)
+
+    def ids(self, predicate: Callable[[Ticket], bool]) -> list[str]:
+        """IDs of messages in flight whose ticket satisfies ``predicate``."""
+        return [i for i, t in self.tickets.items() if predicate(t)]
+
+    def replies(
+        self,
+        until: float,
+        *,
+        kind: str | None = None,
+        done: Callable[[], bool] | None = None,
+    ) -> Iterator[tuple[Message, Ticket, float]]:
+        """Yield ``(reply, ticket, arrival time)`` as replies arrive.
+
+        Only messages of ``kind`` (all if None) are pulled. Stops when none of them
+        is in flight, when ``done()`` is true, or when the clock reaches ``until``.
+        Waiting goes through the clock, so on the virtual clock the loop jumps from
+        one arrival to the next; replies are consumed one at a time.
+        """
+        while not (done is not None and done()):
+            wanted = self.ids(lambda t: kind is None or t.kind == kind)
+            if not wanted:
+                return
+            arrived = False
+            for reply in self.grid.pull_messages(wanted):
+                ticket = self.tickets.pop(reply.metadata.reply_to_message_id, None)
+                if ticket is None:
+                    continue
+                arrived = True
+                yield reply, ticket, self.clock.now()
+                if done is not None and done():
+                    return
+            remaining = until - self.clock.now()
+            if remaining <= 0:
+                return
+            if not arrived:
+                self.clock.wait(remaining)
+
+
+def sample_nodes(
+    grid: Grid,
+    clock: Clock,
+    *,
+    count: int,
+    min_available: int,
+    exclude: set[int],
+    rng: random.Random,
+    timeout: float,
+) -> list[int]:
+    """Pick ``count`` connected nodes not in ``exclude`` (fewer if not enough).
+
+    Waits on the clock, at most ``timeout`` seconds, until ``min_available`` nodes
+    are connected (as Flower's own sampling does).
+    """
+    give_up = clock.now() + timeout
+    nodes = sorted(grid.get_node_ids())
+    while len(nodes) < min_available and clock.now() < give_up:
+        log(
+            INFO,
+            "waiting for nodes: %d connected, %d needed",
+            len(nodes),
+            min_available,
+        )
+        clock.wait(WAIT_FOR_NODES_S)
+        nodes = sorted(grid.get_node_ids())
+    eligible = [n for n in nodes if n not in exclude]
+    return rng.sample(eligible, min(count, len(eligible)))
+
+
+def round_rng(seed: int, server_round: int, purpose: str) -> random.Random:
+    """A generator fixed by (seed, round, purpose): resumed runs sample the same."""
+    return random.Random(f"{seed}:{server_round}:{purpose}")
+
+
+# ---------------------------------------------------------------------------------
+# Checkpoints
+# ---------------------------------------------------------------------------------
+
+CHECKPOINT_FORMAT = "flowerbed-checkpoint/1"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used (corrupt, or from a different run)."""
+
+
+def _digest(arrays: Mapping[str, np.ndarray], state_json: bytes) -> str:
+    h = hashlib.sha256(state_json)
+    for name in sorted(arrays):
+        value = np.ascontiguousarray(arrays[name])
+        h.update(name.encode())
+        h.update(str(value.dtype).encode())
+        h.update(str(value.shape).encode())
+        h.update(value.tobytes())
+    return h.hexdigest()
+
+
+def save_checkpoint(
+    path: str | Path, arrays: Mapping[str, np.ndarray], state: Mapping[str, Any]
+) -> None:
+    """Write arrays and JSON-able state atomically (temp file, fsync, os.replace)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state_json = json.dumps(
+        {"format": CHECKPOINT_FORMAT, "state": state}, sort_keys=True
+    ).encode()
+    header = json.dumps(
+        {"names": list(arrays), "sha256": _digest(arrays, state_json)}
+    ).encode()
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            with zipfile.ZipFile(f, "w", compression=zipfile.ZIP_STORED) as z:
+                z.writestr("state.json", state_json)
+                z.writestr("header.json", header)
+                for i, value in enumerate(arrays.values()):
+                    buf = io.BytesIO()
+                    np.save(buf, np.ascontiguousarray(value), allow_pickle=False)
+                    z.writestr(f"arrays/{i}.npy", buf.getvalue())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def load_checkpoint(
+    path: str | Path, reference: ArrayRecord
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """Read a checkpoint whole, verify it, and return ``(arrays, state)``.
+
+    Raises
+    ------
+    CheckpointError
+        When the file is unreadable or corrupt, or its arrays do not match
+        ``reference`` (names, shapes, dtypes). Nothing is returned half-loaded.
+    """
+    path = Path(path)
+    try:
+        with zipfile.ZipFile(path) as z:
+            state_json = z.read("state.json")
+            header = json.loads(z.read("header.json"))
+            arrays = {
+                name: np.load(io.BytesIO(z.read(f"arrays/{i}.npy")), allow_pickle=False)
+                for i, name in enumerate(header["names"])
+            }
+        payload = json.loads(state_json)
+    except (OSError, KeyError, ValueError, zipfile.BadZipFile) as err:
+        raise CheckpointError(
+            f"checkpoint {path} is unreadable or corrupt ({err}); delete it to start "
+            "afresh or point checkpoint_path elsewhere"
+        ) from err
+    if payload.get("format") != CHECKPOINT_FORMAT:
+        raise CheckpointError(
+            f"checkpoint {path} has format {payload.get('format')!r}, "
+            f"expected {CHECKPOINT_FORMAT!r}"
+        )
+    if _digest(arrays, state_json) != header.get("sha256"):
+        raise CheckpointError(f"checkpoint {path} fails its checksum: corrupt")
+    expected = {n: (tuple(a.shape), a.dtype) for n, a in reference.items()}
+    found = {n: (tuple(a.shape), str(a.dtype)) for n, a in arrays.items()}
+    if expected != found:
+        raise CheckpointError(
+            f"checkpoint {path} holds arrays {found}, but the model has {expected}: "
+            "it belongs to a different model"
+        )
+    return arrays, payload["state"]
+
+
+def metricrecord_to_json(record: MetricRecord) -> dict[str, Any]:
+    """A MetricRecord as a plain dict (values are numbers or lists of numbers)."""
+    return dict(record)
+
+
+def metric_history_to_json(history: Mapping[int, MetricRecord]) -> dict[str, Any]:
+    """``{round: MetricRecord}`` as JSON-able data."""
+    return {str(r): metricrecord_to_json(m) for r, m in history.items()}
+
+
+def metric_history_from_json(data: Mapping[str, Any]) -> dict[int, MetricRecord]:
+    """Inverse of :func:`metric_history_to_json`."""
+    return {int(r): MetricRecord(m) for r, m in data.items()}
