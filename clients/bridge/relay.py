@@ -1,0 +1,320 @@
+"""One Flower node per phone: the relay between the SuperLink and a phone's tasks.
+
+A real SuperNode (``flwr.supernode.start_client_internal``) opens one Fleet API
+connection (``flwr.supernode.fleet_http_connection.http_request_response``), then
+loops: pull a message, pull its objects, run the ClientApp, push the reply and its
+objects. The gateway keeps that connection and that loop, one per phone, in a
+thread, and replaces "run the ClientApp" by "hand a task to the phone and wait for
+its result". Message (de)serialisation, request signing, heartbeats and object
+transfer are Flower's own functions; nothing of Flower's wire format is redone here.
+
+Each phone owns a Flower node key pair. The gateway registers the node once (at the
+phone's first ``hello``) and passes the key pair to ``http_request_response``, which
+then only activates the node on entry and deactivates it on exit, never unregisters
+it: a phone that sleeps, changes network or restarts keeps its node id.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from functools import partial
+from typing import Any, Protocol
+
+from cryptography.hazmat.primitives.asymmetric import ec
+from flowerbed.clients.bridge.tasks import (
+    Task,
+    TaskBuildError,
+    error_reply,
+    reply_for,
+    task_from_message,
+)
+from flwr.app import Message
+from flwr.proto.fleet_pb2 import RegisterNodeFleetRequest  # pylint: disable=E0611
+from flwr.supercore.inflatable.inflatable_object import (
+    get_all_nested_objects,
+    get_object_tree,
+    iterate_object_tree,
+    no_object_id_recompute,
+)
+from flwr.supercore.inflatable.inflatable_utils import (
+    inflate_object_from_contents,
+    pull_objects,
+    push_object_contents_from_iterable,
+)
+from flwr.supercore.primitives.asymmetric import generate_key_pairs, public_key_to_bytes
+from flwr.supernode.fleet_http_client import FleetHttpClient
+from flwr.supernode.fleet_http_connection import http_request_response
+from flwr.supernode.node_auth_http_interceptor import NodeAuthHttpInterceptor
+
+log = logging.getLogger("flowerbed.bridge")
+
+KeyPair = tuple[ec.EllipticCurvePrivateKey, ec.EllipticCurvePublicKey]
+
+
+class NodeLink(Protocol):
+    """An open Fleet API connection of one node."""
+
+    node_id: int
+
+    def receive(self) -> Message | None:
+        """The next message for this node with its content, or ``None``."""
+
+    def send(self, reply: Message) -> None:
+        """Push a reply message and its objects."""
+
+
+class NodeConnector(Protocol):
+    """Creates node identities and opens their Fleet API connections."""
+
+    def new_identity(self) -> Any:
+        """A fresh node identity (a key pair for the SuperLink)."""
+
+    def register(self, identity: Any) -> int:
+        """Register the identity as a node once; return its node id."""
+
+    def connect(self, identity: Any) -> AbstractContextManager[NodeLink]:
+        """Activate the node; deactivate it when the context exits."""
+
+
+class RelayTarget(Protocol):
+    """What a relay needs from the gateway: hand tasks out, ask if the phone is here."""
+
+    def offer(self, phone_name: str, task: Task) -> None: ...
+
+    def wants_node(self, phone_name: str) -> bool: ...
+
+    def wait_for_phone(self, phone_name: str, timeout: float) -> None: ...
+
+
+class SuperLinkConnector:
+    """Fleet API connections to a real SuperLink, with Flower's own client code.
+
+    Parameters
+    ----------
+    address : str
+        SuperLink Fleet API ``host:port`` (Flower 1.41 serves it on the SuperLink's
+        HTTP port, 8000 by default).
+    insecure : bool
+        Plain HTTP instead of HTTPS.
+    root_certificates : bytes | str | None
+        PEM bundle (or its path) to verify the SuperLink's certificate.
+    """
+
+    def __init__(
+        self, address: str, insecure: bool, root_certificates: bytes | str | None = None
+    ) -> None:
+        self.address = address
+        self.insecure = insecure
+        self.root_certificates = root_certificates
+
+    def new_identity(self) -> KeyPair:
+        return generate_key_pairs()
+
+    def register(self, identity: KeyPair) -> int:
+        private_key, public_key = identity
+        with FleetHttpClient.from_server_address(
+            self.address,
+            self.insecure,
+            self.root_certificates,
+            interceptors=[NodeAuthHttpInterceptor(private_key, public_key)],
+        ) as client:
+            response = client.RegisterNode(
+                RegisterNodeFleetRequest(public_key=public_key_to_bytes(public_key))
+            )
+        return int(response.node_id)
+
+    @contextmanager
+    def connect(self, identity: KeyPair) -> Iterator[NodeLink]:
+        with http_request_response(
+            self.address,
+            self.insecure,
+            self.root_certificates,
+            authentication_keys=identity,
+        ) as conn:
+            yield _FleetLink(*conn)
+
+
+class _FleetLink:
+    """The callbacks of ``http_request_response`` as a :class:`NodeLink`."""
+
+    def __init__(
+        self,
+        node_id: int,
+        receive: Callable[..., Any],
+        send: Callable[..., Any],
+        _get_run: Callable[..., Any],
+        _get_fab: Callable[..., Any],
+        pull_object: Callable[[int, str], bytes],
+        push_object: Callable[[int, str, str, bytes], None],
+        confirm_message_received: Callable[[int, str], None],
+    ) -> None:
+        self.node_id = node_id
+        self._receive = receive
+        self._send = send
+        self._pull_object = pull_object
+        self._push_object = push_object
+        self._confirm = confirm_message_received
+
+    def receive(self) -> Message | None:
+        """Pull one message and its objects, as the SuperNode loop does."""
+        received = self._receive()
+        if received is None:
+            return None
+        shell, tree = received
+        run_id = shell.metadata.run_id
+        contents = pull_objects(
+            [t.object_id for t in iterate_object_tree(tree)],
+            pull_object_fn=lambda obj_id: self._pull_object(run_id, obj_id),
+        )
+        self._confirm(run_id, tree.object_id)
+        message = inflate_object_from_contents(tree.object_id, contents)
+        assert isinstance(message, Message)
+        # The deflated message has no id of its own; take the SuperLink's.
+        message.metadata.__dict__["_message_id"] = tree.object_id
+        return message
+
+    def send(self, reply: Message) -> None:
+        """Push a reply and the objects the SuperLink asks for."""
+        reply.metadata.__dict__["_message_id"] = reply.object_id
+        with no_object_id_recompute():
+            tree = get_object_tree(reply)
+            objects = get_all_nested_objects(reply)
+            wanted, session_id = self._send(reply, tree, 0.0)
+            push_object_contents_from_iterable(
+                ((i, objects[i].deflate()) for i in wanted if i in objects),
+                push_object_fn=partial(
+                    self._push_object, reply.metadata.run_id, session_id
+                ),
+            )
+
+
+class NodeRelay:
+    """The Flower node of one phone: pull messages, hand tasks out, push replies.
+
+    Parameters
+    ----------
+    phone_name : str
+        The phone this node stands for (for logs and the gateway's lookups).
+    identity : Any
+        The node identity from ``connector.new_identity()``, already registered.
+    connector : NodeConnector
+        Opens the node's Fleet API connection.
+    target : RelayTarget
+        The gateway: receives tasks, says whether the phone is connected.
+    deadline_slack_s : float
+        Seconds added to a config's ``deadline-s`` before its task expires.
+    pull_interval_s : float
+        Seconds between pulls when no message is waiting (Flower's SuperNode: 3).
+    retry_s : float
+        Seconds before reconnecting after the connection failed.
+    """
+
+    def __init__(
+        self,
+        phone_name: str,
+        identity: Any,
+        connector: NodeConnector,
+        target: RelayTarget,
+        deadline_slack_s: float,
+        pull_interval_s: float,
+        retry_s: float = 5.0,
+    ) -> None:
+        self.phone_name = phone_name
+        self.identity = identity
+        self.connector = connector
+        self.target = target
+        self.deadline_slack_s = deadline_slack_s
+        self.pull_interval_s = pull_interval_s
+        self.retry_s = retry_s
+        self.active = threading.Event()
+        """Set while the node is activated at the SuperLink."""
+        self.counts = {"accepted": 0, "failed": 0, "expired": 0}
+        """How this node's tasks ended."""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, name=f"relay-{phone_name}", daemon=True
+        )
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def request_stop(self) -> None:
+        """Ask the relay to end; its node is deactivated when the loop exits."""
+        self._stop.set()
+
+    def join(self, timeout: float = 10.0) -> None:
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self.target.wants_node(self.phone_name):
+                self.target.wait_for_phone(self.phone_name, timeout=1.0)
+                continue
+            try:
+                with self.connector.connect(self.identity) as link:
+                    self.active.set()
+                    log.info("phone %s: node %s online", self.phone_name, link.node_id)
+                    self._serve(link)
+                log.info("phone %s: node offline (phone silent)", self.phone_name)
+            # Flower's connection calls flwr_exit (SystemExit) when it cannot reach
+            # the SuperLink; in a gateway that must end this node's attempt only.
+            except (Exception, SystemExit) as err:
+                log.warning(
+                    "phone %s: Fleet connection failed (%s); retrying in %.0f s",
+                    self.phone_name,
+                    err,
+                    self.retry_s,
+                )
+                self._stop.wait(self.retry_s)
+            finally:
+                self.active.clear()
+
+    def _serve(self, link: NodeLink) -> None:
+        while not self._stop.is_set() and self.target.wants_node(self.phone_name):
+            message = link.receive()
+            if message is None:
+                self._stop.wait(self.pull_interval_s)
+                continue
+            reply = self.handle(message)
+            if reply is not None:
+                link.send(reply)
+
+    def handle(self, message: Message) -> Message | None:
+        """The reply to one message, or ``None`` when the phone did not finish."""
+        meta = message.metadata
+        try:
+            task = task_from_message(message, self.deadline_slack_s)
+        except TaskBuildError as err:
+            log.warning(
+                "phone %s: cannot relay %s: %s", self.phone_name, meta.message_type, err
+            )
+            return error_reply(message, f"flowerbed bridge: {err}")
+        self.target.offer(self.phone_name, task)
+        log.info(
+            "phone %s: %s task %s (round %s, expires in %.0f s)",
+            self.phone_name,
+            task.kind,
+            task.task_id,
+            meta.group_id,
+            task.expires_in_s(),
+        )
+        outcome = task.wait()
+        self.counts["expired" if outcome is None else outcome.status] += 1
+        if outcome is None:
+            log.warning(
+                "phone %s: task %s expired; no reply (straggler)",
+                self.phone_name,
+                task.task_id,
+            )
+            return None
+        if outcome.status != "accepted":
+            log.warning(
+                "phone %s: task %s failed: %s",
+                self.phone_name,
+                task.task_id,
+                outcome.reason,
+            )
+        return reply_for(message, task, outcome)
