@@ -1,5 +1,6 @@
 """Drop-in Flower strategies for fleets of unequal devices."""
 
+from .deadline import DeadlineFedAvg
 from .runtime_weighted import RuntimeWeightedFedAvg
 
-__all__ = ["RuntimeWeightedFedAvg"]
+__all__ = ["DeadlineFedAvg", "RuntimeWeightedFedAvg"]

@@ -34,6 +34,16 @@ StalenessFn = Callable[[int], float]
 WAIT_FOR_NODES_S = 1.0
 """Clock seconds between checks while too few nodes are connected."""
 
+# Round bookkeeping the straggler-aware strategies add to each train MetricRecord.
+ROUND_PARTICIPANTS = "participants"
+"""Nodes whose fresh update went into the round."""
+ROUND_LATE_UPDATES = "late-updates"
+"""Updates from earlier rounds folded into the round (staleness-discounted)."""
+ROUND_STRAGGLERS = "stragglers"
+"""Nodes sampled for the round that had not replied when it closed."""
+ROUND_DEADLINE_S = "deadline-s"
+"""The round's deadline in clock seconds (-1: none)."""
+
 
 # ---------------------------------------------------------------------------------
 # Staleness discounts
