@@ -1,0 +1,39 @@
+package org.flowerbed.phone;
+
+/**
+ * What the device knows about itself: battery and temperature for the metrics, and whether it
+ * may train at all right now. The Android app reads these from the battery and network services;
+ * a JVM phone may report nothing.
+ */
+public interface DeviceStatus {
+  /** A device that reports nothing and never refuses to train. */
+  DeviceStatus NONE =
+      new DeviceStatus() {
+        @Override
+        public Double batteryPct() {
+          return null;
+        }
+
+        @Override
+        public Double tempC() {
+          return null;
+        }
+
+        @Override
+        public String blockReason() {
+          return null;
+        }
+      };
+
+  /** Battery charge in percent, or null if unknown. */
+  Double batteryPct();
+
+  /** Battery (or SoC) temperature in degrees Celsius, or null if unknown. */
+  Double tempC();
+
+  /**
+   * Why the device must not train now (for example "not charging", "metered network"), or null
+   * if it may. Asked before taking work and before every training step.
+   */
+  String blockReason();
+}

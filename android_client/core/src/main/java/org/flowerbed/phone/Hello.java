@@ -1,0 +1,76 @@
+package org.flowerbed.phone;
+
+import java.util.Map;
+
+/** The gateway's answer to {@code POST /v1/hello}: who this phone is and the limits to keep. */
+public final class Hello {
+  private final long nodeId;
+  private final String phone;
+  private final int pollS;
+  private final long maxUploadBytes;
+  private final int chunkBytes;
+
+  public Hello(long nodeId, String phone, int pollS, long maxUploadBytes, int chunkBytes) {
+    this.nodeId = nodeId;
+    this.phone = phone;
+    this.pollS = pollS;
+    this.maxUploadBytes = maxUploadBytes;
+    this.chunkBytes = chunkBytes;
+  }
+
+  /**
+   * @throws GatewayException (protocol violation) naming the missing or ill-typed field
+   */
+  public static Hello fromJson(Map<String, Object> json) throws GatewayException {
+    return new Hello(
+        integer(json, "node_id", Long.MIN_VALUE),
+        string(json, "phone"),
+        (int) integer(json, "poll_s", 0),
+        integer(json, "max_upload_bytes", 1),
+        (int) Math.min(Integer.MAX_VALUE, integer(json, "chunk_bytes", 1)));
+  }
+
+  private static long integer(Map<String, Object> json, String key, long min)
+      throws GatewayException {
+    Object v = json.get(key);
+    if (!(v instanceof Long) || (Long) v < min) {
+      throw new GatewayException(
+          GatewayException.PROTOCOL_VIOLATION,
+          "bad hello from gateway: " + key + " must be an integer >= " + min + ": " + json);
+    }
+    return (Long) v;
+  }
+
+  private static String string(Map<String, Object> json, String key) throws GatewayException {
+    Object v = json.get(key);
+    if (!(v instanceof String)) {
+      throw new GatewayException(
+          GatewayException.PROTOCOL_VIOLATION,
+          "bad hello from gateway: " + key + " must be a string: " + json);
+    }
+    return (String) v;
+  }
+
+  /** The Flower node id this phone is; the same after every reconnect with the same token. */
+  public long nodeId() {
+    return nodeId;
+  }
+
+  public String phone() {
+    return phone;
+  }
+
+  /** Suggested seconds between polls when the gateway has no work. */
+  public int pollS() {
+    return pollS;
+  }
+
+  public long maxUploadBytes() {
+    return maxUploadBytes;
+  }
+
+  /** Largest upload chunk the gateway accepts. */
+  public int chunkBytes() {
+    return chunkBytes;
+  }
+}

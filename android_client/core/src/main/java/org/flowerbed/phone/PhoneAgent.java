@@ -1,0 +1,279 @@
+package org.flowerbed.phone;
+
+import java.io.IOException;
+import java.io.InterruptedIOException;
+import java.util.LinkedHashMap;
+import java.util.List;
+import java.util.Locale;
+import java.util.Map;
+
+/**
+ * The phone's work loop, shared by the JVM phone ({@link PhoneMain}) and the Android app: hello,
+ * long-poll, download the arrays, train or evaluate them, upload, complete; one log line per
+ * task.
+ *
+ * <p>Network trouble is survived: the client retries each request, and when it gives up the
+ * agent waits and says hello again with the same token, so the phone comes back as the same
+ * Flower node. A task that cannot be done (bad arrays, bad config, trainer error, the device may
+ * no longer train) is failed with its reason. Only a refusal of the phone itself (401 wrong
+ * token, 426 unsupported protocol) ends {@link #run} with an exception.
+ */
+public final class PhoneAgent {
+  /** Builds a trainer holding the arrays of a task. */
+  public interface TrainerFactory {
+    /**
+     * @throws IllegalArgumentException if the arrays do not fit this phone's model or data
+     */
+    Trainer create(List<NamedArray> arrays);
+  }
+
+  /** Where the agent's one-line reports go. */
+  public interface Log {
+    void line(String text);
+  }
+
+  private final GatewayClient client;
+  private final TrainerFactory factory;
+  private final DeviceStatus device;
+  private final Ticker ticker;
+  private final Sleeper sleeper;
+  private final Backoff reconnect;
+  private final Map<String, Object> deviceInfo;
+  private final Log log;
+  private final int pollWaitS;
+  private volatile boolean stopping;
+  private volatile Thread runner;
+  private Hello hello;
+
+  /**
+   * @param deviceInfo free-form facts sent with hello (model, cores, ...)
+   * @param reconnect waits between reconnect attempts after the client gave up a request
+   * @param pollWaitS seconds of each long poll
+   */
+  public PhoneAgent(
+      GatewayClient client,
+      TrainerFactory factory,
+      DeviceStatus device,
+      Ticker ticker,
+      Sleeper sleeper,
+      Backoff reconnect,
+      Map<String, Object> deviceInfo,
+      Log log,
+      int pollWaitS) {
+    this.client = client;
+    this.factory = factory;
+    this.device = device;
+    this.ticker = ticker;
+    this.sleeper = sleeper;
+    this.reconnect = reconnect;
+    this.deviceInfo = deviceInfo;
+    this.log = log;
+    this.pollWaitS = pollWaitS;
+  }
+
+  /** Ask {@link #run} to return soon: aborts the request in flight; safe from any thread. */
+  public void stop() {
+    stopping = true;
+    client.close();
+    Thread t = runner;
+    if (t != null) {
+      t.interrupt();
+    }
+  }
+
+  public boolean isStopping() {
+    return stopping;
+  }
+
+  /** The last hello answer, or null before the first. */
+  public Hello hello() {
+    return hello;
+  }
+
+  /**
+   * Work until {@link #stop} or until {@code maxTasks} tasks were handled (0: no limit).
+   *
+   * @return the number of tasks handled (completed, failed, expired or rejected)
+   * @throws GatewayException if the gateway refuses this phone (401 or 426)
+   */
+  public int run(int maxTasks) throws GatewayException {
+    runner = Thread.currentThread();
+    int handled = 0;
+    int failures = 0;
+    String lastBlock = null;
+    try {
+      while (!stopping && (maxTasks <= 0 || handled < maxTasks)) {
+        try {
+          if (hello == null) {
+            hello = client.hello(deviceInfo);
+            log.line(
+                "hello node_id="
+                    + hello.nodeId()
+                    + " phone="
+                    + hello.phone()
+                    + " chunk_bytes="
+                    + hello.chunkBytes());
+          }
+          String block = device.blockReason();
+          if (block != null) {
+            if (!block.equals(lastBlock)) {
+              log.line("waiting reason=\"" + block + "\"");
+            }
+            lastBlock = block;
+            sleeper.sleep(1000L * Math.max(1, hello.pollS()));
+            continue;
+          }
+          lastBlock = null;
+          Task task = client.pollTask(pollWaitS);
+          failures = 0;
+          if (task != null) {
+            log.line(handle(task));
+            handled++;
+          }
+        } catch (GatewayException e) {
+          if (isRefusal(e)) {
+            log.line("refused status=" + e.status() + " reason=\"" + e.getMessage() + "\"");
+            throw e;
+          }
+          failures = pause("gateway error", e, failures);
+        } catch (InterruptedIOException e) {
+          if (!stopping) {
+            failures = pause("interrupted", e, failures);
+          }
+        } catch (IOException e) {
+          failures = pause("network error", e, failures);
+        }
+      }
+    } finally {
+      runner = null;
+    }
+    return handled;
+  }
+
+  private static boolean isRefusal(GatewayException e) {
+    return e.status() == 401 || e.status() == 426;
+  }
+
+  /** Log, forget the session (the next round says hello again) and wait before retrying. */
+  private int pause(String what, IOException e, int failures) {
+    if (stopping) {
+      return failures;
+    }
+    log.line("reconnecting after " + what + ": " + e.getMessage());
+    hello = null;
+    try {
+      sleeper.sleep(reconnect.delayMs(failures));
+    } catch (InterruptedIOException ie) {
+      // stop() interrupts the wait; the loop condition sees the flag
+    }
+    return failures + 1;
+  }
+
+  /**
+   * Do one task and describe the outcome in one line.
+   *
+   * @throws IOException on network trouble (the task is asked for again after reconnecting, as
+   *     the gateway hands out the same task until it is completed or expires), a refusal, or a
+   *     protocol violation
+   */
+  private String handle(Task task) throws IOException {
+    String head = "task=" + task.id() + " type=" + task.type();
+    String step = "download";
+    try {
+      byte[] blob = client.downloadArrays(task);
+      step = "decode";
+      List<NamedArray> arrays = TensorCodec.decode(blob);
+      step = "build";
+      Trainer trainer = factory.create(arrays);
+      Map<String, Object> metrics;
+      String detail;
+      if (task.isTrain()) {
+        step = "train";
+        TrainSettings settings = TrainSettings.fromConfig(task.config(), trainer.numExamples());
+        TrainingLoop.Report report = TrainingLoop.train(trainer, settings, ticker, gate());
+        step = "upload";
+        client.uploadResult(
+            task.id(), TensorCodec.encode(trainer.getParameters()), hello.chunkBytes());
+        metrics = report.metrics(device);
+        detail =
+            String.format(
+                Locale.ROOT,
+                " num-steps=%d num-examples=%d train-time-s=%.4f loss=%.6f deadline-hit=%b",
+                report.numSteps,
+                report.numExamples,
+                report.trainTimeS,
+                report.meanLoss,
+                report.deadlineHit);
+      } else {
+        step = "evaluate";
+        Trainer.Evaluation e = trainer.evaluate();
+        metrics = new LinkedHashMap<String, Object>();
+        metrics.put("num-examples", (long) e.examples);
+        metrics.put("eval-loss", e.loss);
+        metrics.put("eval-acc", e.accuracy);
+        TrainingLoop.putIfKnown(metrics, "battery-pct", device.batteryPct());
+        TrainingLoop.putIfKnown(metrics, "temp-c", device.tempC());
+        detail =
+            String.format(
+                Locale.ROOT,
+                " num-examples=%d eval-loss=%.6f eval-acc=%.4f",
+                e.examples,
+                e.loss,
+                e.accuracy);
+      }
+      step = "complete";
+      client.complete(task.id(), metrics);
+      return head + " status=accepted" + detail;
+    } catch (GatewayException e) {
+      if (isRefusal(e) || e.status() == GatewayException.PROTOCOL_VIOLATION) {
+        throw e;
+      }
+      String status = e.status() == 404 ? "expired" : "rejected";
+      return head + " status=" + status + " http=" + e.status() + " at=" + step + reason(e);
+    } catch (MalformedBlobException | TrainingLoop.Abandoned | RuntimeException e) {
+      // RuntimeException covers bad arrays or config (IllegalArgumentException) and the ways a
+      // trainer (e.g. the native ExecuTorch runtime) may fail: the task is given up with its
+      // reason and the phone keeps serving.
+      return head + " status=failed at=" + step + reason(e) + giveUp(task, step, e);
+    }
+  }
+
+  /** Tell the gateway the task is given up; returns a note for the log if that failed too. */
+  private String giveUp(Task task, String step, Exception cause) throws GatewayException {
+    try {
+      client.fail(task.id(), step + ": " + cause.getMessage());
+      return "";
+    } catch (GatewayException e) {
+      if (isRefusal(e)) {
+        throw e;
+      }
+      return " fail-http=" + e.status();
+    } catch (IOException e) {
+      return " fail-error=\"" + e.getMessage() + "\"";
+    }
+  }
+
+  private static String reason(Exception e) {
+    return " reason=\"" + String.valueOf(e.getMessage()).replace('"', '\'') + "\"";
+  }
+
+  /** The device's status, plus "stopping" once {@link #stop} was called. */
+  private DeviceStatus gate() {
+    return new DeviceStatus() {
+      @Override
+      public Double batteryPct() {
+        return device.batteryPct();
+      }
+
+      @Override
+      public Double tempC() {
+        return device.tempC();
+      }
+
+      @Override
+      public String blockReason() {
+        return stopping ? "phone is stopping" : device.blockReason();
+      }
+    };
+  }
+}

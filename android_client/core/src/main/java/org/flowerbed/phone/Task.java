@@ -1,0 +1,97 @@
+package org.flowerbed.phone;
+
+import java.util.Collections;
+import java.util.Map;
+
+/** A unit of work from {@code GET /v1/task}: train or evaluate the arrays it points to. */
+public final class Task {
+  /** Task types of protocol version 1. */
+  public static final String TRAIN = "train";
+
+  public static final String EVALUATE = "evaluate";
+
+  private final String id;
+  private final String type;
+  private final Map<String, Object> config;
+  private final long arraysBytes;
+  private final double expiresInS;
+
+  public Task(
+      String id, String type, Map<String, Object> config, long arraysBytes, double expiresInS) {
+    this.id = id;
+    this.type = type;
+    this.config = Collections.unmodifiableMap(config);
+    this.arraysBytes = arraysBytes;
+    this.expiresInS = expiresInS;
+  }
+
+  /**
+   * Read a task from its JSON answer.
+   *
+   * @throws GatewayException (protocol violation) naming the missing or ill-typed field
+   */
+  @SuppressWarnings("unchecked")
+  public static Task fromJson(Map<String, Object> json) throws GatewayException {
+    Object id = json.get("task_id");
+    Object type = json.get("type");
+    Object config = json.get("config");
+    Object bytes = json.get("arrays_bytes");
+    Object expires = json.get("expires_in_s");
+    if (!(id instanceof String) || ((String) id).isEmpty()) {
+      throw violation("task_id must be a non-empty string", json);
+    }
+    if (!TRAIN.equals(type) && !EVALUATE.equals(type)) {
+      throw violation("type must be \"train\" or \"evaluate\"", json);
+    }
+    if (!(config instanceof Map)) {
+      throw violation("config must be an object", json);
+    }
+    if (!(bytes instanceof Long) || (Long) bytes < 0) {
+      throw violation("arrays_bytes must be an integer >= 0", json);
+    }
+    if (!(expires instanceof Number)) {
+      throw violation("expires_in_s must be a number", json);
+    }
+    return new Task(
+        (String) id,
+        (String) type,
+        (Map<String, Object>) config,
+        (Long) bytes,
+        ((Number) expires).doubleValue());
+  }
+
+  private static GatewayException violation(String what, Map<String, Object> json) {
+    return new GatewayException(
+        GatewayException.PROTOCOL_VIOLATION, "bad task from gateway: " + what + ": " + json);
+  }
+
+  public String id() {
+    return id;
+  }
+
+  public String type() {
+    return type;
+  }
+
+  public boolean isTrain() {
+    return TRAIN.equals(type);
+  }
+
+  /** The Flower ConfigRecord, keys as on the wire ({@code local-steps}, {@code lr}, ...). */
+  public Map<String, Object> config() {
+    return config;
+  }
+
+  public long arraysBytes() {
+    return arraysBytes;
+  }
+
+  public double expiresInS() {
+    return expiresInS;
+  }
+
+  @Override
+  public String toString() {
+    return type + " task " + id;
+  }
+}
