@@ -305,9 +305,7 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
         fresh = arrivals = late = 0
 
         def current_in_flight() -> bool:
-            return any(
-                t.server_round == server_round for t in inflight.tickets.values()
-            )
+            return inflight.outstanding(lambda t: t.server_round == server_round)
 
         def done() -> bool:
             return (

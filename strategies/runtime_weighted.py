@@ -23,6 +23,7 @@ from flwr.serverapp.strategy import FedAvg, Result
 from flwr.supercore import log
 
 from .utils import (
+    ROUND_CLOCK_S,
     CheckpointError,
     InFlight,
     MetricsAccumulator,
@@ -287,7 +288,11 @@ class RuntimeWeightedFedAvg(FedAvg):
         self, grid: Grid, server_round: int, count: int, purpose: str
     ) -> list[int]:
         clock = clock_of(grid)
-        busy = self._inflight.busy_nodes() if self._inflight is not None else set()
+        busy = (
+            self._inflight.busy_nodes(MessageType.TRAIN)
+            if self._inflight is not None and purpose == "train"
+            else set()
+        )
         benched = {
             n
             for n in grid.get_node_ids()
@@ -463,11 +468,15 @@ class RuntimeWeightedFedAvg(FedAvg):
         arrived: float | None = None,
         base: dict[str, np.ndarray] | None = None,
         discount: float = 1.0,
+        update_scale: float = 1.0,
     ) -> bool:
         """Validate one train reply and fold it into the running sums.
 
-        Returns True when accepted; a rejected reply is logged with its node id and
-        reason (and counted towards quarantine when it is the node's fault).
+        ``base`` is the model the node trained from (default: the current global
+        model); ``discount`` multiplies the reply's weight ``w_i`` and
+        ``update_scale`` its update ``c_i``. Returns True when accepted; a rejected
+        reply is logged with its node id and reason (and counted towards
+        quarantine when it is the node's fault).
         """
         node = reply.metadata.src_node_id if ticket is None else ticket.node_id
         try:
@@ -492,17 +501,22 @@ class RuntimeWeightedFedAvg(FedAvg):
             arrays,
             self._global_np if base is None else base,
             weight * discount,
-            scale=scale,
+            scale=scale * update_scale,
             steps=steps,
         )
         metrics_acc.add(metrics, n)
         return True
 
     def _finish(
-        self, updates: UpdateAccumulator, metrics_acc: MetricsAccumulator
+        self,
+        updates: UpdateAccumulator,
+        metrics_acc: MetricsAccumulator,
+        step_size: float = 1.0,
     ) -> tuple[ArrayRecord, MetricRecord | None]:
         new = updates.result(
-            self._global_np, normalise_steps=self.weighting == "fednova"
+            self._global_np,
+            normalise_steps=self.weighting == "fednova",
+            step_size=step_size,
         )
         return to_arrayrecord(new), metrics_acc.result(self.train_metrics_aggr_fn)
 
@@ -528,19 +542,26 @@ class RuntimeWeightedFedAvg(FedAvg):
         """Aggregate evaluation metrics, rejecting bad replies (logged)."""
         metrics_acc = MetricsAccumulator(self.weighted_by_key)
         for reply in replies:
-            try:
-                metrics = check_evaluate_reply(reply, self.weighted_by_key)
-            except ReplyRejected as rejection:
-                log(
-                    WARNING,
-                    "round %d: rejected evaluate reply from node %d: %s",
-                    server_round,
-                    reply.metadata.src_node_id,
-                    rejection.reason,
-                )
-                continue
-            metrics_acc.add(metrics, float(metrics[self.weighted_by_key]))  # type: ignore[arg-type]
+            self.fold_evaluate_reply(reply, server_round, metrics_acc)
         return metrics_acc.result(self.evaluate_metrics_aggr_fn)
+
+    def fold_evaluate_reply(
+        self, reply: Message, server_round: int, metrics_acc: MetricsAccumulator
+    ) -> bool:
+        """Validate one evaluate reply and keep its metrics; False if rejected."""
+        try:
+            metrics = check_evaluate_reply(reply, self.weighted_by_key)
+        except ReplyRejected as rejection:
+            log(
+                WARNING,
+                "round %d: rejected evaluate reply from node %d: %s",
+                server_round,
+                reply.metadata.src_node_id,
+                rejection.reason,
+            )
+            return False
+        metrics_acc.add(metrics, float(metrics[self.weighted_by_key]))  # type: ignore[arg-type]
+        return True
 
     # -------------------------------------------------------------------- rounds
     def _train_round(
@@ -696,6 +717,7 @@ class RuntimeWeightedFedAvg(FedAvg):
             if arrays is not None:
                 self._set_global(arrays)
             if train_metrics is not None:
+                train_metrics[ROUND_CLOCK_S] = clock.now()
                 result.train_metrics_clientapp[server_round] = train_metrics
             eval_metrics = self._evaluate_round(
                 server_round, evaluate_config, grid, clock

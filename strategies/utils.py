@@ -43,6 +43,10 @@ ROUND_STRAGGLERS = "stragglers"
 """Nodes sampled for the round that had not replied when it closed."""
 ROUND_DEADLINE_S = "deadline-s"
 """The round's deadline in clock seconds (-1: none)."""
+ROUND_CLOCK_S = "clock-s"
+"""Clock time (virtual seconds in simulation) when the round's model was made."""
+ROUND_STALENESS = "staleness"
+"""Mean staleness (model versions) of the updates in an asynchronous version."""
 
 
 # ---------------------------------------------------------------------------------
@@ -287,12 +291,20 @@ class UpdateAccumulator:
         self.count += 1
 
     def result(
-        self, current: Mapping[str, np.ndarray], *, normalise_steps: bool = False
+        self,
+        current: Mapping[str, np.ndarray],
+        *,
+        normalise_steps: bool = False,
+        step_size: float = 1.0,
     ) -> dict[str, np.ndarray]:
-        """Return ``current + m S / W`` in each array's own dtype."""
+        """Return ``current + eta m S / W`` in each array's own dtype.
+
+        ``eta = step_size`` is a server learning rate (FedBuff's ``eta_g``).
+        """
         if self.count == 0:
             raise ValueError("no updates to aggregate")
         m = self.weighted_steps / self.total_weight if normalise_steps else 1.0
+        m *= step_size
         out: dict[str, np.ndarray] = {}
         for name, value in current.items():
             new = value.astype(np.float64) + (m / self.total_weight) * self._sum[name]
@@ -406,12 +418,17 @@ def _assigned_steps(message: Message) -> int | None:
 
 
 class InFlight:
-    """Messages pushed and not yet answered, pulled on the grid's clock."""
+    """Messages pushed and not yet consumed, pulled on the grid's clock.
+
+    A reply pulled from the grid but not yet handed out (the consumer said it was
+    done mid-batch) waits in a backlog and comes out first next time.
+    """
 
     def __init__(self, grid: Grid, clock: Clock) -> None:
         self.grid = grid
         self.clock = clock
         self.tickets: dict[str, Ticket] = {}
+        self._backlog: list[tuple[Message, Ticket, float]] = []
 
     def push(self, messages: Iterable[Message], server_round: int) -> list[str]:
         """Push ``messages``; remember each one's node, round and send time."""
@@ -436,19 +453,31 @@ class InFlight:
         return pushed
 
     def busy_nodes(self, kind: str | None = None) -> set[int]:
-        """Nodes with a message of ``kind`` (any kind if None) in flight."""
+        """Nodes with a message of ``kind`` (any kind if None) not yet answered."""
         return {
             t.node_id for t in self.tickets.values() if kind is None or t.kind == kind
         }
 
     def forget(self, message_ids: Iterable[str]) -> None:
         """Stop waiting for these messages (their replies will be ignored)."""
-        for message_id in message_ids:
+        gone = set(message_ids)
+        for message_id in gone:
             self.tickets.pop(message_id, None)
+        self._backlog = [
+            item
+            for item in self._backlog
+            if item[0].metadata.reply_to_message_id not in gone
+        ]
 
     def ids(self, predicate: Callable[[Ticket], bool]) -> list[str]:
-        """IDs of messages in flight whose ticket satisfies ``predicate``."""
+        """IDs of unanswered messages whose ticket satisfies ``predicate``."""
         return [i for i, t in self.tickets.items() if predicate(t)]
+
+    def outstanding(self, predicate: Callable[[Ticket], bool]) -> bool:
+        """True if a matching message is unanswered or its reply not yet consumed."""
+        return any(predicate(t) for t in self.tickets.values()) or any(
+            predicate(t) for _, t, _ in self._backlog
+        )
 
     def replies(
         self,
@@ -457,15 +486,26 @@ class InFlight:
         kind: str | None = None,
         done: Callable[[], bool] | None = None,
     ) -> Iterator[tuple[Message, Ticket, float]]:
-        """Yield ``(reply, ticket, arrival time)`` as replies arrive.
+        """Yield ``(reply, ticket, arrival time)`` one at a time as replies arrive.
 
         Only messages of ``kind`` (all if None) are pulled. Stops when none of them
-        is in flight, when ``done()`` is true, or when the clock reaches ``until``.
+        is outstanding, when ``done()`` is true, or when the clock passes ``until``.
         Waiting goes through the clock, so on the virtual clock the loop jumps from
-        one arrival to the next; replies are consumed one at a time.
+        one arrival to the next.
         """
-        while not (done is not None and done()):
-            wanted = self.ids(lambda t: kind is None or t.kind == kind)
+
+        def matches(ticket: Ticket) -> bool:
+            return kind is None or ticket.kind == kind
+
+        def stop() -> bool:
+            return done is not None and done()
+
+        while not stop():
+            backlog = [i for i, item in enumerate(self._backlog) if matches(item[1])]
+            if backlog:
+                yield self._backlog.pop(backlog[0])
+                continue
+            wanted = self.ids(matches)
             if not wanted:
                 return
             arrived = False
@@ -474,14 +514,17 @@ class InFlight:
                 if ticket is None:
                     continue
                 arrived = True
-                yield reply, ticket, self.clock.now()
-                if done is not None and done():
-                    return
+                item = (reply, ticket, self.clock.now())
+                if stop():
+                    self._backlog.append(item)
+                else:
+                    yield item
+            if arrived:
+                continue
             remaining = until - self.clock.now()
             if remaining <= 0:
                 return
-            if not arrived:
-                self.clock.wait(remaining)
+            self.clock.wait(remaining)
 
 
 def sample_nodes(

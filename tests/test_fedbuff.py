@@ -1,0 +1,121 @@
+"""FedBuff: staleness arithmetic, ordering, concurrency and evaluation cadence.
+
+Fleet: node 1 answers after 1 s, node 2 after 2.5 s; a node's answer is the model
+it received plus its shift (node 1: +1, node 2: +4), so its update is the shift.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+from flwr.app import ArrayRecord, MetricRecord
+
+sys.path.insert(0, str(Path(__file__).parent))
+from flowerbed.strategies import FedBuff
+from flowerbed.strategies.utils import (
+    ROUND_CLOCK_S,
+    ROUND_STALENESS,
+    hinge_staleness,
+    polynomial_staleness,
+)
+from test_strategies_fakes import FakeGrid, node, silent, weights
+
+
+def fleet() -> FakeGrid:
+    return FakeGrid({1: node(1.0, seconds=1.0), 2: node(4.0, seconds=2.5)})
+
+
+def fedbuff(**kwargs) -> FedBuff:  # type: ignore[no-untyped-def]
+    kwargs.setdefault("fraction_evaluate", 0.0)
+    kwargs.setdefault("buffer_size", 1)
+    return FedBuff(**kwargs)
+
+
+def test_default_staleness_weight_is_one_over_sqrt_one_plus_s() -> None:
+    assert [polynomial_staleness(s) for s in (0, 1, 3)] == pytest.approx(
+        [1.0, 1 / math.sqrt(2), 0.5]
+    )
+    assert [hinge_staleness(s, a=10, b=4) for s in (4, 5)] == pytest.approx(
+        [1.0, 1 / 11]
+    )
+
+
+def test_stale_updates_are_applied_in_arrival_order_with_staleness_scaling() -> None:
+    # K = 1, both nodes busy from t=0 on version 0:
+    # t=1   node 1 (from v0, staleness 0): v1 = 0 + 1
+    # t=2   node 1 (from v1, staleness 0): v2 = 1 + 1 = 2
+    # t=2.5 node 2 (from v0, staleness 2): v3 = 2 + 4/sqrt(3)
+    # t=3   node 1 (from v2, staleness 1): v4 = v3 + 1/sqrt(2)
+    grid = fleet()
+    result = fedbuff().start(grid, weights(), num_rounds=4)
+    expected = 2 + 4 / math.sqrt(3) + 1 / math.sqrt(2)
+    assert float(result.arrays["w"].numpy()[0]) == pytest.approx(expected, rel=1e-6)
+    train = result.train_metrics_clientapp
+    assert [train[v][ROUND_STALENESS] for v in (1, 2, 3, 4)] == [0, 0, 2, 1]
+    assert [train[v][ROUND_CLOCK_S] for v in (1, 2, 3, 4)] == [1.0, 2.0, 2.5, 3.0]
+
+
+def test_new_work_is_dispatched_on_the_newest_version_as_replies_arrive() -> None:
+    grid = fleet()
+    fedbuff().start(grid, weights(), num_rounds=4)
+    pushes = {
+        n: [
+            (t, m.metadata.group_id)
+            for t, m in grid.pushed
+            if m.metadata.dst_node_id == n
+        ]
+        for n in (1, 2)
+    }
+    assert pushes[1] == [(0.0, "0"), (1.0, "1"), (2.0, "2")]
+    assert pushes[2] == [(0.0, "0"), (2.5, "3")]
+
+
+def test_updates_older_than_max_staleness_are_dropped() -> None:
+    # Node 2's update is 2 versions old at t=2.5 and is dropped; node 1's next
+    # reply (t=3, from v2, staleness 0) makes v3 = 3.
+    result = fedbuff(max_staleness=1).start(fleet(), weights(), num_rounds=3)
+    assert float(result.arrays["w"].numpy()[0]) == pytest.approx(3.0)
+
+
+def test_buffer_averages_k_updates_with_server_learning_rate() -> None:
+    # K = 2: node 1's replies at t=1 (from v0) and t=2 (from v0, still newest)
+    # fill the buffer: v1 = 0 + 0.5 * (1 + 1) / 2 = 0.5.
+    result = fedbuff(buffer_size=2, server_learning_rate=0.5).start(
+        fleet(), weights(), num_rounds=1
+    )
+    assert float(result.arrays["w"].numpy()[0]) == pytest.approx(0.5)
+
+
+def test_concurrency_limits_the_nodes_at_work() -> None:
+    grid = FakeGrid({n: node(1.0, seconds=1.0) for n in (1, 2, 3, 4)})
+    fedbuff(concurrency=2).start(grid, weights(), num_rounds=4)
+    starts = [t for t, _ in grid.pushed]
+    assert starts.count(0.0) == 2
+    busy_at = {t: sum(1 for s in starts if s <= t < s + 1.0) for t in starts}
+    assert max(busy_at.values()) == 2
+
+
+def test_evaluation_runs_every_n_versions_and_after_the_last() -> None:
+    seen: list[int] = []
+
+    def central(version: int, arrays: ArrayRecord) -> MetricRecord:
+        seen.append(version)
+        return MetricRecord({"accuracy": 0.5})
+
+    result = fedbuff(evaluate_every=2, fraction_evaluate=1.0).start(
+        fleet(), weights(), num_rounds=5, evaluate_fn=central
+    )
+    assert seen == [0, 2, 4, 5]
+    assert sorted(result.evaluate_metrics_clientapp) == [2, 4, 5]
+
+
+def test_a_fleet_that_never_answers_ends_the_run_with_the_initial_model() -> None:
+    grid = FakeGrid({1: silent, 2: silent})
+    result = fedbuff(quarantine_after=2).start(
+        grid, weights(3.0), num_rounds=2, timeout=10.0
+    )
+    assert float(result.arrays["w"].numpy()[0]) == 3.0
+    assert result.train_metrics_clientapp == {}
