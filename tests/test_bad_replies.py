@@ -1,0 +1,179 @@
+"""Bad replies are rejected with the node id and reason; the run goes on.
+
+Node 1 and 2 answer well (x+1 and x+3, 10 examples each); node 3 sends one kind of
+bad reply. Every strategy must end round 1 with x = (1 + 3) / 2 = 2.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flwr.app import Error, Message, MetricRecord, RecordDict
+
+sys.path.insert(0, str(Path(__file__).parent))
+from flowerbed import keys
+from flowerbed.strategies import DeadlineFedAvg, FedBuff, RuntimeWeightedFedAvg
+from flowerbed.strategies.utils import to_arrayrecord
+from test_strategies_fakes import FakeGrid, node, received, reply, weights
+
+
+def shifted(message: Message) -> dict[str, np.ndarray]:
+    return {k: v + 5 for k, v in received(message).items()}
+
+
+def answer(
+    build: Callable[[Message], Message],
+) -> Callable[[Message], tuple[Message, float]]:
+    return lambda message: (build(message), 1.5)
+
+
+BAD_REPLIES: dict[str, tuple[Callable[[Message], Message], str]] = {
+    "nan": (
+        lambda m: reply(m, {"w": np.array([np.nan], np.float32)}, num_examples=10),
+        "NaN or Inf",
+    ),
+    "inf": (
+        lambda m: reply(m, {"w": np.array([np.inf], np.float32)}, num_examples=10),
+        "NaN or Inf",
+    ),
+    "missing array": (
+        lambda m: reply(m, {"v": np.array([1.0], np.float32)}, num_examples=10),
+        "missing arrays ['w']",
+    ),
+    "extra array": (
+        lambda m: reply(m, {**shifted(m), "b": np.zeros(2)}, num_examples=10),
+        "unexpected arrays ['b']",
+    ),
+    "wrong shape": (
+        lambda m: reply(m, {"w": np.zeros((2, 2), np.float32)}, num_examples=10),
+        "shape (2, 2), expected (1,)",
+    ),
+    "wrong dtype": (
+        lambda m: reply(m, {"w": np.array([1.0], np.float64)}, num_examples=10),
+        "dtype float64, expected float32",
+    ),
+    "negative weight": (
+        lambda m: reply(m, shifted(m), num_examples=-10),
+        "'num-examples' is negative",
+    ),
+    "missing weight": (
+        lambda m: reply(m, shifted(m), train_time_s=1.0),
+        "'num-examples' is missing",
+    ),
+    "nan weight": (
+        lambda m: reply(m, shifted(m), num_examples=float("nan")),
+        "'num-examples' is not finite",
+    ),
+    "nan metric": (
+        lambda m: reply(m, shifted(m), num_examples=10, loss=float("inf")),
+        "'loss' is not finite",
+    ),
+    "negative runtime": (
+        lambda m: reply(m, shifted(m), num_examples=10, train_time_s=-1.0),
+        "'train-time-s' is negative",
+    ),
+    "error content": (
+        lambda m: Message(Error(code=0, reason="out of memory"), reply_to=m),
+        "out of memory",
+    ),
+    "two array records": (
+        lambda m: Message(
+            RecordDict(
+                {
+                    "a": to_arrayrecord(shifted(m)),
+                    "b": to_arrayrecord(shifted(m)),
+                    keys.METRICS: MetricRecord({keys.NUM_EXAMPLES: 10}),
+                }
+            ),
+            reply_to=m,
+        ),
+        "exactly one ArrayRecord, got 2",
+    ),
+    "no metric record": (
+        lambda m: Message(
+            RecordDict({keys.ARRAYS: to_arrayrecord(shifted(m))}), reply_to=m
+        ),
+        "exactly one MetricRecord, got 0",
+    ),
+}
+
+
+def fleet(bad: Callable[[Message], Message]) -> FakeGrid:
+    return FakeGrid(
+        {
+            1: node(1.0, seconds=1.0),
+            2: node(3.0, seconds=2.0),
+            3: answer(bad),
+        }
+    )
+
+
+STRATEGIES = {
+    "runtime-weighted": lambda: RuntimeWeightedFedAvg(
+        weighting="examples", fraction_evaluate=0.0
+    ),
+    "deadline": lambda: DeadlineFedAvg(
+        weighting="examples", fraction_evaluate=0.0, deadline_s=5.0
+    ),
+    "fedbuff": lambda: FedBuff(fraction_evaluate=0.0, buffer_size=2),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BAD_REPLIES))
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_bad_reply_is_rejected_and_logged_and_the_round_goes_on(
+    kind: str, name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="flwr")
+    build, reason = BAD_REPLIES[kind]
+    result = STRATEGIES[name]().start(fleet(build), weights(), num_rounds=1)
+    # FedBuff's K=2 buffer fills with node 1 (t=1) and node 2 (t=2), around node 3's
+    # bad reply at t=1.5, so all three strategies land on (1 + 3) / 2.
+    assert float(result.arrays["w"].numpy()[0]) == pytest.approx(2.0)
+    rejections = [
+        r.getMessage() for r in caplog.records if "rejected" in r.getMessage()
+    ]
+    assert len(rejections) == 1
+    assert "node 3" in rejections[0]
+    assert reason in rejections[0]
+
+
+def test_a_node_that_keeps_failing_is_quarantined_then_readmitted() -> None:
+    grid = fleet(BAD_REPLIES["nan"][0])
+    strategy = RuntimeWeightedFedAvg(
+        weighting="examples",
+        fraction_evaluate=0.0,
+        quarantine_after=2,
+        quarantine_rounds=3,
+    )
+    strategy.start(grid, weights(), num_rounds=7)
+    rounds_sent = [int(m.metadata.group_id) for m in grid.pushed_to(3)]
+    # Rejected in rounds 1 and 2 -> out for rounds 3, 4, 5 -> back in round 6.
+    assert rounds_sent == [1, 2, 6, 7]
+    assert all(len(grid.pushed_to(n)) == 7 for n in (1, 2))
+
+
+def test_a_round_with_only_bad_replies_keeps_the_model() -> None:
+    bad = answer(BAD_REPLIES["nan"][0])
+    grid = FakeGrid({1: bad, 2: bad})
+    result = RuntimeWeightedFedAvg(fraction_evaluate=0.0).start(
+        grid, weights(4.0), num_rounds=2
+    )
+    assert float(result.arrays["w"].numpy()[0]) == 4.0
+
+
+def test_bad_evaluate_replies_are_left_out_of_the_metrics() -> None:
+    def bad_eval(message: Message) -> tuple[Message, float]:
+        if message.metadata.message_type == "evaluate":
+            metrics = MetricRecord({keys.NUM_EXAMPLES: 10, keys.EVAL_ACC: float("nan")})
+            return Message(RecordDict({keys.METRICS: metrics}), reply_to=message), 0.0
+        return node(1.0, seconds=1.0)(message)
+
+    grid = FakeGrid({1: node(1.0, seconds=1.0, evaluate_acc=0.25), 2: bad_eval})
+    result = RuntimeWeightedFedAvg().start(grid, weights(), num_rounds=1)
+    assert result.evaluate_metrics_clientapp[1][keys.EVAL_ACC] == pytest.approx(0.25)
