@@ -24,6 +24,7 @@ from functools import partial
 from typing import Any, Protocol
 
 from cryptography.hazmat.primitives.asymmetric import ec
+from flowerbed import keys
 from flowerbed.clients.bridge.tasks import (
     Task,
     TaskBuildError,
@@ -258,7 +259,7 @@ class NodeRelay:
                     self.active.set()
                     log.info("phone %s: node %s online", self.phone_name, link.node_id)
                     self._serve(link)
-                log.info("phone %s: node offline (phone silent)", self.phone_name)
+                log.info("phone %s: node deactivated", self.phone_name)
             # Flower's connection calls flwr_exit (SystemExit) when it cannot reach
             # the SuperLink; in a gateway that must end this node's attempt only.
             except (Exception, SystemExit) as err:
@@ -298,7 +299,7 @@ class NodeRelay:
             self.phone_name,
             task.kind,
             task.task_id,
-            meta.group_id,
+            task.config.get(keys.SERVER_ROUND, meta.group_id),
             task.expires_in_s(),
         )
         outcome = task.wait()
