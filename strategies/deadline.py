@@ -54,8 +54,8 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
       window with the window before; when progress slows, ``f *= 1 + pacer_step``
       (more patience, more participants), otherwise ``f *= 1 - pacer_step``;
       ``f`` stays within ``pacing_bounds``. Without history (round 1, no
-      ``deadline_s``) the round closes when ``ceil(p% of sampled)`` nodes replied,
-      which is that round's ``p``-th percentile.
+      ``deadline_s``) the round closes when ``floor(p% of sampled)`` nodes (at
+      least one) replied, that round's ``p``-th percentile.
     - **Over-selection** (Bonawitz et al., "Towards Federated Learning at Scale",
       MLSys 2019, Sec. 2.3; FedScale's default 1.3): sample
       ``ceil(K * over_selection)`` nodes and close the round at the first ``K``
@@ -296,7 +296,7 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
             self._deadline if self._deadline is not None else self._timeout
         )
         quota = (
-            math.ceil(len(sent) * self.deadline_percentile / 100)
+            max(1, math.floor(len(sent) * self.deadline_percentile / 100))
             if self.adaptive_deadline and self._deadline is None
             else None
         )
