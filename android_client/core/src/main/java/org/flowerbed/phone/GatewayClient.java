@@ -227,7 +227,8 @@ public final class GatewayClient {
                 blob,
                 (int) offset,
                 len,
-                readTimeoutMs);
+                readTimeoutMs,
+                true);
         if (r.status >= 500) {
           throw new IOException("gateway answered " + r.status + ": " + r.error());
         }
@@ -274,7 +275,12 @@ public final class GatewayClient {
     body.put("metrics", metrics);
     Response r =
         withRetry(
-            "complete", "POST", "/task/" + segment(taskId) + "/complete", json(body), readTimeoutMs);
+            "complete",
+            "POST",
+            "/task/" + segment(taskId) + "/complete",
+            json(body),
+            readTimeoutMs,
+            true);
     expect(r, 200);
   }
 
@@ -302,6 +308,12 @@ public final class GatewayClient {
 
   private Response withRetry(String what, String method, String path, byte[] body, int timeoutMs)
       throws IOException {
+    return withRetry(what, method, path, body, timeoutMs, false);
+  }
+
+  private Response withRetry(
+      String what, String method, String path, byte[] body, int timeoutMs, boolean stream)
+      throws IOException {
     int failures = 0;
     while (true) {
       checkOpen();
@@ -314,7 +326,8 @@ public final class GatewayClient {
                 body,
                 0,
                 body == null ? 0 : body.length,
-                timeoutMs);
+                timeoutMs,
+                stream);
         if (r.status < 500) {
           return r;
         }
@@ -370,15 +383,20 @@ public final class GatewayClient {
       byte[] body,
       int offset,
       int len,
-      int timeoutMs)
+      int timeoutMs,
+      boolean stream)
       throws IOException {
     HttpURLConnection c = open(method, path, timeoutMs);
     try {
       if (body != null) {
         c.setDoOutput(true);
         c.setRequestProperty("Content-Type", contentType);
-        // Streaming mode also stops HttpURLConnection from silently re-sending the request.
-        c.setFixedLengthStreamingMode(len);
+        if (stream) {
+          // Streaming mode sends the body without buffering it again and stops the JDK from
+          // silently re-sending the request on a stale connection; but a 401 answer then
+          // loses its {"error": ...} body, so the idempotent hello and fail are buffered.
+          c.setFixedLengthStreamingMode(len);
+        }
         OutputStream out = c.getOutputStream();
         try {
           out.write(body, offset, len);

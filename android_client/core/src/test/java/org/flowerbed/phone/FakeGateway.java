@@ -65,6 +65,8 @@ final class FakeGateway implements AutoCloseable {
   private final List<Fault> faults = Collections.synchronizedList(new ArrayList<Fault>());
   int chunkBytes = 1 << 20;
   long maxUploadBytes = 1 << 26;
+  /** Milliseconds a poll waits before answering 204 when there is no task. */
+  volatile long pollDelayMs;
   /** Bytes of the next arrays download to send before cutting the connection; -1: all. */
   volatile int cutDownloadAt = -1;
 
@@ -151,6 +153,13 @@ final class FakeGateway implements AutoCloseable {
       if (path.equals("/v1/task")) {
         FakeTask t = queue.isEmpty() ? null : queue.get(0);
         if (t == null) {
+          if (pollDelayMs > 0) {
+            try {
+              Thread.sleep(pollDelayMs);
+            } catch (InterruptedException e) {
+              Thread.currentThread().interrupt();
+            }
+          }
           send(ex, 204, null);
           return;
         }
