@@ -41,3 +41,9 @@ BATCH_SIZE = "batch-size"
 ARRAYS = "arrays"
 METRICS = "metrics"
 CONFIG = "config"
+
+# Profiling query (board clients) ------------------------------------------------------
+PROFILE_STEPS = "profile-steps"
+"""Query ConfigRecord: training steps a node times to measure its speed."""
+DEVICE_RECORD = "device"
+"""Query reply: ConfigRecord with the node's telemetry (CPU, memory, power...)."""

@@ -1,0 +1,575 @@
+"""A real Flower deployment on 127.0.0.1 for tests: SuperLink, SuperNodes, runs.
+
+Starts the installed ``flower-superlink`` and ``flower-supernode`` programs (the
+current Python environment's), each with free ports, its own log file and, for
+SuperNodes, its own ``node_config``, all sharing a temporary ``FLWR_HOME`` whose
+``config.toml`` names the SuperLink connection. Runs are submitted with
+``flwr run <app_dir> <connection> --stream`` with
+``FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1``, so the ServerApp and ClientApps
+run in this environment (nothing is installed, nothing downloaded). Telemetry and
+update checks are off.
+
+Every process is stopped by its pid: SIGTERM, then SIGKILL after a grace period,
+together with every descendant it spawned (Flower's SuperExec and its
+``flwr-serverapp``/``flwr-clientapp`` processes, which Flower detaches into their
+own sessions). :class:`Federation` does this on exit, also when the test fails.
+
+Typical use (a pytest test; ``tmp_path`` is pytest's)::
+
+    from procs import Federation
+
+    def test_something(tmp_path):
+        with Federation(tmp_path) as fed:
+            fed.start_superlink()
+            nodes = [fed.add_supernode({"dataset-path": str(p)}) for p in paths]
+            fed.wait_for_nodes(nodes)
+            run = fed.run(app_dir, run_config={"num-rounds": 3}, timeout=120)
+            assert run.status == "finished:completed", run.log
+
+Or the fixture :func:`federation` (``from procs import federation`` in a test
+module makes it available). Mid-run actions: ``handle = fed.submit(app_dir)``,
+then for example ``nodes[0].kill()`` and ``fed.restart_supernode(nodes[0])``, then
+``handle.wait(timeout)``.
+
+Timing facts of flwr 1.41 worth knowing when writing such tests: a SuperNode polls
+for work every 3 s when idle and starts a fresh ``flwr-clientapp`` process per
+message (imports included); a SuperNode killed with SIGKILL stays "online" at the
+SuperLink for up to 2 heartbeats (60 s), while one stopped with SIGTERM deactivates
+itself at once; a restarted SuperNode registers under a new node id.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+import pytest
+
+HOST = "127.0.0.1"
+CONNECTION = "flowerbed-test"
+"""Name of the SuperLink connection written into the temporary config.toml."""
+STOP_GRACE_S = 5.0
+"""Seconds a process gets to exit after SIGTERM before SIGKILL."""
+NODE_ID_PATTERN = re.compile(r"SuperNode ID: (\d+)")
+RUN_ID_PATTERN = re.compile(r"Successfully started run (\d+)")
+
+UserValue = str | int | float | bool
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((HOST, 0))
+        return int(sock.getsockname()[1])
+
+
+def program(name: str) -> str:
+    """Path of a Flower console script of the running Python environment."""
+    beside = Path(sys.executable).parent / name
+    if beside.is_file():
+        return str(beside)
+    found = shutil.which(name)
+    if found is None:
+        raise FileNotFoundError(f"{name} not found beside {sys.executable} or on PATH")
+    return found
+
+
+def format_user_config(values: Mapping[str, UserValue]) -> str:
+    """``{"a": "x", "n": 2}`` -> ``a="x" n=2``, the syntax of ``--node-config``."""
+    parts = []
+    for key, value in values.items():
+        if isinstance(value, bool):
+            text = "true" if value else "false"
+        elif isinstance(value, str):
+            if '"' in value or " " in value:
+                raise ValueError(f"config value {value!r} may not hold quotes/spaces")
+            text = f'"{value}"'
+        else:
+            text = repr(value)
+        parts.append(f"{key}={text}")
+    return " ".join(parts)
+
+
+# --------------------------------------------------------------------------------------
+# Process trees (Linux /proc)
+# --------------------------------------------------------------------------------------
+
+
+def _stat(pid: int) -> tuple[int, int] | None:
+    """(parent pid, start time in clock ticks) of a live process, else None."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = raw[raw.rindex(")") + 2 :].split()
+    if fields[0] == "Z":
+        return None  # a zombie: already dead, only waiting to be reaped
+    return int(fields[1]), int(fields[19])
+
+
+def _children() -> dict[int, list[int]]:
+    tree: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            stat = _stat(int(entry.name))
+            if stat is not None:
+                tree.setdefault(stat[0], []).append(int(entry.name))
+    return tree
+
+
+def descendants(pid: int) -> dict[int, int]:
+    """Live descendants of ``pid``: ``{pid: start time}`` (start time guards reuse)."""
+    tree = _children()
+    found: dict[int, int] = {}
+    todo = list(tree.get(pid, []))
+    while todo:
+        child = todo.pop()
+        stat = _stat(child)
+        if stat is not None and child not in found:
+            found[child] = stat[1]
+            todo.extend(tree.get(child, []))
+    return found
+
+
+def _alive(pid: int, start: int) -> bool:
+    stat = _stat(pid)
+    return stat is not None and stat[1] == start
+
+
+def _signal(pid: int, start: int, sig: int) -> None:
+    if _alive(pid, start):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def stop_tree(root: subprocess.Popen[bytes], grace_s: float = STOP_GRACE_S) -> None:
+    """Stop ``root`` and all its descendants by pid: SIGTERM, then SIGKILL.
+
+    Descendants are collected before the root is signalled (orphans are re-parented
+    and would be lost otherwise) and again while waiting, so processes spawned
+    during shutdown are caught as well.
+    """
+    known = descendants(root.pid)
+    if root.poll() is None:
+        root.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        for pid, start in list(known.items()):
+            if _alive(pid, start):
+                known.update(descendants(pid))
+        if root.poll() is not None:
+            break
+        time.sleep(0.1)
+    if root.poll() is None:
+        root.kill()
+    root.wait()
+    for pid, start in known.items():
+        _signal(pid, start, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(_alive(p, s) for p, s in known.items()):
+        time.sleep(0.1)
+    for pid, start in known.items():
+        _signal(pid, start, signal.SIGKILL)
+
+
+def kill_tree(root: subprocess.Popen[bytes]) -> None:
+    """SIGKILL ``root`` and its descendants at once: a board losing power."""
+    known = descendants(root.pid)
+    if root.poll() is None:
+        root.kill()
+    for pid, start in known.items():
+        _signal(pid, start, signal.SIGKILL)
+    root.wait()
+
+
+# --------------------------------------------------------------------------------------
+# Processes
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Process:
+    """One started program, its log file, and how to stop it."""
+
+    name: str
+    args: list[str]
+    log_path: Path
+    env: dict[str, str]
+    popen: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.popen = subprocess.Popen(
+                self.args,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.env,
+                start_new_session=True,
+            )
+
+    @property
+    def pid(self) -> int:
+        if self.popen is None:
+            raise RuntimeError(f"{self.name} was never started")
+        return self.popen.pid
+
+    @property
+    def running(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """SIGTERM, then SIGKILL, this process and its descendants."""
+        if self.popen is not None:
+            stop_tree(self.popen, grace_s)
+
+    def kill(self) -> None:
+        """SIGKILL this process and its descendants (a crash, no goodbye)."""
+        if self.popen is not None:
+            kill_tree(self.popen)
+
+    def log(self) -> str:
+        """Everything the process wrote so far (stdout and stderr)."""
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def wait_for_log(
+        self, pattern: str | re.Pattern[str], timeout: float, start: int = 0
+    ) -> re.Match[str]:
+        """Wait until the log (from character ``start``) matches ``pattern``."""
+        regex = re.compile(pattern) if isinstance(pattern, str) else pattern
+        deadline = time.monotonic() + timeout
+        while True:
+            match = regex.search(self.log(), start)
+            if match:
+                return match
+            if not self.running:
+                raise RuntimeError(
+                    f"{self.name} exited (code {self.popen and self.popen.poll()}) "
+                    f"before its log matched {regex.pattern!r}:\n{self.log()[-3000:]}"
+                )
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{self.name}: no {regex.pattern!r} in its log after {timeout} s:"
+                    f"\n{self.log()[-3000:]}"
+                )
+            time.sleep(0.2)
+
+
+@dataclass
+class SuperNode(Process):
+    """A SuperNode process; ``node_id`` is known once it has connected."""
+
+    node_config: dict[str, UserValue] = field(default_factory=dict)
+    node_id: int | None = None
+    log_mark: int = 0
+    """Log offset where the current incarnation's output starts."""
+    past_node_ids: list[int] = field(default_factory=list)
+    """Node ids of earlier incarnations (before :meth:`Federation.restart_supernode`)."""
+
+
+@dataclass
+class RunResult:
+    """A finished run: its id, final status (``finished:completed`` ...) and log."""
+
+    run_id: int
+    status: str
+    log: str
+    seconds: float
+
+
+class RunHandle:
+    """A run submitted with ``flwr run --stream``, still streaming its log."""
+
+    def __init__(self, fed: Federation, popen: subprocess.Popen[bytes], log: Path):
+        self._fed = fed
+        self._popen = popen
+        self.log_path = log
+        self.started = time.monotonic()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    @property
+    def run_id(self) -> int | None:
+        match = RUN_ID_PATTERN.search(self.log())
+        return int(match.group(1)) if match else None
+
+    def wait(self, timeout: float) -> RunResult:
+        """Wait for the run to end; on timeout stop it and raise ``TimeoutError``."""
+        try:
+            self._popen.wait(
+                timeout=max(0.0, self.started + timeout - time.monotonic())
+            )
+        except subprocess.TimeoutExpired:
+            stop_tree(self._popen)
+            if self.run_id is not None:
+                self._fed.flwr("stop", str(self.run_id), CONNECTION, check=False)
+            raise TimeoutError(
+                f"run did not finish within {timeout} s; log tail:\n{self.log()[-4000:]}"
+            ) from None
+        run_id = self.run_id
+        if run_id is None:
+            raise RuntimeError(f"flwr run did not start a run:\n{self.log()[-4000:]}")
+        return RunResult(
+            run_id,
+            self._fed.run_status(run_id),
+            self.log(),
+            time.monotonic() - self.started,
+        )
+
+
+# --------------------------------------------------------------------------------------
+# The federation
+# --------------------------------------------------------------------------------------
+
+
+class Federation:
+    """A SuperLink and SuperNodes on 127.0.0.1, stopped by pid on exit.
+
+    Parameters
+    ----------
+    workdir : Path
+        Folder for ``FLWR_HOME`` (``workdir/flwr-home``) and the logs
+        (``workdir/logs/<name>.log``).
+    env : Mapping[str, str], optional
+        Extra environment variables for every process.
+    """
+
+    def __init__(self, workdir: Path, env: Mapping[str, str] | None = None) -> None:
+        self.workdir = Path(workdir)
+        self.home = self.workdir / "flwr-home"
+        self.logs = self.workdir / "logs"
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.env = dict(os.environ)
+        self.env.update(
+            {
+                "FLWR_HOME": str(self.home),
+                "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+                "FLWR_TELEMETRY_ENABLED": "0",
+                "FLWR_DISABLE_UPDATE_CHECK": "1",
+                "PATH": f"{Path(sys.executable).parent}{os.pathsep}"
+                + os.environ.get("PATH", ""),
+            }
+        )
+        self.env.update(env or {})
+        self.superlink: Process | None = None
+        self.port: int | None = None
+        self.supernodes: list[SuperNode] = []
+        self._everything: list[Process] = []
+        self._runs: list[subprocess.Popen[bytes]] = []
+
+    # ------------------------------------------------------------------ lifecycle
+    def __enter__(self) -> Federation:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop every process this federation started, SuperNodes first."""
+        for popen in self._runs:
+            stop_tree(popen)
+        for proc in reversed(self._everything):
+            proc.stop()
+
+    # ------------------------------------------------------------------ SuperLink
+    def start_superlink(self, timeout: float = 60.0) -> Process:
+        """Start ``flower-superlink --insecure`` and wait for its /health answer."""
+        if self.superlink is not None:
+            raise RuntimeError("this federation already has a SuperLink")
+        self.port = free_port()
+        proc = Process(
+            "superlink",
+            [
+                program("flower-superlink"),
+                "--insecure",
+                "--host",
+                HOST,
+                "--port",
+                str(self.port),
+                "--disable-runtime-dependency-installation",
+            ],
+            self.logs / "superlink.log",
+            self.env,
+        )
+        self._write_connection()
+        proc.start()
+        self._everything.append(proc)
+        self.superlink = proc
+        deadline = time.monotonic() + timeout
+        url = f"http://{HOST}:{self.port}/health"
+        while True:
+            try:
+                with urllib.request.urlopen(url, timeout=1.0) as answer:
+                    if answer.status == 200:
+                        return proc
+            except (urllib.error.URLError, OSError):
+                pass
+            if not proc.running:
+                raise RuntimeError(f"flower-superlink exited:\n{proc.log()[-3000:]}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"SuperLink not healthy after {timeout} s")
+            time.sleep(0.2)
+
+    def _write_connection(self) -> None:
+        (self.home / "config.toml").write_text(
+            "[superlink]\n"
+            f'default = "{CONNECTION}"\n\n'
+            f"[superlink.{CONNECTION}]\n"
+            f'address = "{HOST}:{self.port}"\n'
+            "insecure = true\n",
+            encoding="utf-8",
+        )
+
+    # ------------------------------------------------------------------ SuperNodes
+    def add_supernode(
+        self,
+        node_config: Mapping[str, UserValue] | None = None,
+        name: str | None = None,
+    ) -> SuperNode:
+        """Start a ``flower-supernode --insecure`` with its own Runtime API port."""
+        if self.port is None:
+            raise RuntimeError("start the SuperLink first")
+        name = name or f"supernode-{len(self.supernodes)}"
+        node = SuperNode(
+            name,
+            [],
+            self.logs / f"{name}.log",
+            self.env,
+            node_config=dict(node_config or {}),
+        )
+        self._launch(node)
+        self.supernodes.append(node)
+        return node
+
+    def _launch(self, node: SuperNode) -> None:
+        node.args = [
+            program("flower-supernode"),
+            "--insecure",
+            "--superlink",
+            f"{HOST}:{self.port}",
+            "--host",
+            HOST,
+            "--port",
+            str(free_port()),
+        ]
+        if node.node_config:
+            node.args += ["--node-config", format_user_config(node.node_config)]
+        node.start()
+        if node not in self._everything:
+            self._everything.append(node)
+
+    def wait_for_nodes(
+        self, nodes: list[SuperNode] | None = None, timeout: float = 60.0
+    ) -> list[int]:
+        """Wait until each node has connected; return (and record) their node ids."""
+        ids = []
+        deadline = time.monotonic() + timeout
+        for node in nodes if nodes is not None else self.supernodes:
+            match = node.wait_for_log(
+                NODE_ID_PATTERN, max(0.1, deadline - time.monotonic()), node.log_mark
+            )
+            node.node_id = int(match.group(1))
+            ids.append(node.node_id)
+        return ids
+
+    def restart_supernode(self, node: SuperNode, timeout: float = 60.0) -> int:
+        """Stop ``node`` if it still runs, start it again with the same node_config.
+
+        Returns the new node id (the SuperLink hands out a fresh one).
+        """
+        if node.running:
+            node.stop()
+        if node.node_id is not None:
+            node.past_node_ids.append(node.node_id)
+            node.node_id = None
+        node.log_mark = len(node.log())
+        self._launch(node)
+        return self.wait_for_nodes([node], timeout)[0]
+
+    # ------------------------------------------------------------------ runs
+    def flwr(self, *args: str, check: bool = True, timeout: float = 60.0) -> str:
+        """Run the ``flwr`` CLI against this federation; return its stdout."""
+        done = subprocess.run(
+            [program("flwr"), *args],
+            capture_output=True,
+            text=True,
+            env=self.env,
+            timeout=timeout,
+            check=False,
+            stdin=subprocess.DEVNULL,
+        )
+        if check and done.returncode != 0:
+            raise RuntimeError(
+                f"flwr {' '.join(args)} failed ({done.returncode}):\n"
+                f"{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
+            )
+        return done.stdout
+
+    def submit(
+        self, app_dir: Path, run_config: Mapping[str, UserValue] | None = None
+    ) -> RunHandle:
+        """Start ``flwr run <app_dir> <connection> --stream`` in the background."""
+        args = [program("flwr"), "run", str(app_dir), CONNECTION, "--stream"]
+        if run_config:
+            args += ["--run-config", format_user_config(run_config)]
+        log = self.logs / f"run-{len(self._runs)}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "wb") as out:
+            popen = subprocess.Popen(
+                args,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.env,
+                start_new_session=True,
+            )
+        self._runs.append(popen)
+        return RunHandle(self, popen, log)
+
+    def run(
+        self,
+        app_dir: Path,
+        run_config: Mapping[str, UserValue] | None = None,
+        timeout: float = 300.0,
+    ) -> RunResult:
+        """Submit a run and wait for it to finish (see :meth:`RunHandle.wait`)."""
+        return self.submit(app_dir, run_config).wait(timeout)
+
+    def run_status(self, run_id: int) -> str:
+        """The run's status as ``flwr ls`` gives it (``finished:completed`` ...)."""
+        out = self.flwr("ls", CONNECTION, "--run-id", str(run_id), "--format", "json")
+        runs = json.loads(out[out.index("{") :])["runs"]
+        return str(runs[0]["status"])
+
+
+@pytest.fixture
+def federation(tmp_path: Path) -> Iterator[Federation]:
+    """A started SuperLink (no SuperNodes yet) in ``tmp_path``; stopped afterwards."""
+    with Federation(tmp_path) as fed:
+        fed.start_superlink()
+        yield fed
