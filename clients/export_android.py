@@ -1,0 +1,395 @@
+"""``flowerbed export-android``: a flowerbed model as an ExecuTorch training program.
+
+Phones train on-device with ExecuTorch's training runtime
+(``org.pytorch.executorch.training.TrainingModule`` and ``SGD``). That runtime runs a
+*joint* program: one method that takes a batch and returns the loss, the logits, the
+gradient of every parameter and the parameters themselves. This module builds that
+program from a flowerbed torch model:
+
+1. the model is given a forward that ends in its loss (mean cross-entropy over the
+   batch, the loss of :func:`flowerbed.clients.training.train_steps`), returning
+   ``(loss, logits)``; the loss must be the first output, which the runtime
+   differentiates;
+2. ``torch.export.export`` captures it with a dynamic batch dimension,
+   ``torch.export.experimental._export_forward_backward`` adds the backward pass,
+   and ``executorch.exir.to_edge(...).to_executorch()`` lowers it to a ``.pte``.
+
+The names contract: the program names each parameter by its key in the model's
+``state_dict`` (for example ``features.0.weight``), which is also its name in the
+Flower ``ArrayRecord`` the gateway relays, so the phone loads the global model into the
+program by name and sends its update back under the same names. To keep the names
+free of a wrapper prefix, the loss is added by giving a shallow copy of the model a
+subclass of its own class (same parameter objects, new ``forward``), not by nesting
+the model inside a wrapper module.
+
+One kernel is avoided on purpose: ExecuTorch's portable
+``max_pool2d_with_indices_backward`` adds into its output without zeroing it first, so
+every Conv2d -> MaxPool2d model gets gradients polluted by stale memory (pytorch/
+executorch issue #21686; the kernel in executorch 1.5.1 still has it). The export
+replaces that op by PyTorch's own decomposition of it (a ``scatter_add`` into a zero
+tensor, from ``torch._decomp``), so the ``.pte`` is correct on any runtime version.
+
+ExecuTorch is imported only inside the export, so ``import flowerbed`` never needs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from flowerbed.data import DATASETS, check_dataset_name
+from flowerbed.models import MODELS, build_model
+from torch import nn
+from torch.nn import functional as F
+
+METHOD_NAME = "forward"
+"""The program's joint method: ``forward(images, labels) -> loss, logits, ...``."""
+
+DEFAULT_HIDDEN = 64
+"""Hidden width of ``mlp`` (must match the phone trainer's MLP when they are mixed)."""
+
+DEFAULT_MAX_BATCH_SIZE = 64
+"""Largest batch the program accepts; memory is planned for this size."""
+
+EXECUTORCH_INSTALL = (
+    "pip install --no-deps executorch==1.5.1 && "
+    "pip install flatbuffers pyyaml ruamel.yaml packaging numpy tabulate"
+)
+
+
+@dataclass(frozen=True)
+class InputShape:
+    """Shape of one sample and the number of classes of a dataset."""
+
+    in_channels: int
+    image_size: int
+    num_classes: int
+
+
+DATASET_SHAPES: dict[str, InputShape] = {
+    "digits": InputShape(1, 8, 10),
+    "mnist": InputShape(1, 28, 10),
+    "cifar10": InputShape(3, 32, 10),
+}
+"""Sample shapes of :data:`flowerbed.data.DATASETS` (fixed by each dataset's format),
+so a program can be exported without the dataset's files at hand."""
+
+
+class SoftmaxRegression(nn.Module):
+    """Multinomial logistic regression on the flattened image: one layer ``fc``."""
+
+    def __init__(self, in_features: int, num_classes: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(in_features, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.flatten(x, 1))
+
+
+class MLP(nn.Module):
+    """One hidden ReLU layer on the flattened image: layers ``fc1`` and ``fc2``."""
+
+    def __init__(self, in_features: int, hidden: int, num_classes: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(in_features, hidden)
+        self.fc2 = nn.Linear(hidden, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.relu(self.fc1(torch.flatten(x, 1))))
+
+
+PHONE_MODELS = ("mlp", "softmax")
+"""The small models of the pure-Java phone trainer, in PyTorch's ``nn.Linear`` layout
+(weight ``[out, in]``, bias ``[out]``)."""
+
+EXPORT_MODELS = tuple(sorted(MODELS)) + PHONE_MODELS
+"""Every model name ``export-android`` accepts."""
+
+
+def build_export_model(
+    name: str, dataset: str, *, hidden: int = DEFAULT_HIDDEN
+) -> tuple[nn.Module, InputShape]:
+    """Build a model by name for a dataset's sample shape.
+
+    Parameters
+    ----------
+    name : str
+        One of :data:`EXPORT_MODELS`: a zoo model (``lenet``, ``mobilenet``) or a
+        phone-trainer model (``mlp``, ``softmax``).
+    dataset : str
+        One of :data:`flowerbed.data.DATASETS`; fixes the input shape and classes.
+    hidden : int, default DEFAULT_HIDDEN
+        Hidden width of ``mlp``; ignored by the other models.
+
+    Returns
+    -------
+    tuple of (torch.nn.Module, InputShape)
+        The freshly initialised model (torch's default init under the current RNG
+        state) and the sample shape it takes.
+
+    Raises
+    ------
+    ValueError
+        For an unknown model or dataset name (the message lists the valid choices)
+        or a non-positive ``hidden``.
+    """
+    check_dataset_name(dataset)
+    shape = DATASET_SHAPES[dataset]
+    in_features = shape.in_channels * shape.image_size * shape.image_size
+    if name == "softmax":
+        return SoftmaxRegression(in_features, shape.num_classes), shape
+    if name == "mlp":
+        if hidden < 1:
+            raise ValueError(f"hidden must be >= 1, got {hidden}")
+        return MLP(in_features, hidden, shape.num_classes), shape
+    if name not in MODELS:
+        raise ValueError(
+            f"unknown model {name!r}; valid choices: {', '.join(EXPORT_MODELS)}"
+        )
+    return build_model(name, shape.in_channels, shape.image_size, shape.num_classes), (
+        shape
+    )
+
+
+def load_arrays(model: nn.Module, path: str | Path) -> None:
+    """Load named float32 arrays from an ``.npz`` file into ``model``'s parameters.
+
+    The file holds one array per ``state_dict`` key, saved under that key (for
+    example ``np.savez(path, **{k: v.numpy() for k, v in sd.items()})``). Values are
+    copied bit for bit.
+
+    Raises
+    ------
+    ValueError
+        If the file is missing or unreadable, or its names, shapes or dtypes differ
+        from the model's (the message names the offending arrays).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"arrays file {path} not found")
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            arrays = {key: npz[key] for key in npz.files}
+    except (OSError, ValueError) as err:
+        raise ValueError(f"arrays file {path} is not a readable .npz: {err}") from err
+    state = model.state_dict()
+    missing = [k for k in state if k not in arrays]
+    extra = [k for k in arrays if k not in state]
+    if missing or extra:
+        raise ValueError(
+            f"arrays in {path} do not match the model's names: missing "
+            f"{missing or 'none'}, unexpected {extra or 'none'}; expected exactly "
+            f"{list(state)}"
+        )
+    for key, value in state.items():
+        array = arrays[key]
+        if array.dtype != np.float32:
+            raise ValueError(f"array {key!r} in {path} is {array.dtype}, not float32")
+        if tuple(array.shape) != tuple(value.shape):
+            raise ValueError(
+                f"array {key!r} in {path} has shape {tuple(array.shape)}, "
+                f"the model expects {tuple(value.shape)}"
+            )
+    model.load_state_dict({k: torch.from_numpy(arrays[k].copy()) for k in state})
+
+
+def _with_cross_entropy(model: nn.Module) -> nn.Module:
+    """Shallow copy of ``model`` with forward ``(images, labels) -> (loss, logits)``.
+
+    The copy shares the model's parameter objects and submodules, and its class is a
+    subclass of the model's own, so every parameter keeps its ``state_dict`` name
+    (a wrapper module would prefix them all). The logits are detached: only the loss
+    is differentiated.
+    """
+    base = type(model)
+
+    def forward(self: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> Any:
+        logits = base.forward(self, images)
+        return F.cross_entropy(logits, labels), logits.detach()
+
+    with_loss = copy.copy(model)
+    with_loss.__class__ = type(
+        f"{base.__name__}WithLoss", (base,), {"forward": forward}
+    )
+    return with_loss
+
+
+def _check_exportable(model: nn.Module) -> None:
+    """Every ``state_dict`` entry must be a float32 parameter (what phones exchange)."""
+    buffers = [name for name, _ in model.named_buffers()]
+    if buffers:
+        raise ValueError(
+            f"model has buffers {buffers}: a phone program exchanges parameters "
+            "only; use a model without batch norm or other running state"
+        )
+    wrong = [n for n, p in model.named_parameters() if p.dtype != torch.float32]
+    if wrong:
+        raise ValueError(f"parameters {wrong} are not float32")
+
+
+def export_training_program(
+    model: nn.Module,
+    shape: InputShape,
+    *,
+    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
+) -> bytes:
+    """Export ``model`` with its cross-entropy loss as an ExecuTorch training program.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        A float32 model mapping ``[batch, C, H, W]`` images to ``[batch, classes]``
+        logits, with parameters only (no buffers). Its current weights become the
+        program's initial weights; the model itself is not modified.
+    shape : InputShape
+        Sample shape and number of classes.
+    max_batch_size : int, default DEFAULT_MAX_BATCH_SIZE
+        Largest batch the program accepts (at least 2); any batch from 1 to this
+        size works, and memory is planned for this size.
+
+    Returns
+    -------
+    bytes
+        The ``.pte`` program. Its method :data:`METHOD_NAME` takes float32 images
+        ``[batch, C, H, W]`` and int64 labels ``[batch]`` and returns the mean loss,
+        the logits, then one gradient and one parameter per ``state_dict`` key.
+
+    Raises
+    ------
+    ImportError
+        If ExecuTorch is not installed (the message gives the install command).
+    ValueError
+        If the model has buffers or non-float32 parameters, ``max_batch_size < 2``,
+        or the program's parameter names differ from the model's ``state_dict``.
+    """
+    if max_batch_size < 2:
+        raise ValueError(f"max_batch_size must be >= 2, got {max_batch_size}")
+    _check_exportable(model)
+    try:
+        from executorch.exir import to_edge
+    except ImportError as err:
+        raise ImportError(
+            f"export-android needs ExecuTorch, which is not installed ({err}); "
+            f"install it with: {EXECUTORCH_INSTALL}"
+        ) from err
+    from torch._decomp import decomposition_table
+    from torch.export import Dim, export
+    from torch.export.experimental import _export_forward_backward
+
+    program = _with_cross_entropy(model)
+    batch = min(max_batch_size, 8)
+    example = (
+        torch.zeros(batch, shape.in_channels, shape.image_size, shape.image_size),
+        torch.zeros(batch, dtype=torch.int64),
+    )
+    size = Dim("batch", min=1, max=max_batch_size)
+    exported = export(
+        program, example, dynamic_shapes=({0: size}, {0: size}), strict=True
+    )
+    joint = _export_forward_backward(exported, joint_loss_index=0)
+    pool_backward = torch.ops.aten.max_pool2d_with_indices_backward.default
+    joint = joint.run_decompositions(
+        {pool_backward: decomposition_table[pool_backward]}
+    )
+    names = [
+        spec.target
+        for spec in joint.graph_signature.output_specs
+        if spec.kind.name == "GRADIENT_TO_PARAMETER"
+    ]
+    if names != list(model.state_dict()):
+        raise ValueError(
+            f"program parameter names {names} differ from the model's state_dict "
+            f"keys {list(model.state_dict())}"
+        )
+    return bytes(to_edge(joint).to_executorch().buffer)
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``export-android`` subcommand to the ``flowerbed`` command."""
+    parser = subparsers.add_parser(
+        "export-android",
+        help="export a model as an ExecuTorch training program (.pte) for phones",
+        description=(
+            "Export a flowerbed model with its cross-entropy loss as an ExecuTorch "
+            "training program. The program names its parameters by the model's "
+            "state_dict keys, the names of the Flower arrays the gateway relays. "
+            "See docs/export-android.md."
+        ),
+    )
+    parser.add_argument(
+        "--model",
+        required=True,
+        metavar="NAME",
+        help=f"one of {', '.join(EXPORT_MODELS)}",
+    )
+    parser.add_argument(
+        "--dataset", required=True, metavar="NAME", help=f"one of {', '.join(DATASETS)}"
+    )
+    parser.add_argument(
+        "--out", required=True, type=Path, help="the .pte file to write"
+    )
+    parser.add_argument(
+        "--arrays",
+        type=Path,
+        default=None,
+        help="initial weights: .npz with one float32 array per state_dict key "
+        "(default: torch's initialisation under --seed)",
+    )
+    parser.add_argument(
+        "--hidden",
+        type=int,
+        default=DEFAULT_HIDDEN,
+        help=f"hidden width of the mlp model (default {DEFAULT_HIDDEN})",
+    )
+    parser.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=DEFAULT_MAX_BATCH_SIZE,
+        help="largest training batch the program accepts "
+        f"(default {DEFAULT_MAX_BATCH_SIZE})",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of the initial weights (default 0)"
+    )
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``flowerbed export-android``; returns the exit code."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    try:
+        torch.manual_seed(args.seed)
+        model, shape = build_export_model(args.model, args.dataset, hidden=args.hidden)
+        if args.arrays is not None:
+            load_arrays(model, args.arrays)
+        program = export_training_program(
+            model, shape, max_batch_size=args.max_batch_size
+        )
+    except (ValueError, ImportError) as err:
+        print(f"flowerbed export-android: error: {err}", file=sys.stderr)
+        return 2 if isinstance(err, ValueError) else 1
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_bytes(program)
+    table = Table(title=f"{args.out} ({len(program):,} bytes)")
+    table.add_column("parameter (Flower array name)")
+    table.add_column("shape")
+    for name, value in model.state_dict().items():
+        table.add_row(name, str(list(value.shape)))
+    console.print(table)
+    console.print(
+        f"method {METHOD_NAME!r}: images float32 "
+        f"[batch, {shape.in_channels}, {shape.image_size}, {shape.image_size}], "
+        f"labels int64 [batch], batch 1..{args.max_batch_size}; "
+        "returns loss, logits, gradients, parameters",
+        markup=False,
+    )
+    return 0

@@ -1,0 +1,348 @@
+"""`flowerbed export-android`: flowerbed models as ExecuTorch training programs.
+
+The programs are run with ExecuTorch's own Python runtime (the training module and
+its SGD), the same runtime the phone app drives through Java.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from flowerbed.cli import main as cli_main
+from flowerbed.clients.export_android import (
+    DATASET_SHAPES,
+    DEFAULT_MAX_BATCH_SIZE,
+    EXPORT_MODELS,
+    METHOD_NAME,
+    build_export_model,
+    export_training_program,
+    load_arrays,
+)
+from flowerbed.data import load_dataset
+from torch import nn
+from torch.nn import functional as F
+
+needs_executorch = pytest.mark.skipif(
+    importlib.util.find_spec("executorch") is None,
+    reason="ExecuTorch is not installed: pip install --no-deps executorch==1.5.1 "
+    "&& pip install flatbuffers pyyaml ruamel.yaml packaging numpy tabulate",
+)
+
+
+class Program:
+    """A .pte loaded into ExecuTorch's Python training runtime.
+
+    Holds the bytes it was loaded from: the runtime reads them in place, and freeing
+    them under a live module crashes the process.
+    """
+
+    def __init__(self, pte: bytes) -> None:
+        from executorch.extension.training import (
+            _load_for_executorch_for_training_from_buffer,
+        )
+
+        self.pte = pte
+        self.module = _load_for_executorch_for_training_from_buffer(pte)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Forward and backward on one batch; returns the loss."""
+        return self.module.forward_backward(METHOD_NAME, (x, y))[0]
+
+    def parameters(self) -> dict[str, torch.Tensor]:
+        """The program's own parameter tensors (writing them writes the program)."""
+        return self.module.named_parameters()
+
+    def gradients(self) -> dict[str, torch.Tensor]:
+        return self.module.named_gradients()
+
+
+@pytest.fixture(scope="module")
+def digits_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """A fixed batch of 12 real digits (not the export's example batch size, 8)."""
+    data = load_dataset("digits")
+    return torch.from_numpy(data.x_train[:12]), torch.from_numpy(data.y_train[:12])
+
+
+class ExportedModels(dict[str, tuple[nn.Module, bytes]]):
+    """Model name -> (model seeded with 0, its .pte for digits), exported on demand."""
+
+    def __missing__(self, name: str) -> tuple[nn.Module, bytes]:
+        torch.manual_seed(0)
+        model, shape = build_export_model(name, "digits")
+        self[name] = (model, export_training_program(model, shape))
+        return self[name]
+
+
+@pytest.fixture(scope="module")
+def exported() -> ExportedModels:
+    """Each model is exported once per test module (an export takes seconds)."""
+    return ExportedModels()
+
+
+def _torch_grads(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor
+) -> tuple[float, dict[str, torch.Tensor]]:
+    model = copy.deepcopy(model)
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in model.named_parameters()}  # type: ignore[misc]
+
+
+@needs_executorch
+@pytest.mark.parametrize("name", EXPORT_MODELS)
+def test_parameter_names_are_the_state_dict_keys(
+    name: str, exported: Any, digits_batch: Any
+) -> None:
+    model, pte = exported[name]
+    program = Program(pte)
+    program.step(*digits_batch)
+    assert list(program.parameters()) == list(model.state_dict())
+    assert list(program.gradients()) == list(model.state_dict())
+    for key, value in model.state_dict().items():
+        assert program.parameters()[key].shape == value.shape
+
+
+@needs_executorch
+@pytest.mark.parametrize("name", EXPORT_MODELS)
+def test_loss_and_gradients_match_torch_autograd(
+    name: str, exported: Any, digits_batch: Any
+) -> None:
+    model, pte = exported[name]
+    x, y = digits_batch
+    program = Program(pte)
+    # Twice: the second pass runs over memory the first one left behind, where an
+    # accumulating kernel that forgets to zero its output shows up.
+    program.step(x, y)
+    loss = program.step(x, y)
+    want_loss, want_grads = _torch_grads(model, x, y)
+    assert float(loss) == pytest.approx(want_loss, rel=1e-5)
+    for key, want in want_grads.items():
+        torch.testing.assert_close(
+            program.gradients()[key], want, rtol=1e-4, atol=1e-5, msg=key
+        )
+
+
+@needs_executorch
+def test_sgd_steps_through_the_program_lower_the_loss_like_torch_sgd(
+    exported: Any, digits_batch: Any
+) -> None:
+    from executorch.extension.training import get_sgd_optimizer
+
+    model, pte = exported["lenet"]
+    x, y = digits_batch
+    lr, steps = 0.5, 5
+    program = Program(pte)
+    losses = [float(program.step(x, y))]
+    optimiser = get_sgd_optimizer(program.parameters(), lr)
+    reference = copy.deepcopy(model)
+    torch_sgd = torch.optim.SGD(reference.parameters(), lr=lr)
+    torch_losses = []
+    for _ in range(steps):
+        optimiser.step(program.gradients())
+        losses.append(float(program.step(x, y)))
+        torch_sgd.zero_grad()
+        loss = F.cross_entropy(reference(x), y)
+        torch_losses.append(float(loss))
+        loss.backward()
+        torch_sgd.step()
+    torch_losses.append(float(F.cross_entropy(reference(x), y)))
+    assert losses[-1] < losses[0]
+    assert losses == pytest.approx(torch_losses, rel=1e-4)
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(
+            program.parameters()[key], value, rtol=1e-4, atol=1e-5, msg=key
+        )
+
+
+def _special_arrays(model: nn.Module, seed: int) -> dict[str, np.ndarray]:
+    """Seeded float32 arrays shaped like the model's, starting with edge values."""
+    rng = np.random.default_rng(seed)
+    specials = np.array(
+        [-0.0, 1e-45, -3.4028235e38, np.nan, np.inf, 0.1], dtype=np.float32
+    )
+    arrays = {}
+    for key, value in model.state_dict().items():
+        flat = rng.standard_normal(value.numel()).astype(np.float32)
+        count = min(len(specials), flat.size)
+        flat[:count] = specials[:count]
+        arrays[key] = flat.reshape(tuple(value.shape))
+    return arrays
+
+
+@needs_executorch
+def test_weights_written_into_the_program_read_back_bit_for_bit(
+    exported: Any, digits_batch: Any
+) -> None:
+    model, pte = exported["lenet"]
+    program = Program(pte)
+    program.step(*digits_batch)
+    arrays = _special_arrays(model, seed=1)
+    for key, param in program.parameters().items():
+        param.copy_(torch.from_numpy(arrays[key]))
+    program.step(*digits_batch)  # a pass between writing and reading
+    for key, param in program.parameters().items():
+        assert param.numpy().tobytes() == arrays[key].tobytes(), key
+
+
+@needs_executorch
+def test_program_trains_with_the_weights_written_into_it(
+    exported: Any, digits_batch: Any
+) -> None:
+    _, pte = exported["lenet"]
+    x, y = digits_batch
+    program = Program(pte)
+    program.step(x, y)
+    torch.manual_seed(7)
+    other, _ = build_export_model("lenet", "digits")
+    for key, param in program.parameters().items():
+        param.copy_(other.state_dict()[key])
+    want_loss, want_grads = _torch_grads(other, x, y)
+    assert float(program.step(x, y)) == pytest.approx(want_loss, rel=1e-5)
+    torch.testing.assert_close(
+        program.gradients()["classifier.5.weight"],
+        want_grads["classifier.5.weight"],
+        rtol=1e-4,
+        atol=1e-5,
+    )
+
+
+@needs_executorch
+def test_program_takes_any_batch_up_to_its_maximum_and_refuses_larger(
+    exported: Any,
+) -> None:
+    model, pte = exported["softmax"]
+    program = Program(pte)
+    generator = torch.Generator().manual_seed(3)
+    x = torch.rand(DEFAULT_MAX_BATCH_SIZE + 1, 1, 8, 8, generator=generator)
+    y = torch.arange(DEFAULT_MAX_BATCH_SIZE + 1) % 10
+    for n in (1, DEFAULT_MAX_BATCH_SIZE):
+        want = F.cross_entropy(model(x[:n]), y[:n]).item()
+        assert program.step(x[:n], y[:n]).item() == pytest.approx(want, rel=1e-5)
+    with pytest.raises(RuntimeError):
+        program.step(x, y)
+
+
+@needs_executorch
+def test_cli_writes_a_program_starting_from_the_arrays_file(
+    tmp_path: Path, digits_batch: Any
+) -> None:
+    model, _ = build_export_model("mlp", "digits", hidden=5)
+    arrays = _special_arrays(model, seed=2)
+    np.savez(tmp_path / "initial.npz", **arrays)
+    out = tmp_path / "out" / "model.pte"
+    argv = ["export-android", "--model", "mlp", "--dataset", "digits", "--hidden", "5"]
+    argv += ["--out", str(out), "--arrays", str(tmp_path / "initial.npz")]
+    assert cli_main(argv) == 0
+    program = Program(out.read_bytes())
+    program.step(*digits_batch)
+    assert list(program.parameters()) == [
+        "fc1.weight",
+        "fc1.bias",
+        "fc2.weight",
+        "fc2.bias",
+    ]
+    for key, param in program.parameters().items():
+        assert param.numpy().tobytes() == arrays[key].tobytes(), key
+
+
+def test_phone_models_use_the_java_trainers_linear_layout() -> None:
+    mlp, _ = build_export_model("mlp", "mnist", hidden=32)
+    softmax, _ = build_export_model("softmax", "cifar10")
+    assert {k: tuple(v.shape) for k, v in mlp.state_dict().items()} == {
+        "fc1.weight": (32, 28 * 28),
+        "fc1.bias": (32,),
+        "fc2.weight": (10, 32),
+        "fc2.bias": (10,),
+    }
+    assert {k: tuple(v.shape) for k, v in softmax.state_dict().items()} == {
+        "fc.weight": (10, 3 * 32 * 32),
+        "fc.bias": (10,),
+    }
+
+
+def test_dataset_shapes_match_the_digits_data() -> None:
+    data = load_dataset("digits")
+    _, shape = build_export_model("softmax", "digits")
+    assert (shape.in_channels, shape.image_size, shape.num_classes) == (
+        data.in_channels,
+        data.image_size,
+        data.num_classes,
+    )
+
+
+def test_unknown_model_name_is_refused_with_the_choices() -> None:
+    with pytest.raises(
+        ValueError, match=r"unknown model 'resnet'.*lenet, mobilenet, mlp, softmax"
+    ):
+        build_export_model("resnet", "digits")
+
+
+def test_unknown_dataset_name_is_refused_with_the_choices() -> None:
+    with pytest.raises(
+        ValueError, match=r"unknown dataset 'svhn'.*digits, mnist, cifar10"
+    ):
+        build_export_model("lenet", "svhn")
+
+
+def test_cli_reports_a_bad_name_and_writes_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "model.pte"
+    argv = ["export-android", "--model", "resnet", "--dataset", "digits"]
+    assert cli_main([*argv, "--out", str(out)]) == 2
+    assert "unknown model 'resnet'" in capsys.readouterr().err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda a: a.pop("fc.bias"), r"missing \['fc.bias'\]"),
+        (
+            lambda a: a.update({"fc.extra": np.zeros(1, np.float32)}),
+            r"unexpected \['fc.extra'\]",
+        ),
+        (
+            lambda a: a.update({"fc.bias": np.zeros(9, np.float32)}),
+            r"'fc.bias'.*shape \(9,\).*\(10,\)",
+        ),
+        (
+            lambda a: a.update({"fc.bias": np.zeros(10, np.float64)}),
+            r"'fc.bias'.*float64, not float32",
+        ),
+    ],
+)
+def test_arrays_file_that_does_not_fit_the_model_is_refused(
+    tmp_path: Path, change: Any, message: str
+) -> None:
+    model, _ = build_export_model("softmax", "digits")
+    arrays = {k: v.numpy() for k, v in model.state_dict().items()}
+    change(arrays)
+    np.savez(tmp_path / "a.npz", **arrays)
+    with pytest.raises(ValueError, match=message):
+        load_arrays(model, tmp_path / "a.npz")
+
+
+def test_model_with_running_state_is_refused() -> None:
+    model = nn.Sequential(nn.Flatten(), nn.BatchNorm1d(64), nn.Linear(64, 10))
+    with pytest.raises(ValueError, match=r"buffers \['1.running_mean'"):
+        export_training_program(model, DATASET_SHAPES["digits"])
+
+
+def test_importing_flowerbed_and_its_cli_does_not_import_executorch() -> None:
+    code = (
+        "import sys, flowerbed.cli; flowerbed.cli.build_parser(); "
+        "print('executorch' in sys.modules)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "False"
