@@ -35,10 +35,17 @@ public final class PhoneMain {
           + "One line per task goes to stdout: task=<id> type=<train|evaluate> status=<accepted|\n"
           + "failed|expired|rejected> followed by key=value details.\n";
 
+  /** Set by the shutdown hook: the JVM is already exiting (SIGTERM). */
+  private static volatile boolean signalled;
+
   private PhoneMain() {}
 
   public static void main(String[] args) {
-    System.exit(run(args, System.out, System.err));
+    int status = run(args, System.out, System.err);
+    if (!signalled) {
+      // System.exit while shutdown hooks run would block: after SIGTERM main just returns.
+      System.exit(status);
+    }
   }
 
   /** Parse {@code args}, work, and return the exit status. */
@@ -99,6 +106,7 @@ public final class PhoneMain {
         new Thread("phone-shutdown") {
           @Override
           public void run() {
+            signalled = true;
             agent.stop();
             try {
               main.join(10_000);

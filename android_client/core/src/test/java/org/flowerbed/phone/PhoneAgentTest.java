@@ -1,0 +1,264 @@
+package org.flowerbed.phone;
+
+import static org.junit.Assert.assertArrayEquals;
+import static org.junit.Assert.assertEquals;
+import static org.junit.Assert.assertFalse;
+import static org.junit.Assert.assertTrue;
+import static org.junit.Assert.fail;
+
+import java.io.IOException;
+import java.util.ArrayList;
+import java.util.Arrays;
+import java.util.Collections;
+import java.util.HashMap;
+import java.util.List;
+import java.util.Map;
+import org.junit.After;
+import org.junit.Before;
+import org.junit.Test;
+
+public class PhoneAgentTest {
+  /** Three examples over 2 features; with W = I, b = 0 two of three are right. */
+  private static final Dataset DATA =
+      new Dataset(new float[][] {{2, 0}, {0, 2}, {2, 0}}, new int[] {0, 1, 1});
+
+  private FakeGateway gw;
+  private final List<String> log = Collections.synchronizedList(new ArrayList<String>());
+  private final List<Long> sleeps = Collections.synchronizedList(new ArrayList<Long>());
+  private volatile String block;
+
+  @Before
+  public void start() throws IOException {
+    gw = new FakeGateway();
+    gw.tokens.put("tok-a", 7L);
+  }
+
+  @After
+  public void stop() {
+    gw.close();
+  }
+
+  private PhoneAgent agent(String token) {
+    Sleeper sleeper =
+        new Sleeper() {
+          @Override
+          public void sleep(long millis) {
+            sleeps.add(millis);
+            block = null; // a blocked phone gets its charger back while it waits
+          }
+        };
+    DeviceStatus device =
+        new DeviceStatus() {
+          @Override
+          public Double batteryPct() {
+            return 64.0;
+          }
+
+          @Override
+          public Double tempC() {
+            return null;
+          }
+
+          @Override
+          public String blockReason() {
+            return block;
+          }
+        };
+    PhoneAgent.TrainerFactory factory =
+        new PhoneAgent.TrainerFactory() {
+          @Override
+          public Trainer create(List<NamedArray> arrays) {
+            return Models.fromArrays(arrays, DATA, 0);
+          }
+        };
+    GatewayClient client =
+        new GatewayClient(gw.url(), token, new Backoff(10, 100, 0, 4, 0), sleeper, 2000, 5000);
+    Map<String, Object> info = new HashMap<String, Object>();
+    info.put("model", "test");
+    return new PhoneAgent(
+        client,
+        factory,
+        device,
+        Ticker.SYSTEM,
+        sleeper,
+        new Backoff(10, 100, 0, 4, 0),
+        info,
+        new PhoneAgent.Log() {
+          @Override
+          public void line(String text) {
+            log.add(text);
+          }
+        },
+        0);
+  }
+
+  private static byte[] identityModel() {
+    return TensorCodec.encode(
+        Arrays.asList(
+            new NamedArray("fc.weight", new int[] {2, 2}, new float[] {1, 0, 0, 1}),
+            new NamedArray("fc.bias", new int[] {2}, new float[] {0, 0})));
+  }
+
+  private static Map<String, Object> config(Object... kv) {
+    Map<String, Object> m = new HashMap<String, Object>();
+    for (int i = 0; i < kv.length; i += 2) {
+      m.put((String) kv[i], kv[i + 1]);
+    }
+    return m;
+  }
+
+  private String lastTaskLine() {
+    for (int i = log.size() - 1; i >= 0; i--) {
+      if (log.get(i).startsWith("task=")) {
+        return log.get(i);
+      }
+    }
+    throw new AssertionError("no task line in " + log);
+  }
+
+  @Test
+  public void trainTaskUploadsTheTrainedArraysAndReportsTheWork() throws Exception {
+    FakeGateway.FakeTask t =
+        gw.addTask(
+            "t-1", "train", config("local-steps", 5L, "batch-size", 2L, "lr", 0.5), identityModel());
+    assertEquals(1, agent("tok-a").run(1));
+    List<NamedArray> up = TensorCodec.decode(t.upload.toByteArray());
+    List<NamedArray> sent = TensorCodec.decode(identityModel());
+    assertEquals(2, up.size());
+    for (int i = 0; i < 2; i++) {
+      assertTrue(up.get(i).sameLayout(sent.get(i)));
+    }
+    assertFalse(Arrays.equals(up.get(0).data(), sent.get(0).data()));
+    assertEquals(10L, t.metrics.get("num-examples"));
+    assertEquals(5L, t.metrics.get("num-steps"));
+    assertTrue(t.metrics.get("train-time-s") instanceof Double);
+    assertEquals(64.0, t.metrics.get("battery-pct"));
+    assertFalse(t.metrics.containsKey("temp-c"));
+    assertTrue(
+        lastTaskLine(),
+        lastTaskLine().startsWith("task=t-1 type=train status=accepted num-steps=5 num-examples=10"));
+    assertEquals("hello node_id=7 phone=phone-7 chunk_bytes=1048576", log.get(0));
+  }
+
+  @Test
+  public void evaluateTaskReportsLossAndAccuracyAndUploadsNothing() throws Exception {
+    FakeGateway.FakeTask t = gw.addTask("t-2", "evaluate", config(), identityModel());
+    agent("tok-a").run(1);
+    double loss = (2 * Math.log(1 + Math.exp(-2)) + Math.log(1 + Math.exp(2))) / 3;
+    assertEquals(3L, t.metrics.get("num-examples"));
+    assertEquals(loss, (Double) t.metrics.get("eval-loss"), 1e-6);
+    assertEquals(2.0 / 3, (Double) t.metrics.get("eval-acc"), 1e-12);
+    assertEquals(0, t.upload.size());
+    assertTrue(lastTaskLine(), lastTaskLine().contains("status=accepted num-examples=3"));
+  }
+
+  @Test
+  public void malformedArraysFailTheTaskWithTheReason() throws Exception {
+    byte[] bad = Arrays.copyOf(identityModel(), 20);
+    FakeGateway.FakeTask t = gw.addTask("t-3", "train", config(), bad);
+    agent("tok-a").run(1);
+    assertTrue(t.failReason, t.failReason.startsWith("decode: truncated"));
+    assertTrue(lastTaskLine(), lastTaskLine().startsWith("task=t-3 type=train status=failed at=decode"));
+  }
+
+  @Test
+  public void arraysOfAnotherModelFailTheTask() throws Exception {
+    byte[] other =
+        TensorCodec.encode(
+            Collections.singletonList(new NamedArray("conv.weight", new int[] {1}, new float[1])));
+    FakeGateway.FakeTask t = gw.addTask("t-4", "train", config(), other);
+    agent("tok-a").run(1);
+    assertTrue(t.failReason, t.failReason.startsWith("build: no pure-Java model has arrays"));
+  }
+
+  @Test
+  public void badConfigFailsTheTaskNamingTheKey() throws Exception {
+    FakeGateway.FakeTask t = gw.addTask("t-5", "train", config("lr", -1L), identityModel());
+    agent("tok-a").run(1);
+    assertEquals("train: config key 'lr' must be a number > 0, got -1", t.failReason);
+  }
+
+  @Test
+  public void anOversizeUploadIsRejectedAndThePhoneGoesOnToTheNextTask() throws Exception {
+    gw.maxUploadBytes = 10;
+    gw.addTask("big", "train", config("local-steps", 1L), identityModel());
+    FakeGateway.FakeTask next = gw.addTask("next", "evaluate", config(), identityModel());
+    assertEquals(2, agent("tok-a").run(2));
+    assertTrue(log.toString(), log.get(1).startsWith("task=big type=train status=rejected http=413 at=upload"));
+    assertEquals(3L, next.metrics.get("num-examples"));
+  }
+
+  @Test
+  public void aWrongTokenEndsTheRunAndIsLogged() {
+    try {
+      agent("stolen").run(1);
+      fail("expected GatewayException");
+    } catch (GatewayException e) {
+      assertEquals(401, e.status());
+    }
+    assertEquals(
+        "refused status=401 reason=\"token refused by the gateway: unknown token\"", log.get(0));
+  }
+
+  @Test
+  public void afterTheGatewayWasUnreachableThePhoneSaysHelloAgainAsTheSameNode() throws Exception {
+    for (int i = 0; i < 4; i++) {
+      gw.fault("/v1/task", 503, "{\"error\": \"down\"}"); // the client gives up after 4
+    }
+    gw.addTask("t-6", "evaluate", config(), identityModel());
+    assertEquals(1, agent("tok-a").run(1));
+    assertEquals(2, gw.hellos.size());
+    assertEquals("hello node_id=7 phone=phone-7 chunk_bytes=1048576", log.get(0));
+    assertTrue(log.get(1), log.get(1).startsWith("reconnecting after network error: poll failed 4"));
+    assertEquals(log.get(0), log.get(2));
+  }
+
+  @Test
+  public void aPhoneThatMayNotTrainWaitsInsteadOfPolling() throws Exception {
+    block = "not charging";
+    gw.addTask("t-7", "evaluate", config(), identityModel());
+    assertEquals(1, agent("tok-a").run(1));
+    assertEquals("waiting reason=\"not charging\"", log.get(1));
+    assertEquals(Arrays.asList(1000L), sleeps); // poll_s = 1 from hello
+  }
+
+  @Test
+  public void stopEndsALongPollPromptly() throws Exception {
+    gw.pollDelayMs = 20_000;
+    final PhoneAgent a = agent("tok-a");
+    final int[] handled = {-1};
+    Thread runner =
+        new Thread() {
+          @Override
+          public void run() {
+            try {
+              handled[0] = a.run(0);
+            } catch (GatewayException e) {
+              handled[0] = -2;
+            }
+          }
+        };
+    runner.start();
+    while (gw.requests.size() < 2) {
+      Thread.sleep(10);
+    }
+    a.stop();
+    runner.join(5000);
+    assertFalse("run() still going after stop()", runner.isAlive());
+    assertEquals(0, handled[0]);
+  }
+
+  @Test
+  public void uploadedArraysDecodeToWhatTheTrainerHolds() throws Exception {
+    FakeGateway.FakeTask t =
+        gw.addTask("t-8", "train", config("local-steps", 1L, "batch-size", 3L, "lr", 1.0), identityModel());
+    agent("tok-a").run(1);
+    // The same step done here by hand on a fresh trainer gives the same arrays.
+    DenseTrainer expected = Models.fromArrays(TensorCodec.decode(identityModel()), DATA, 0);
+    expected.step(3, 1.0);
+    List<NamedArray> up = TensorCodec.decode(t.upload.toByteArray());
+    for (int i = 0; i < up.size(); i++) {
+      assertArrayEquals(expected.getParameters().get(i).data(), up.get(i).data(), 0f);
+    }
+  }
+}
