@@ -33,12 +33,17 @@ def train_steps(
     lr: float,
     seed: int,
     should_stop: Callable[[int], bool] | None = None,
+    proximal_mu: float = 0.0,
 ) -> TrainStats:
     """Run up to ``steps`` SGD steps on minibatches cycling through (x, y).
 
     Batches come from a seeded permutation, reshuffled at each pass over the data.
     ``should_stop(steps_done)`` is asked before each step; when it answers True the
     loop stops and reports the partial work done so far.
+
+    With ``proximal_mu`` > 0 the loss gains FedProx's proximal term
+    (mu / 2) * ||w - w_global||^2, w_global being the weights at the start of the call
+    (Li et al., "Federated optimization in heterogeneous networks", MLSys 2020, Eq. 2).
     """
     if steps < 0:
         raise ValueError(f"steps must be >= 0, got {steps}")
@@ -54,6 +59,7 @@ def train_steps(
     cursor = 0
     done = examples = 0
     loss_sum = 0.0
+    anchor = [p.detach().clone() for p in model.parameters()] if proximal_mu else []
     model.train()
     while done < steps and not (should_stop is not None and should_stop(done)):
         if cursor + batch > len(order):
@@ -62,7 +68,14 @@ def train_steps(
         cursor += batch
         optimiser.zero_grad()
         loss = loss_fn(model(xt[idx]), yt[idx])
-        loss.backward()
+        objective = loss
+        if anchor:
+            drift = sum(
+                ((p - a) ** 2).sum()
+                for p, a in zip(model.parameters(), anchor, strict=True)
+            )
+            objective = loss + 0.5 * proximal_mu * drift
+        objective.backward()
         optimiser.step()
         loss_sum += float(loss.detach())
         done += 1

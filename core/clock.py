@@ -8,8 +8,13 @@ virtual clock and releases replies in virtual-time order. A strategy asks
 
 from __future__ import annotations
 
+import math
 import time
-from typing import Protocol, runtime_checkable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from flwr.app import Message
 
 DEFAULT_POLL_INTERVAL_S = 0.1
 """Wall-clock polling period while waiting for replies (seconds)."""
@@ -48,3 +53,29 @@ def clock_of(grid: object) -> Clock:
     if isinstance(clock, Clock):
         return clock
     return WallClock()
+
+
+def collect_replies(
+    grid: object, message_ids: Iterable[str], timeout: float | None
+) -> list[Message]:
+    """Pull replies to ``message_ids`` until all arrived or ``timeout`` passed.
+
+    Flower's ``Grid.send_and_receive`` semantics on the grid's own clock: with a
+    virtual clock the wait costs no real time; with wall time it polls.
+    """
+    from flwr.serverapp import Grid
+
+    assert isinstance(grid, Grid)
+    clock = clock_of(grid)
+    waiting = set(message_ids)
+    end = math.inf if timeout is None else clock.now() + timeout
+    replies: list[Message] = []
+    while waiting:
+        for reply in grid.pull_messages(list(waiting)):
+            replies.append(reply)
+            waiting.discard(reply.metadata.reply_to_message_id)
+        remaining = end - clock.now()
+        if not waiting or remaining <= 0:
+            break
+        clock.wait(remaining)
+    return replies

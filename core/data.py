@@ -24,7 +24,11 @@ TEST_FRACTION = 0.2
 
 @dataclass(frozen=True)
 class Dataset:
-    """Images as float32 NCHW in [0, 1] and int64 labels, split train/test."""
+    """Standardised float32 NCHW images and int64 labels, split train/test.
+
+    Pixels are scaled to [0, 1], then standardised with the training split's mean
+    and standard deviation (one pair per dataset, as is usual for MNIST/CIFAR).
+    """
 
     name: str
     x_train: np.ndarray
@@ -57,7 +61,19 @@ def check_dataset_name(name: str) -> None:
 
 
 def load_dataset(name: str, data_dir: str | Path = "") -> Dataset:
-    """Load a dataset by name (``digits``, ``mnist`` or ``cifar10``)."""
+    """Load a dataset by name (``digits``, ``mnist`` or ``cifar10``), standardised."""
+    raw = _load_raw(name, data_dir)
+    mean, std = float(raw.x_train.mean()), float(raw.x_train.std()) or 1.0
+    return Dataset(
+        raw.name,
+        ((raw.x_train - mean) / std).astype(np.float32),
+        raw.y_train,
+        ((raw.x_test - mean) / std).astype(np.float32),
+        raw.y_test,
+    )
+
+
+def _load_raw(name: str, data_dir: str | Path) -> Dataset:
     check_dataset_name(name)
     if name == "digits":
         return _load_digits()
@@ -124,7 +140,11 @@ def _load_mnist(root: Path) -> Dataset:
 
 
 def _load_cifar10(root: Path) -> Dataset:
-    base = root / "cifar-10-batches-py" if (root / "cifar-10-batches-py").is_dir() else root
+    base = (
+        root / "cifar-10-batches-py"
+        if (root / "cifar-10-batches-py").is_dir()
+        else root
+    )
 
     def batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
         if not path.is_file():
@@ -177,7 +197,10 @@ def partition(
         )
     rng = np.random.default_rng(seed)
     if scheme == "iid":
-        return [np.sort(p) for p in np.array_split(rng.permutation(len(labels)), num_partitions)]
+        return [
+            np.sort(p)
+            for p in np.array_split(rng.permutation(len(labels)), num_partitions)
+        ]
     if alpha <= 0:
         raise ValueError(f"alpha must be > 0, got {alpha}")
     classes = np.unique(labels)

@@ -41,6 +41,12 @@ BATCH_SIZE = "batch-size"
 ARRAYS = "arrays"
 METRICS = "metrics"
 CONFIG = "config"
+EVAL_TIME_S = "eval-time-s"
+"""Seconds an evaluation task took (virtual seconds in simulation)."""
+TRAIN_LOSS = "train-loss"
+"""Mean training loss over the steps taken."""
+PROXIMAL_MU = "proximal-mu"
+"""FedProx's mu, as Flower's FedProx puts it in the train ConfigRecord."""
 
 # Profiling query (board clients) ------------------------------------------------------
 PROFILE_STEPS = "profile-steps"

@@ -1,0 +1,28 @@
+"""The Flower apps ``flwr run .`` starts: a simulated fleet and its server.
+
+``client_app`` is a simulated node (``flowerbed.sims.node``); ``server_app`` runs the
+scenario named by the run config (``flowerbed.sims.scenario.run_server``).
+"""
+
+from __future__ import annotations
+
+from flowerbed.sims import node
+from flowerbed.sims.config import Scenario
+from flowerbed.sims.scenario import run_server
+from flwr.app import Context
+from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid, ServerApp
+
+client_app = ClientApp()
+client_app.train()(node.train)
+client_app.evaluate()(node.evaluate_local)
+
+server_app = ServerApp()
+
+
+@server_app.main()
+def main(grid: Grid, context: Context) -> None:
+    """Check the run config before anything trains, then run the scenario."""
+    scenario = Scenario.from_run_config(context.run_config)
+    outcome = run_server(grid, scenario)
+    print(f"flowerbed: run folder written to {outcome.run_dir}", flush=True)

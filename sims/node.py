@@ -1,0 +1,225 @@
+"""A simulated node: trains for real, reports the time its device would have taken.
+
+The node's identity comes from Flower's ``node_config`` (``partition-id``,
+``num-partitions``, as Flower's simulation engine sets them), so the same node gets
+the same device, data and random draws on the in-process engine and on Ray.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from flowerbed import keys
+from flowerbed.clients.training import evaluate, train_steps
+from flowerbed.data import Dataset, load_dataset, partition
+from flowerbed.models import build_model, cost_factor, model_num_bytes
+from flowerbed.sims import vclock
+from flowerbed.sims.config import Scenario
+from flowerbed.sims.devices import DeviceProfile, get_device
+from flowerbed.sims.fleet import assign_devices
+from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+
+OFFLINE = "offline"
+"""node_config ``device`` value of a node that never answers (for tests)."""
+DEVICE_KEY = "device"
+"""node_config key that pins a node's device class instead of the fleet's draw."""
+TRAIN, EVALUATE = 0, 1
+"""Task kinds, part of each task's random stream."""
+EVAL_COST = 1.0 / 3.0
+"""A forward pass costs about a third of a training step (forward + 2x backward)."""
+
+
+@dataclass(frozen=True)
+class NodeSetup:
+    """What a node knows about itself."""
+
+    partition_id: int
+    device: DeviceProfile
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+    cost_factor: float
+    model_bytes: int
+
+
+@functools.lru_cache(maxsize=4)
+def cached_dataset(name: str, data_dir: str) -> Dataset:
+    return load_dataset(name, data_dir)
+
+
+@functools.lru_cache(maxsize=8)
+def _partitions(
+    scenario: Scenario, num_partitions: int
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    data = cached_dataset(scenario.dataset, scenario.data_dir)
+    train = partition(
+        data.y_train, num_partitions, scenario.partition, scenario.alpha, scenario.seed
+    )
+    test = partition(
+        data.y_test, num_partitions, "iid", scenario.alpha, scenario.seed, 1
+    )
+    return train, test
+
+
+@functools.lru_cache(maxsize=8)
+def _model_costs(scenario: Scenario) -> tuple[float, int]:
+    data = cached_dataset(scenario.dataset, scenario.data_dir)
+    shape = (data.in_channels, data.image_size, data.num_classes)
+    model = build_model(scenario.model, *shape)
+    return cost_factor(scenario.model, *shape), model_num_bytes(model)
+
+
+def node_setup(
+    scenario: Scenario, partition_id: int, num_partitions: int, device: str = ""
+) -> NodeSetup:
+    if not 0 <= partition_id < num_partitions:
+        raise ValueError(f"partition-id {partition_id} outside [0, {num_partitions})")
+    data = cached_dataset(scenario.dataset, scenario.data_dir)
+    train, test = _partitions(scenario, num_partitions)
+    if device in ("", OFFLINE):
+        profile = assign_devices(scenario.fleet, num_partitions, scenario.seed)[
+            partition_id
+        ]
+    else:
+        profile = get_device(device)
+    factor, nbytes = _model_costs(scenario)
+    return NodeSetup(
+        partition_id,
+        profile,
+        data.x_train[train[partition_id]],
+        data.y_train[train[partition_id]],
+        data.x_test[test[partition_id]],
+        data.y_test[test[partition_id]],
+        factor,
+        nbytes,
+    )
+
+
+def _identity(context: Context) -> tuple[Scenario, NodeSetup]:
+    scenario = Scenario.from_run_config(context.run_config)
+    pid = int(context.node_config.get("partition-id", 0))
+    n = int(context.node_config.get("num-partitions", scenario.num_nodes))
+    device = str(context.node_config.get(DEVICE_KEY, ""))
+    if device == OFFLINE:
+        raise vclock.NodeDropout(f"node {pid} is offline", silent=True, after_s=0.0)
+    return scenario, node_setup(scenario, pid, n, device)
+
+
+def _model_from(
+    message: Message, scenario: Scenario, node: NodeSetup
+) -> torch.nn.Module:
+    data = cached_dataset(scenario.dataset, scenario.data_dir)
+    model = build_model(
+        scenario.model, data.in_channels, data.image_size, data.num_classes
+    )
+    model.load_state_dict(
+        message.content.array_records[keys.ARRAYS].to_torch_state_dict()
+    )
+    return model
+
+
+def _maybe_drop(
+    scenario: Scenario, node: NodeSetup, server_round: int, kind: int, duration_s: float
+) -> None:
+    """Raise :class:`~flowerbed.sims.vclock.NodeDropout` per the device's availability."""
+    rng = vclock.task_rng(scenario.seed, node.partition_id, server_round, kind)
+    p = vclock.drop_probability(node.device, duration_s, scenario.dropout)
+    if rng.random() < p:
+        silent = bool(rng.random() < 0.5)
+        raise vclock.NodeDropout(
+            f"node {node.partition_id} ({node.device.name}) dropped out in round "
+            f"{server_round}",
+            silent=silent,
+            after_s=float(rng.random() * duration_s),
+        )
+
+
+def train(message: Message, context: Context) -> Message:
+    """Train on local data; report the device's virtual time, energy and work."""
+    scenario, node = _identity(context)
+    config = message.content.config_records.get(keys.CONFIG, {})
+    server_round = int(config.get(keys.SERVER_ROUND, 0))
+    steps = int(config.get(keys.LOCAL_STEPS, scenario.local_steps))
+    lr = float(config.get(keys.LEARNING_RATE, scenario.learning_rate))
+    batch = min(
+        int(config.get(keys.BATCH_SIZE, scenario.batch_size)), len(node.x_train)
+    )
+    deadline = float(config.get(keys.DEADLINE_S, 0.0))
+    mu = float(config.get(keys.PROXIMAL_MU, 0.0))
+
+    dev = node.device
+    step_s = vclock.step_seconds(dev, batch, node.cost_factor)
+    comm_s = vclock.transfer_seconds(
+        node.model_bytes, dev.downlink_mbps
+    ) + vclock.transfer_seconds(node.model_bytes, dev.uplink_mbps)
+    if deadline > 0:
+        steps = min(steps, vclock.max_steps_within(deadline, comm_s, step_s))
+    _maybe_drop(scenario, node, server_round, TRAIN, comm_s + steps * step_s)
+    if steps == 0:
+        raise vclock.NodeDropout(
+            f"node {node.partition_id} ({dev.name}) cannot finish one step within "
+            f"deadline-s={deadline:g}",
+            silent=False,
+            after_s=min(deadline, comm_s),
+        )
+
+    model = _model_from(message, scenario, node)
+    seed = int(
+        vclock.task_rng(scenario.seed, node.partition_id, server_round, TRAIN).integers(
+            2**31
+        )
+    )
+    stats = train_steps(
+        model,
+        node.x_train,
+        node.y_train,
+        steps=steps,
+        batch_size=batch,
+        lr=lr,
+        seed=seed,
+        proximal_mu=mu,
+    )
+    compute_s = stats.num_steps * step_s
+    metrics = MetricRecord(
+        {
+            keys.NUM_EXAMPLES: stats.num_examples,
+            keys.NUM_STEPS: stats.num_steps,
+            keys.TRAIN_TIME_S: compute_s,
+            keys.COMM_TIME_S: comm_s,
+            keys.SAMPLES_PER_S: stats.num_examples / compute_s,
+            keys.ENERGY_J: vclock.energy_joules(dev, compute_s, comm_s),
+            keys.PARTITION_ID: node.partition_id,
+            keys.TRAIN_LOSS: stats.mean_loss,
+        }
+    )
+    content = RecordDict(
+        {keys.ARRAYS: ArrayRecord(model.state_dict()), keys.METRICS: metrics}
+    )
+    return message.create_reply(content)
+
+
+def evaluate_local(message: Message, context: Context) -> Message:
+    """Evaluate the received model on this node's share of the test set."""
+    scenario, node = _identity(context)
+    config = message.content.config_records.get(keys.CONFIG, {})
+    server_round = int(config.get(keys.SERVER_ROUND, 0))
+    dev = node.device
+    comm_s = vclock.transfer_seconds(node.model_bytes, dev.downlink_mbps)
+    eval_s = len(node.x_test) * dev.seconds_per_sample * node.cost_factor * EVAL_COST
+    _maybe_drop(scenario, node, server_round, EVALUATE, comm_s + eval_s)
+    loss, acc = evaluate(_model_from(message, scenario, node), node.x_test, node.y_test)
+    metrics = MetricRecord(
+        {
+            keys.NUM_EXAMPLES: len(node.x_test),
+            keys.EVAL_LOSS: loss,
+            keys.EVAL_ACC: acc,
+            keys.EVAL_TIME_S: eval_s,
+            keys.COMM_TIME_S: comm_s,
+            keys.PARTITION_ID: node.partition_id,
+        }
+    )
+    return message.create_reply(RecordDict({keys.METRICS: metrics}))

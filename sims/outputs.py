@@ -1,0 +1,144 @@
+"""The run folder: results.json, rounds.csv and a plot, written all-or-nothing.
+
+Files are written into a hidden sibling folder first and renamed into place, so a
+crash or a bad configuration never leaves a half-written run folder behind.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import platform
+import shutil
+from collections.abc import Sequence
+from dataclasses import asdict
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from flowerbed.sims.recorder import RoundRecord
+
+CSV_COLUMNS = (
+    "round",
+    "virtual_time_s",
+    "accuracy",
+    "loss",
+    "num_participants",
+    "num_failed",
+    "stragglers",
+    "energy_j",
+    "wall_time_s",
+)
+
+
+def time_to_target(records: Sequence[RoundRecord], target: float) -> float | None:
+    """Virtual time of the first round whose accuracy reaches ``target``, else None."""
+    for record in records:
+        if record.accuracy >= target:
+            return record.virtual_time_s
+    return None
+
+
+def summarise(
+    config: dict[str, Any],
+    records: Sequence[RoundRecord],
+    initial_accuracy: float,
+    engine: str,
+) -> dict[str, Any]:
+    """The content of results.json."""
+    import flowerbed
+    import flwr
+    import torch
+
+    target = float(config["target-accuracy"])
+    return {
+        "config": config,
+        "engine": engine,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "versions": {
+            "flowerbed": flowerbed.__version__,
+            "flwr": flwr.__version__,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+        },
+        "initial_accuracy": None if math.isnan(initial_accuracy) else initial_accuracy,
+        "rounds": [asdict(r) for r in records],
+        "final_accuracy": records[-1].accuracy if records else None,
+        "target_accuracy": target,
+        "time_to_target_s": time_to_target(records, target),
+        "total_energy_j": sum(r.energy_j for r in records),
+        "total_virtual_time_s": records[-1].virtual_time_s if records else 0.0,
+    }
+
+
+def _plot(records: Sequence[RoundRecord], title: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+    ax.plot(
+        [r.virtual_time_s for r in records],
+        [100 * r.accuracy for r in records],
+        marker="o",
+        markersize=3,
+    )
+    ax.set_xlabel("virtual time (s)")
+    ax.set_ylabel("test accuracy (%)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def write_run_folder(
+    output_dir: str | Path, results: dict[str, Any], records: Sequence[RoundRecord]
+) -> Path:
+    """Write ``results.json``, ``rounds.csv`` and ``accuracy.png`` atomically.
+
+    Returns the new folder ``<output_dir>/<UTC timestamp>[-n]``.
+    """
+    root = Path(output_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    final = root / stamp
+    n = 1
+    while final.exists():
+        final = root / f"{stamp}-{n}"
+        n += 1
+    partial = root / f".{final.name}.partial-{os.getpid()}"
+    partial.mkdir()
+    try:
+        (partial / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+        with open(partial / "rounds.csv", "w", newline="") as fh:
+            writer = csv.writer(fh)
+            writer.writerow(CSV_COLUMNS)
+            for r in records:
+                writer.writerow(
+                    [
+                        r.round,
+                        f"{r.virtual_time_s:.6f}",
+                        f"{r.accuracy:.6f}",
+                        f"{r.loss:.6f}",
+                        len(r.participants),
+                        len(r.failed),
+                        r.stragglers,
+                        f"{r.energy_j:.6f}",
+                        f"{r.wall_time_s:.3f}",
+                    ]
+                )
+        cfg = results["config"]
+        _plot(
+            records,
+            f"{cfg['strategy']} on {cfg['fleet']} ({cfg['num-nodes']} nodes)",
+            partial / "accuracy.png",
+        )
+        os.replace(partial, final)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return final

@@ -1,0 +1,185 @@
+"""Round records of a simulated run, taken by watching the Grid.
+
+``RecordingGrid`` wraps any Flower ``Grid`` (the in-process engine, or Flower's own
+grid under ``flwr run``) and notes every train message pushed and every reply pulled;
+``RunRecorder.evaluate_fn`` -- called by Flower strategies after each round -- closes
+the round: central accuracy on the held-out test set, virtual time, participants,
+failures, stragglers and energy. It never changes what the strategy sees.
+
+Virtual time: on the in-process engine, its clock. On a grid without a virtual clock
+(Flower's simulation engine), each round is charged its slowest successful reply's
+reported duration, i.e. what a round that waits for all its nodes costs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from flowerbed import keys
+from flowerbed.clients.training import evaluate
+from flowerbed.clock import collect_replies
+from flowerbed.data import Dataset
+from flowerbed.models import build_model
+from flowerbed.sims.engine import VirtualClock, reply_duration
+from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.supercore.run import Run
+
+
+@dataclass
+class RoundRecord:
+    """What happened in one round (or, for asynchronous strategies, model version)."""
+
+    round: int
+    virtual_time_s: float
+    accuracy: float
+    loss: float
+    participants: list[int]
+    failed: list[int]
+    stragglers: int
+    energy_j: float
+    wall_time_s: float
+
+
+@dataclass
+class _Sent:
+    node_id: int
+    round: int
+
+
+@dataclass
+class _Bucket:
+    participants: list[int] = field(default_factory=list)
+    failed: list[int] = field(default_factory=list)
+    energy_j: float = 0.0
+    slowest_s: float = 0.0
+
+
+class RecordingGrid(Grid):
+    """A transparent Grid wrapper that reports pushes and replies to a recorder."""
+
+    def __init__(self, inner: Grid, recorder: RunRecorder) -> None:
+        self.inner = inner
+        self.recorder = recorder
+        clock = getattr(inner, "clock", None)
+        if clock is not None:
+            self.clock = clock
+
+    def set_run(self, run: Run) -> None:
+        self.inner.set_run(run)
+
+    @property
+    def run(self) -> Run:
+        return self.inner.run
+
+    def create_message(
+        self,
+        content: RecordDict,
+        message_type: str,
+        dst_node_id: int,
+        group_id: str,
+        ttl: float | None = None,
+    ) -> Message:
+        return self.inner.create_message(
+            content, message_type, dst_node_id, group_id, ttl
+        )
+
+    def get_node_ids(self) -> Iterable[int]:
+        return self.inner.get_node_ids()
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        messages = list(messages)
+        ids = list(self.inner.push_messages(messages))
+        for message, message_id in zip(messages, ids, strict=True):
+            self.recorder.sent(message_id, message)
+        return ids
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        replies = list(self.inner.pull_messages(message_ids))
+        for reply in replies:
+            self.recorder.received(reply)
+        return replies
+
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> Iterable[Message]:
+        return collect_replies(self, self.push_messages(messages), timeout)
+
+
+class RunRecorder:
+    """Collects :class:`RoundRecord` s; see the module docstring."""
+
+    def __init__(
+        self,
+        grid: Grid,
+        model_name: str,
+        data: Dataset,
+        on_round: Callable[[RoundRecord], None] | None = None,
+    ) -> None:
+        self.grid = RecordingGrid(grid, self)
+        self.model_name = model_name
+        self.data = data
+        self.on_round = on_round
+        self.records: list[RoundRecord] = []
+        self.initial_accuracy = float("nan")
+        self._sent: dict[str, _Sent] = {}
+        self._partition_of: dict[int, int] = {}
+        self._bucket = _Bucket()
+        self._round = 1
+        self._virtual_s = 0.0
+        self._wall_start = time.monotonic()
+
+    def sent(self, message_id: str, message: Message) -> None:
+        if message.metadata.message_type.startswith("train"):
+            self._sent[message_id] = _Sent(message.metadata.dst_node_id, self._round)
+
+    def received(self, reply: Message) -> None:
+        sent = self._sent.pop(reply.metadata.reply_to_message_id, None)
+        if sent is None:
+            return  # not a train reply
+        bucket = self._bucket
+        if reply.has_error():
+            bucket.failed.append(self._partition_of.get(sent.node_id, sent.node_id))
+            return
+        metrics = next(iter(reply.content.metric_records.values()), MetricRecord())
+        pid = int(metrics.get(keys.PARTITION_ID, sent.node_id))  # type: ignore[arg-type]
+        self._partition_of[sent.node_id] = pid
+        bucket.participants.append(pid)
+        energy = metrics.get(keys.ENERGY_J, 0.0)
+        bucket.energy_j += float(energy) if isinstance(energy, (int, float)) else 0.0
+        bucket.slowest_s = max(bucket.slowest_s, reply_duration(reply))
+
+    def evaluate_fn(self, server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        """Central evaluation on the held-out test set; closes the round's record."""
+        d = self.data
+        model = build_model(self.model_name, d.in_channels, d.image_size, d.num_classes)
+        model.load_state_dict(arrays.to_torch_state_dict())
+        loss, acc = evaluate(model, d.x_test, d.y_test)
+        if server_round == 0:
+            self.initial_accuracy = acc
+            return MetricRecord({"accuracy": acc, "loss": loss})
+        clock = getattr(self.grid, "clock", None)
+        if isinstance(clock, VirtualClock):
+            self._virtual_s = clock.now()
+        else:
+            self._virtual_s += self._bucket.slowest_s
+        stragglers = sum(1 for s in self._sent.values() if s.round == self._round)
+        record = RoundRecord(
+            round=server_round,
+            virtual_time_s=self._virtual_s,
+            accuracy=acc,
+            loss=loss,
+            participants=sorted(self._bucket.participants),
+            failed=sorted(self._bucket.failed),
+            stragglers=stragglers,
+            energy_j=self._bucket.energy_j,
+            wall_time_s=time.monotonic() - self._wall_start,
+        )
+        self.records.append(record)
+        self._bucket = _Bucket()
+        self._round = server_round + 1
+        if self.on_round is not None:
+            self.on_round(record)
+        return MetricRecord({"accuracy": acc, "loss": loss})

@@ -1,0 +1,186 @@
+"""Run a scenario: build the fleet, the strategy and the recorder, train, write outputs.
+
+The same :func:`run_server` is the body of the ``flwr run`` ServerApp
+(``flowerbed.sims.apps``) and of ``flowerbed sim`` on the in-process engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from flowerbed import keys
+from flowerbed.models import build_model
+from flowerbed.sims.config import ConfigError, Scenario
+from flowerbed.sims.engine import FleetGrid, SimNode
+from flowerbed.sims.node import DEVICE_KEY, cached_dataset
+from flowerbed.sims.outputs import summarise, write_run_folder
+from flowerbed.sims.recorder import RoundRecord, RunRecorder
+from flwr.app import ArrayRecord, ConfigRecord
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import FedAvg, FedProx, Strategy
+
+log = logging.getLogger(__name__)
+
+StrategyFactory = Callable[[Scenario], Strategy]
+
+
+def _flower_args(s: Scenario) -> dict[str, Any]:
+    """FedAvg's arguments for a scenario: central evaluation only, no waiting room."""
+    return {
+        "fraction_train": s.fraction_train,
+        "fraction_evaluate": 0.0,
+        "min_train_nodes": 1,
+        "min_available_nodes": 1,
+    }
+
+
+def _flowerbed_strategy(name: str) -> StrategyFactory:
+    def factory(s: Scenario) -> Strategy:
+        from flowerbed import strategies
+
+        cls = getattr(strategies, name, None)
+        if cls is None:
+            raise ConfigError(f"strategy {name} is not part of this flowerbed build")
+        return cls(**_flower_args(s))  # type: ignore[no-any-return]
+
+    return factory
+
+
+STRATEGIES: dict[str, StrategyFactory] = {
+    "fedavg": lambda s: FedAvg(**_flower_args(s)),
+    "fedprox": lambda s: FedProx(proximal_mu=s.proximal_mu, **_flower_args(s)),
+    "runtime-weighted": _flowerbed_strategy("RuntimeWeightedFedAvg"),
+    "deadline": _flowerbed_strategy("DeadlineFedAvg"),
+    "fedbuff": _flowerbed_strategy("FedBuff"),
+}
+
+
+def build_strategy(scenario: Scenario) -> Strategy:
+    return STRATEGIES[scenario.strategy](scenario)
+
+
+@dataclass
+class RunOutcome:
+    """What a finished simulation produced."""
+
+    records: list[RoundRecord]
+    results: dict[str, Any]
+    run_dir: Path | None
+
+
+def run_server(
+    grid: Grid,
+    scenario: Scenario,
+    *,
+    strategy: Strategy | None = None,
+    on_round: Callable[[RoundRecord], None] | None = None,
+    engine: str = "flower-simulation",
+    write: bool = True,
+) -> RunOutcome:
+    """Train ``scenario`` over ``grid`` with ``strategy`` (default: the scenario's).
+
+    Seeds Python's, NumPy's and torch's generators from the scenario so Flower's own
+    node sampling and the model's initial weights repeat.
+    """
+    num_connected = len(list(grid.get_node_ids()))
+    if num_connected != scenario.num_nodes:
+        log.warning(
+            "the federation has %d nodes, the run config asks for num-nodes=%d: "
+            "simulating %d (set num-supernodes to match)",
+            num_connected,
+            scenario.num_nodes,
+            num_connected,
+        )
+        scenario = replace(scenario, num_nodes=num_connected)
+    random.seed(scenario.seed)
+    np.random.seed(scenario.seed)
+    torch.manual_seed(scenario.seed)
+    data = cached_dataset(scenario.dataset, scenario.data_dir)
+    model = build_model(
+        scenario.model, data.in_channels, data.image_size, data.num_classes
+    )
+    strategy = strategy if strategy is not None else build_strategy(scenario)
+    recorder = RunRecorder(grid, scenario.model, data, on_round)
+    train_config = ConfigRecord(
+        {
+            keys.LEARNING_RATE: scenario.learning_rate,
+            keys.LOCAL_STEPS: scenario.local_steps,
+            keys.BATCH_SIZE: scenario.batch_size,
+        }
+    )
+    if scenario.deadline_s > 0:
+        train_config[keys.DEADLINE_S] = scenario.deadline_s
+    strategy.start(
+        grid=recorder.grid,
+        initial_arrays=ArrayRecord(model.state_dict()),
+        num_rounds=scenario.num_rounds,
+        timeout=scenario.round_timeout_s,
+        train_config=train_config,
+        evaluate_fn=recorder.evaluate_fn,
+    )
+    results = summarise(
+        scenario.to_run_config(), recorder.records, recorder.initial_accuracy, engine
+    )
+    run_dir = (
+        write_run_folder(scenario.output_dir, results, recorder.records)
+        if write
+        else None
+    )
+    return RunOutcome(recorder.records, results, run_dir)
+
+
+def build_fleet_grid(
+    run_config: Mapping[str, Any], devices: Sequence[str] | None = None
+) -> FleetGrid:
+    """An in-process fleet for ``run_config``.
+
+    ``devices`` pins each node's device class by name (``flowerbed.sims.devices``),
+    or ``"offline"`` for a node that never answers; by default the scenario's fleet
+    mix decides.
+    """
+    from flowerbed.sims.apps import client_app
+
+    scenario = Scenario.from_run_config(run_config)
+    n = len(devices) if devices is not None else scenario.num_nodes
+    nodes = []
+    for i in range(n):
+        node_config: dict[str, bool | float | int | str] = {
+            "partition-id": i,
+            "num-partitions": n,
+        }
+        if devices is not None:
+            node_config[DEVICE_KEY] = devices[i]
+        nodes.append(SimNode(node_id=1000 + i, node_config=node_config))
+    config = scenario.to_run_config()
+    config["num-nodes"] = n
+    return FleetGrid(client_app, nodes, config)
+
+
+def run_scenario(
+    run_config: Mapping[str, Any],
+    *,
+    strategy: Strategy | None = None,
+    devices: Sequence[str] | None = None,
+    on_round: Callable[[RoundRecord], None] | None = None,
+    write: bool = True,
+) -> RunOutcome:
+    """Run a whole scenario on the in-process engine (what ``flowerbed sim`` does)."""
+    scenario = Scenario.from_run_config(run_config)
+    grid = build_fleet_grid(scenario.to_run_config(), devices)
+    if devices is not None:
+        scenario = replace(scenario, num_nodes=len(devices))
+    return run_server(
+        grid,
+        scenario,
+        strategy=strategy,
+        on_round=on_round,
+        engine="in-process",
+        write=write,
+    )
