@@ -8,14 +8,15 @@ written out.
 Compute speed. Relative speeds are Geekbench 5 multi-core scores relative to the
 Raspberry Pi 4B (board scores as reported in "Raspberry Pi 5 8GB RAM vs older models:
 performance benchmarks", The Star Biz News, 2024: Pi 5 1650, Pi 4 900, Pi 3B+ 420;
-phone scores from the Geekbench Browser's typical results for each SoC). Per-sample
-seconds for the reference model (LeNet-5 on 28x28x1, ``flowerbed.models.REFERENCE_MODEL``)
-are derived for the Pi 4B and scaled by relative speed:
+phone scores from the Geekbench Browser's typical results for each SoC).
+Per-sample seconds for the reference model (LeNet-5 on 28x28x1,
+``flowerbed.models.REFERENCE_MODEL``) are derived for the Pi 4B and scaled by
+relative speed:
 
     LeNet-5 training FLOPs per sample = 3 x 2 x 693,000 MACs = 4.16 MFLOP
-        (forward MACs counted by ``flowerbed.models.forward_macs``; backward ~ 2x forward)
+        (forward MACs from ``flowerbed.models.forward_macs``; backward ~ 2x forward)
     Pi 4B effective rate = 10% of its ~13.5 GFLOPS HPL/LINPACK rate = 1.35 GFLOP/s
-        (small-batch CNN training reaches a small fraction of dense-BLAS peak; assumption)
+        (small-batch CNN training reaches a fraction of dense-BLAS peak; assumption)
     Pi 4B seconds per sample = 4.16e6 / 1.35e9 = 3.1 ms
 
     seconds_per_sample(device) = 3.1 ms x (Pi 4B score / device score)

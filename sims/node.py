@@ -125,7 +125,7 @@ def _model_from(
 def _maybe_drop(
     scenario: Scenario, node: NodeSetup, server_round: int, kind: int, duration_s: float
 ) -> None:
-    """Raise :class:`~flowerbed.sims.vclock.NodeDropout` per the device's availability."""
+    """Raise ``NodeDropout`` as the device's availability dictates."""
     rng = vclock.task_rng(scenario.seed, node.partition_id, server_round, kind)
     p = vclock.drop_probability(node.device, duration_s, scenario.dropout)
     if rng.random() < p:

@@ -53,7 +53,7 @@ def max_steps_within(deadline_s: float, comm_s: float, step_s: float) -> int:
     budget = deadline_s - comm_s
     if budget <= 0:
         return 0
-    return int(math.floor(budget / step_s + 1e-9))
+    return math.floor(budget / step_s + 1e-9)
 
 
 def energy_joules(device: DeviceProfile, compute_s: float, comm_s: float) -> float:
