@@ -1,0 +1,220 @@
+"""End to end: a real SuperLink, the gateway and four JVM phones train digits.
+
+A ServerApp (``flowerbed.clients.bridge.demo_app``, DeadlineFedAvg with a 5 s
+deadline) runs in deployment mode through ``flwr run`` against a local SuperLink.
+Phone p3 trains slowly and is killed during its first task: that round must close
+at the deadline without it, and after p3 restarts (same token) it must come back as
+the same Flower node and be used again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from flowerbed.clients.bridge.demo_app import write_phone_csvs
+from flowerbed.clients.bridge.procs import (
+    free_port,
+    start_gateway,
+    start_superlink,
+    stop_processes,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+JAR = Path(
+    os.environ.get(
+        "FLOWERBED_PHONE_JAR",
+        ROOT / "android_client" / "core" / "build" / "flowerbed-phone.jar",
+    )
+)
+"""The JVM phone; FLOWERBED_PHONE_JAR points at a prebuilt one."""
+PHONES = 4
+DEADLINE_S = 5.0
+APP_TOML = """\
+[build-system]
+requires = ["hatchling"]
+build-backend = "hatchling.build"
+
+[project]
+name = "bridge-e2e"
+version = "1.0.0"
+description = "flowerbed bridge end-to-end test app"
+license = "Apache-2.0"
+dependencies = []
+
+[tool.flwr.app]
+publisher = "flowerbed"
+
+[tool.flwr.app.components]
+serverapp = "flowerbed.clients.bridge.demo_app:app"
+clientapp = "flowerbed.clients.bridge.demo_app:client_app"
+
+[tool.flwr.app.config]
+num-rounds = 5
+strategy = "deadline"
+min-nodes = 3
+wait-nodes = {phones}
+deadline-s = {deadline}
+round-timeout-s = 30.0
+local-steps = 20
+lr = 0.5
+results-path = "{results}"
+"""
+FLWR_CONFIG = """\
+[superlink]
+default = "e2e"
+
+[superlink.e2e]
+address = "127.0.0.1:{port}"
+insecure = true
+"""
+
+pytestmark = [pytest.mark.slow, pytest.mark.java]
+
+
+def _phone_jar() -> Path:
+    if shutil.which("java") is None:
+        pytest.skip("no JDK found (java not on PATH): JVM phones cannot run")
+    if not JAR.is_file():
+        subprocess.run(
+            ["bash", str(ROOT / "android_client" / "core" / "run-tests.sh")],
+            cwd=ROOT,
+            check=True,
+            timeout=600,
+        )
+    assert JAR.is_file(), f"run-tests.sh did not build {JAR}"
+    return JAR
+
+
+@pytest.fixture()
+def procs():
+    """Processes started by the test; all stopped by pid, even on failure."""
+    started: list[subprocess.Popen[bytes]] = []
+    try:
+        yield started
+    finally:
+        stop_processes(started, timeout=5)
+
+
+def _phone(
+    jar: Path, gateway: int, i: int, data: Path, log: Path, slow_ms: int = 0
+) -> subprocess.Popen[bytes]:
+    cmd = [
+        "java",
+        "-cp",
+        str(jar),
+        "org.flowerbed.phone.PhoneMain",
+        "--gateway",
+        f"http://127.0.0.1:{gateway}",
+        "--token",
+        f"e2e-token-phone-{i}-0000",
+        "--data",
+        str(data / f"phone-{i}.csv"),
+        "--poll-wait",
+        "5",
+        "--slow-ms",
+        str(slow_ms),
+        "--seed",
+        str(i),
+    ]
+    with open(log, "ab") as fh:
+        return subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT)
+
+
+def _wait_for_line(path: Path, pattern: str, timeout: float) -> re.Match[str]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and (m := re.search(pattern, path.read_text())):
+            return m
+        time.sleep(0.2)
+    raise AssertionError(f"no line matching {pattern!r} in {path} within {timeout} s")
+
+
+def test_phones_train_digits_and_a_killed_phone_is_a_straggler_then_rejoins(
+    tmp_path, procs
+):
+    jar = _phone_jar()
+    data = tmp_path / "data"
+    write_phone_csvs(data, PHONES)
+    tokens = tmp_path / "tokens.txt"
+    tokens.write_text(
+        "".join(f"e2e-token-phone-{i}-0000 p{i}\n" for i in range(PHONES))
+    )
+    link_port, gw_port = free_port(), free_port()
+    procs.append(start_superlink(link_port, tmp_path / "superlink.log"))
+    app = tmp_path / "app"
+    app.mkdir()
+    results = tmp_path / "results.json"
+    (app / "pyproject.toml").write_text(
+        APP_TOML.format(phones=PHONES, deadline=DEADLINE_S, results=results)
+    )
+    home = tmp_path / "flwr-home"
+    home.mkdir()
+    (home / "config.toml").write_text(FLWR_CONFIG.format(port=link_port))
+    run_log = tmp_path / "flwr-run.log"
+    with open(run_log, "wb") as fh:
+        run = subprocess.Popen(
+            ["flwr", "run", str(app), "e2e", "--stream"],
+            env={**os.environ, "FLWR_HOME": str(home)},
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+        )
+    procs.append(run)
+
+    gw_log = tmp_path / "gateway.log"
+    procs.append(
+        start_gateway(
+            link_port,
+            gw_port,
+            tokens,
+            gw_log,
+            extra=(
+                "--pull-interval-s=0.5",
+                "--offline-after-s=4",
+                "--deadline-slack-s=2",
+                "--max-poll-s=5",
+            ),
+        )
+    )
+    for i in range(PHONES - 1):
+        procs.append(_phone(jar, gw_port, i, data, tmp_path / f"p{i}.log"))
+    p3_log = tmp_path / "p3.log"
+    victim = _phone(jar, gw_port, 3, data, p3_log, slow_ms=400)
+    procs.append(victim)
+
+    # Kill p3 while it trains its first task (20 steps x 400 ms > deadline).
+    first = _wait_for_line(gw_log, r"phone p3: train task (\w+)", 120)
+    time.sleep(1.0)
+    victim.kill()
+    victim.wait()
+    _wait_for_line(gw_log, rf"phone p3: task {first.group(1)} expired", 30)
+    procs.append(_phone(jar, gw_port, 3, data, p3_log))
+
+    assert run.wait(timeout=300) == 0, run_log.read_text()[-3000:]
+    if not results.exists():
+        pytest.fail(f"no results; ServerApp log:\n{run_log.read_text()[-3000:]}")
+    outcome = json.loads(results.read_text())
+    gw_text = gw_log.read_text()
+
+    # p3 kept its node id across the kill: every hello maps it to one node.
+    p3_nodes = set(re.findall(r"hello from phone p3 \(node (\d+)\)", gw_text))
+    assert len(p3_nodes) == 1, gw_text[-3000:]
+    # Its first task expired unanswered; the round closed at the deadline with 3.
+    train = outcome["train"]
+    killed_round = int(re.search(rf"{first.group(1)} \(round (\d+)", gw_text)[1])
+    assert train[str(killed_round)]["participants"] == 3
+    assert train[str(killed_round)]["stragglers"] >= 1
+    # After its restart p3 completed tasks again and a later round used all four.
+    after_restart = gw_text.split(f"task {first.group(1)} expired", 1)[1]
+    assert re.search(r"phone p3: task \w+ accepted", after_restart)
+    assert any(m["participants"] == PHONES for r, m in train.items() if int(r) > 1)
+    # The global model improved: round 0 is an untrained 10-class model.
+    accuracy = [r["accuracy"] for r in outcome["rounds"]]
+    assert len(accuracy) == 6
+    assert accuracy[-1] > accuracy[0] + 0.5
