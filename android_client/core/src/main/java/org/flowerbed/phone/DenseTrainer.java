@@ -8,9 +8,7 @@ import java.util.Random;
 /**
  * Pure-Java trainer for small dense classifiers: mean softmax cross-entropy over a minibatch and
  * plain SGD, p <- p - lr * grad, as {@code torch.nn.CrossEntropyLoss} with {@code
- * torch.optim.SGD(lr)} and no momentum. Minibatches are drawn like {@code
- * flowerbed.clients.training.train_steps}: consecutive slices of a seeded permutation, reshuffled
- * when the next slice would run past the end, batch = min(batch_size, examples).
+ * torch.optim.SGD(lr)} and no momentum. Minibatches come from a {@link MinibatchSampler}.
  *
  * <p>Parameters are named arrays in PyTorch {@code nn.Linear} layout (weight [out, in], bias
  * [out], row-major), so the gateway can load them into the matching torch model.
@@ -19,9 +17,7 @@ public abstract class DenseTrainer implements Trainer {
   protected final Dataset data;
   protected final int numClasses;
   private final List<NamedArray> params;
-  private final Random random;
-  private int[] order;
-  private int cursor;
+  private final MinibatchSampler sampler;
 
   /**
    * @param layout names and shapes of the parameters, in wire order; values are copied
@@ -43,8 +39,7 @@ public abstract class DenseTrainer implements Trainer {
     for (NamedArray a : layout) {
       params.add(a.copy());
     }
-    this.random = new Random(seed);
-    this.order = permutation();
+    this.sampler = new MinibatchSampler(data.size(), seed);
   }
 
   /** Logits of one example, length {@link #numClasses}. */
@@ -110,24 +105,16 @@ public abstract class DenseTrainer implements Trainer {
 
   @Override
   public final StepResult step(int batchSize, double lr) {
-    if (batchSize < 1) {
-      throw new IllegalArgumentException("batch size must be >= 1, got " + batchSize);
-    }
-    int batch = Math.min(batchSize, data.size());
-    if (cursor + batch > order.length) {
-      order = permutation();
-      cursor = 0;
-    }
+    int[] batchIdx = sampler.next(batchSize);
+    int batch = batchIdx.length;
     float[][] grads = new float[params.size()][];
     for (int i = 0; i < grads.length; i++) {
       grads[i] = new float[params.get(i).data().length];
     }
     double lossSum = 0;
-    for (int k = 0; k < batch; k++) {
-      int i = order[cursor + k];
+    for (int i : batchIdx) {
       lossSum += accumulateGradient(data.features(i), data.label(i), grads);
     }
-    cursor += batch;
     for (int p = 0; p < grads.length; p++) {
       float[] w = params.get(p).data();
       for (int j = 0; j < w.length; j++) {
@@ -196,20 +183,6 @@ public abstract class DenseTrainer implements Trainer {
       }
     }
     return best;
-  }
-
-  private int[] permutation() {
-    int[] p = new int[data.size()];
-    for (int i = 0; i < p.length; i++) {
-      p[i] = i;
-    }
-    for (int i = p.length - 1; i > 0; i--) {
-      int j = random.nextInt(i + 1);
-      int t = p[i];
-      p[i] = p[j];
-      p[j] = t;
-    }
-    return p;
   }
 
   @Override

@@ -139,18 +139,6 @@ public class TrainerTest {
   }
 
   @Test
-  public void minibatchesWalkAPermutationLikeTrainSteps() {
-    // 5 examples, batch 2: two full batches per pass, then a reshuffle (the fifth example
-    // waits for the next pass), as flowerbed.clients.training.train_steps does.
-    Dataset d = separable(5, 3);
-    SoftmaxRegression t = new SoftmaxRegression(d, 2, 0);
-    for (int i = 0; i < 3; i++) {
-      assertEquals(2, t.step(2, 0.1).examples);
-    }
-    assertEquals(5, t.step(10, 0.1).examples);
-  }
-
-  @Test
   public void setParametersRefusesAnotherLayout() {
     SoftmaxRegression t = new SoftmaxRegression(separable(4, 0), 2, 0);
     try {
