@@ -19,14 +19,23 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from logging import INFO, WARNING
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from flowerbed import keys
 from flowerbed.clock import Clock
-from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
+from flwr.app import (
+    Array,
+    ArrayRecord,
+    ConfigRecord,
+    Message,
+    MetricRecord,
+    RecordDict,
+)
 from flwr.serverapp import Grid
 from flwr.supercore import log
+
+R = TypeVar("R", ArrayRecord, MetricRecord, ConfigRecord)
 
 StalenessFn = Callable[[int], float]
 """Maps an update's staleness (model versions behind) to a weight multiplier."""
@@ -137,11 +146,22 @@ def _number(metrics: MetricRecord, key: str, *, required: bool) -> float | None:
     return float(value)
 
 
+def records_of(content: RecordDict, kind: type[R]) -> list[R]:
+    """The records of one kind in ``content``.
+
+    Used instead of ``RecordDict.array_records`` and friends, whose views form
+    reference cycles: a reply read through them outlives its use until Python's
+    cyclic garbage collector runs, which breaks streaming aggregation's O(model)
+    memory.
+    """
+    return [record for _, record in content.items() if isinstance(record, kind)]
+
+
 def _single_metricrecord(content: RecordDict) -> MetricRecord:
-    count = len(content.metric_records)
-    if count != 1:
-        raise ReplyRejected(f"expected exactly one MetricRecord, got {count}")
-    return next(iter(content.metric_records.values()))
+    found = records_of(content, MetricRecord)
+    if len(found) != 1:
+        raise ReplyRejected(f"expected exactly one MetricRecord, got {len(found)}")
+    return found[0]
 
 
 def _content(reply: Message) -> RecordDict:
@@ -190,12 +210,12 @@ def check_train_reply(
         array keys; wrong shape or dtype; NaN/Inf values; invalid weight or metrics.
     """
     content = _content(reply)
-    count = len(content.array_records)
-    if count != 1:
-        raise ReplyRejected(f"expected exactly one ArrayRecord, got {count}")
+    found = records_of(content, ArrayRecord)
+    if len(found) != 1:
+        raise ReplyRejected(f"expected exactly one ArrayRecord, got {len(found)}")
     metrics = _single_metricrecord(content)
     weight = check_metrics(metrics, weighted_by_key)
-    record = next(iter(content.array_records.values()))
+    record = found[0]
     missing = sorted(set(reference) - set(record))
     extra = sorted(set(record) - set(reference))
     if missing:
@@ -410,7 +430,7 @@ class Ticket:
 
 
 def _assigned_steps(message: Message) -> int | None:
-    for config in message.content.config_records.values():
+    for config in records_of(message.content, ConfigRecord):
         steps = config.get(keys.LOCAL_STEPS)
         if isinstance(steps, int) and not isinstance(steps, bool):
             return steps
