@@ -184,6 +184,8 @@ class TrainingMeter:
     slowdown_s : float, default 0
         Extra seconds slept before each step, capped at the deadline. A test aid
         that turns a fast machine into a slow board; leave 0 in production.
+    clock, sleep : callables, default ``time.monotonic``, ``time.sleep``
+        Time source and sleep of the deadline and duration (tests pass fakes).
     """
 
     def __init__(
@@ -193,6 +195,8 @@ class TrainingMeter:
         root: str | Path = "/",
         power_interval_s: float = DEFAULT_POWER_INTERVAL_S,
         slowdown_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         if slowdown_s < 0:
             raise ValueError(f"slowdown_s must be >= 0, got {slowdown_s}")
@@ -200,6 +204,8 @@ class TrainingMeter:
         self.started_at = started_at
         self.root = root
         self.slowdown_s = slowdown_s
+        self._clock = clock
+        self._sleep = sleep
         self._power = PowerSampler(root, power_interval_s)
         self._t0 = 0.0
         self._t1: float | None = None
@@ -208,7 +214,7 @@ class TrainingMeter:
         self.stopped_by_deadline = False
 
     def __enter__(self) -> TrainingMeter:
-        self._t0 = time.monotonic()
+        self._t0 = self._clock()
         if self.started_at is None:
             self.started_at = self._t0
         self._power.__enter__()
@@ -220,15 +226,16 @@ class TrainingMeter:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self._t1 = time.monotonic()
+        self._t1 = self._clock()
         self._power.__exit__(exc_type, exc, tb)
 
     def remaining_s(self) -> float:
         """Seconds left before the deadline (``inf`` without one)."""
         if self.deadline_s is None:
             return math.inf
-        start = self.started_at if self.started_at is not None else time.monotonic()
-        return start + self.deadline_s - time.monotonic()
+        now = self._clock()
+        start = self.started_at if self.started_at is not None else now
+        return start + self.deadline_s - now
 
     def should_stop(self, _steps_done: int = 0) -> bool:
         """True once the deadline has passed; sleeps ``slowdown_s`` first.
@@ -237,7 +244,7 @@ class TrainingMeter:
         ``should_stop``.
         """
         if self.slowdown_s > 0:
-            time.sleep(max(0.0, min(self.slowdown_s, self.remaining_s())))
+            self._sleep(max(0.0, min(self.slowdown_s, self.remaining_s())))
         if self.remaining_s() <= 0:
             self.stopped_by_deadline = True
         return self.stopped_by_deadline
@@ -250,7 +257,7 @@ class TrainingMeter:
     @property
     def elapsed_s(self) -> float:
         """Seconds inside the meter (up to now while still running)."""
-        end = self._t1 if self._t1 is not None else time.monotonic()
+        end = self._t1 if self._t1 is not None else self._clock()
         return end - self._t0
 
     def result(self, mean_loss: float = math.nan) -> TimedTraining:
@@ -283,6 +290,8 @@ def timed_train(
     started_at: float | None = None,
     root: str | Path = "/",
     slowdown_s: float = 0.0,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
 ) -> TimedTraining:
     """Train up to ``steps`` SGD steps or until the deadline, whichever comes first.
 
@@ -296,7 +305,12 @@ def timed_train(
         ``.metrics()`` gives the reply's MetricRecord content.
     """
     with TrainingMeter(
-        deadline_s=deadline_s, started_at=started_at, root=root, slowdown_s=slowdown_s
+        deadline_s=deadline_s,
+        started_at=started_at,
+        root=root,
+        slowdown_s=slowdown_s,
+        clock=clock,
+        sleep=sleep,
     ) as meter:
         stats = train_steps(
             model,

@@ -1,0 +1,244 @@
+"""The board ClientApp and DeadlineFedAvg on real Flower processes on 127.0.0.1.
+
+A SuperLink and three SuperNodes (``flower-superlink``, ``flower-supernode``) run
+the board ClientApp (``flowerbed.clients.board_app:app``) on digits partitions;
+a small Flower App written into the test's folder runs ``DeadlineFedAvg`` with
+partial work. One node is slowed with the ClientApp's ``slowdown-s`` test aid
+(seconds slept before each training step), so it cannot finish its
+``local-steps`` before the deadline.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from flowerbed.data import load_dataset, partition
+from procs import Federation, SuperNode
+
+pytestmark = pytest.mark.slow
+
+DEADLINE_S = 20.0
+"""Round deadline given to DeadlineFedAvg (wall-clock seconds)."""
+WORK_FRACTION = 0.8
+"""Share of the deadline nodes may train for (DeadlineFedAvg's ``work_fraction``)."""
+LOCAL_STEPS = 200
+"""Steps assigned per round: a fast node needs about a second, a node slowed by
+0.5 s per step would need 100 s, so it must stop at its deadline-s and report
+partial work."""
+SLOWDOWN_S = 0.5
+CLOSE_SLACK_S = 3.0
+"""A round may end this long after its deadline: the last pull, aggregation and
+bookkeeping of the strategy (tiny model) take well under a second."""
+RUN_TIMEOUT_S = 240.0
+
+SERVER_APP = '''
+"""ServerApp for the deployment tests: DeadlineFedAvg over board ClientApps.
+
+Writes what the test checks to the run config's ``out-file``: per round the
+accepted replies' metrics (through ``train_metrics_aggr_fn``), the strategy's
+round metrics, and the round's wall-clock duration (through ``evaluate_fn``, which
+the strategy calls before round 1 and after every round).
+"""
+
+import json
+import time
+
+from flwr.app import ArrayRecord, Context, MetricRecord, RecordDict
+from flwr.serverapp import Grid, ServerApp
+from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
+
+from flowerbed.models import build_model
+from flowerbed.strategies import DeadlineFedAvg
+
+app = ServerApp()
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    cfg = context.run_config
+    replies: list[list[dict]] = []
+    ticks: list[float] = []
+
+    def record_replies(records: list[RecordDict], key: str) -> MetricRecord:
+        replies.append([dict(r["metrics"]) for r in records])
+        return aggregate_metricrecords(records, key)
+
+    def tick(server_round: int, arrays: ArrayRecord) -> None:
+        ticks.append(time.monotonic())
+
+    strategy = DeadlineFedAvg(
+        fraction_evaluate=0.0,
+        min_train_nodes=2,
+        min_evaluate_nodes=0,
+        min_available_nodes=int(cfg["num-nodes"]),
+        train_metrics_aggr_fn=record_replies,
+        deadline_s=float(cfg["deadline-s"]),
+        partial_work=True,
+        work_fraction=float(cfg["work-fraction"]),
+        local_steps=int(cfg["local-steps"]),
+        late_updates=False,
+    )
+    model = build_model("lenet", 1, 8, 10)
+    result = strategy.start(
+        grid=grid,
+        initial_arrays=ArrayRecord(model.state_dict()),
+        num_rounds=int(cfg["num-rounds"]),
+        evaluate_fn=tick,
+    )
+    out = {
+        "rounds": {
+            str(r): dict(m) for r, m in result.train_metrics_clientapp.items()
+        },
+        "replies": replies,
+        "durations": [b - a for a, b in zip(ticks, ticks[1:])],
+    }
+    with open(str(cfg["out-file"]), "w") as fh:
+        json.dump(out, fh)
+'''
+
+PYPROJECT = """
+[build-system]
+requires = ["hatchling"]
+build-backend = "hatchling.build"
+
+[project]
+name = "fbdeploytest"
+version = "1.0.0"
+description = "flowerbed deployment test app"
+license = "Apache-2.0"
+dependencies = []
+
+[tool.hatch.build.targets.wheel]
+packages = ["."]
+
+[tool.flwr.app]
+publisher = "flowerbed"
+
+[tool.flwr.app.components]
+serverapp = "fbdeploytest.server:app"
+clientapp = "flowerbed.clients.board_app:app"
+
+[tool.flwr.app.config]
+num-rounds = 3
+num-nodes = 3
+deadline-s = 20.0
+work-fraction = 0.8
+local-steps = 200
+batch-size = 16
+learning-rate = 0.05
+model = "lenet"
+num-classes = 10
+out-file = ""
+"""
+
+
+def write_app(root: Path) -> Path:
+    """The test's Flower App folder (pyproject.toml and the ServerApp module)."""
+    app_dir = root / "app"
+    package = app_dir / "fbdeploytest"
+    package.mkdir(parents=True)
+    (app_dir / "pyproject.toml").write_text(textwrap.dedent(PYPROJECT))
+    (package / "__init__.py").write_text("")
+    (package / "server.py").write_text(SERVER_APP)
+    return app_dir
+
+
+def write_partitions(root: Path, count: int) -> list[Path]:
+    """``count`` iid digits partitions as .npz files (uint8 images, int labels)."""
+    data = load_dataset("digits")
+    paths = []
+    for i, idx in enumerate(partition(data.y_train, count, seed=1)):
+        path = root / f"node{i}.npz"
+        x = np.round(data.x_train[idx] * 255).astype(np.uint8)
+        np.savez(path, x=x, y=data.y_train[idx])
+        paths.append(path)
+    return paths
+
+
+def start_nodes(fed: Federation, paths: list[Path], slow: int) -> list[SuperNode]:
+    nodes = []
+    for i, path in enumerate(paths):
+        config: dict[str, str | float] = {"dataset-path": str(path), "device": "test"}
+        if i == slow:
+            config["slowdown-s"] = SLOWDOWN_S
+        nodes.append(fed.add_supernode(config, name=f"node{i}"))
+    fed.wait_for_nodes(nodes)
+    return nodes
+
+
+def run_config(out: Path, rounds: int) -> dict[str, str | int | float]:
+    return {
+        "num-rounds": rounds,
+        "deadline-s": DEADLINE_S,
+        "work-fraction": WORK_FRACTION,
+        "local-steps": LOCAL_STEPS,
+        "out-file": str(out),
+    }
+
+
+def test_straggler_reports_partial_work_and_rounds_keep_the_deadline(
+    tmp_path: Path,
+) -> None:
+    app_dir = write_app(tmp_path)
+    out = tmp_path / "result.json"
+    with Federation(tmp_path / "fed") as fed:
+        fed.start_superlink()
+        start_nodes(fed, write_partitions(tmp_path, 3), slow=2)
+        run = fed.run(app_dir, run_config(out, rounds=3), timeout=RUN_TIMEOUT_S)
+    assert run.status == "finished:completed", run.log[-4000:]
+    result = json.loads(out.read_text())
+    assert sorted(result["rounds"]) == ["1", "2", "3"]
+    assert len(result["durations"]) == 3
+    for seconds in result["durations"]:
+        assert seconds <= DEADLINE_S + CLOSE_SLACK_S
+    for round_replies in result["replies"]:
+        steps = sorted(int(r["num-steps"]) for r in round_replies)
+        # The slowed node stops at its deadline-s = 0.8 x 20 s = 16 s after the task
+        # was sent: at 0.5 s per step that is at most 32 of its 200 steps, yet its
+        # partial work arrives in time and is used. The others do all 200.
+        assert len(steps) == 3
+        assert 0 < steps[0] <= WORK_FRACTION * DEADLINE_S / SLOWDOWN_S
+        assert steps[-1] == LOCAL_STEPS
+        for reply in round_replies:
+            assert reply["train-time-s"] <= WORK_FRACTION * DEADLINE_S
+    for metrics in result["rounds"].values():
+        assert metrics["participants"] == 3
+        assert metrics["stragglers"] == 0
+        assert metrics["deadline-s"] == DEADLINE_S
+
+
+def test_run_survives_a_killed_supernode_and_uses_it_again_after_restart(
+    tmp_path: Path,
+) -> None:
+    app_dir = write_app(tmp_path)
+    out = tmp_path / "result.json"
+    with Federation(tmp_path / "fed") as fed:
+        fed.start_superlink()
+        nodes = start_nodes(fed, write_partitions(tmp_path, 3), slow=2)
+        victim = nodes[2]
+        handle = fed.submit(app_dir, run_config(out, rounds=3))
+        # Round 1: once the slowed node has started its ClientApp it trains for
+        # ~12 s; kill it (and its SuperExec and ClientApp) in the middle of that.
+        victim.wait_for_log("Start `flwr-clientapp` process", timeout=90)
+        victim.kill()
+        fed.restart_supernode(victim)
+        run = handle.wait(RUN_TIMEOUT_S)
+    assert run.status == "finished:completed", run.log[-4000:]
+    result = json.loads(out.read_text())
+    participants = [result["rounds"][str(r)]["participants"] for r in (1, 2, 3)]
+    # Round 1 completes with the two survivors; the killed incarnation never
+    # answers (it stays registered until its heartbeat lapses, so it is also a
+    # straggler later). Only two of the original nodes are alive, so a round with
+    # three participants used the restarted node.
+    assert participants[0] == 2
+    assert result["rounds"]["1"]["stragglers"] >= 1
+    assert 3 in participants[1:]
+    for seconds in result["durations"]:
+        assert seconds <= DEADLINE_S + CLOSE_SLACK_S
