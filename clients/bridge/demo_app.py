@@ -107,6 +107,14 @@ def write_phone_csvs(out_dir: str | Path, num_phones: int, seed: int = 0) -> lis
     return paths
 
 
+def _number(cfg: Any, key: str, default: float) -> float:
+    """A numeric run-config or ConfigRecord value; ValueError names the key."""
+    value = cfg.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"config {key!r} must be a number, got {value!r}")
+    return float(value)
+
+
 def _strategy(name: str, min_nodes: int, deadline_s: float) -> FedAvg:
     common: dict[str, Any] = {
         "fraction_train": 1.0,
@@ -136,16 +144,16 @@ def main(grid: Grid, context: Context) -> None:
     name = str(cfg.get("strategy", "fedavg"))
     if name not in STRATEGIES:
         raise ValueError(f"unknown strategy {name!r}; valid: {', '.join(STRATEGIES)}")
-    min_nodes = int(cfg.get("min-nodes", 2))
-    deadline_s = float(cfg.get("deadline-s", 10.0))
-    wait_nodes = int(cfg.get("wait-nodes", min_nodes))
-    wait_until = time.monotonic() + float(cfg.get("wait-nodes-s", 60.0))
+    min_nodes = int(_number(cfg, "min-nodes", 2))
+    deadline_s = _number(cfg, "deadline-s", 10.0)
+    wait_nodes = int(_number(cfg, "wait-nodes", min_nodes))
+    wait_until = time.monotonic() + _number(cfg, "wait-nodes-s", 60.0)
     while len(list(grid.get_node_ids())) < wait_nodes:
         if time.monotonic() > wait_until:
             raise RuntimeError(f"fewer than {wait_nodes} phones connected in time")
         time.sleep(0.5)
 
-    model = phone_model(int(cfg.get("hidden", 0)))
+    model = phone_model(int(_number(cfg, "hidden", 0)))
     _, _, x_test, y_test = digits_features()
     rounds: list[dict[str, Any]] = []
     started = time.monotonic()
@@ -165,17 +173,17 @@ def main(grid: Grid, context: Context) -> None:
 
     train_config = ConfigRecord(
         {
-            keys.LOCAL_STEPS: int(cfg.get("local-steps", 20)),
-            keys.LEARNING_RATE: float(cfg.get("lr", 0.5)),
-            keys.BATCH_SIZE: int(cfg.get("batch-size", 16)),
+            keys.LOCAL_STEPS: int(_number(cfg, "local-steps", 20)),
+            keys.LEARNING_RATE: _number(cfg, "lr", 0.5),
+            keys.BATCH_SIZE: int(_number(cfg, "batch-size", 16)),
             keys.DEADLINE_S: deadline_s,
         }
     )
     result = _strategy(name, min_nodes, deadline_s).start(
         grid,
         ArrayRecord(model.state_dict()),
-        num_rounds=int(cfg.get("num-rounds", 5)),
-        timeout=float(cfg.get("round-timeout-s", 30.0)),
+        num_rounds=int(_number(cfg, "num-rounds", 5)),
+        timeout=_number(cfg, "round-timeout-s", 30.0),
         train_config=train_config,
         evaluate_fn=central,
     )
@@ -209,10 +217,10 @@ def train(msg: Message, context: Context) -> Message:
         model,
         x[idx],
         y[idx],
-        steps=int(cfg.get(keys.LOCAL_STEPS, 20)),
-        batch_size=int(cfg.get(keys.BATCH_SIZE, 16)),
-        lr=float(cfg.get(keys.LEARNING_RATE, 0.5)),
-        seed=int(cfg.get(keys.SERVER_ROUND, 0)) * 1000 + pid,
+        steps=int(_number(cfg, keys.LOCAL_STEPS, 20)),
+        batch_size=int(_number(cfg, keys.BATCH_SIZE, 16)),
+        lr=_number(cfg, keys.LEARNING_RATE, 0.5),
+        seed=int(_number(cfg, keys.SERVER_ROUND, 0)) * 1000 + pid,
     )
     metrics = MetricRecord(
         {

@@ -275,13 +275,25 @@ class NodeRelay:
 
     def _serve(self, link: NodeLink) -> None:
         while not self._stop.is_set() and self.target.wants_node(self.phone_name):
-            message = link.receive()
+            try:
+                message = link.receive()
+            except Exception as err:  # e.g. the run stopped while pulling
+                log.warning(
+                    "phone %s: pulling a message failed: %s", self.phone_name, err
+                )
+                message = None
             if message is None:
                 self._stop.wait(self.pull_interval_s)
                 continue
             reply = self.handle(message)
-            if reply is not None:
+            if reply is None:
+                continue
+            try:
                 link.send(reply)
+            except Exception as err:  # e.g. the run finished meanwhile
+                log.warning(
+                    "phone %s: pushing the reply failed: %s", self.phone_name, err
+                )
 
     def handle(self, message: Message) -> Message | None:
         """The reply to one message, or ``None`` when the phone did not finish."""

@@ -13,7 +13,7 @@ import ssl
 import threading
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, cast
 from urllib.parse import parse_qs, urlsplit
 
 from flowerbed.clients.bridge.codec import CONTENT_TYPE
@@ -276,7 +276,7 @@ class GatewayServer:
 
     @property
     def url(self) -> str:
-        host = self._httpd.server_address[0]
+        host = cast(str, self._httpd.server_address[0])
         return f"{'https' if self.tls else 'http'}://{host}:{self.port}"
 
     def start(self) -> GatewayServer:
