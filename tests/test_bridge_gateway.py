@@ -334,3 +334,64 @@ def test_reconnect_after_silence_keeps_the_node_id(bridge):
         time.sleep(0.02)
     assert node in flower.active
     assert flower.registrations == 1
+
+
+def _self_signed(tmp_path) -> tuple[str, str]:
+    """A certificate for 127.0.0.1 and its key, as PEM files."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "gateway")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName(
+                [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+            ),
+            critical=False,
+        )
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return str(cert_path), str(key_path)
+
+
+def test_https_gateway_serves_phones_that_trust_its_certificate(tmp_path):
+    import ssl
+
+    cert, key = _self_signed(tmp_path)
+    gateway = Gateway(TOKENS, FakeFlower(), GatewaySettings(pull_interval_s=0.05))
+    server = GatewayServer(gateway, "127.0.0.1", 0, certfile=cert, keyfile=key)
+    server.start()
+    try:
+        assert server.url.startswith("https://127.0.0.1:")
+        trusting = ssl.create_default_context(cafile=cert)
+        phone = SimPhone(server.url, "tok-alice-0123456789", ssl_context=trusting)
+        assert phone.hello()["node_id"] == 101
+        phone.close()
+        stranger = SimPhone(server.url, "tok-bob-000123456789")  # system CAs only
+        with pytest.raises(ssl.SSLCertVerificationError):
+            stranger.hello()
+    finally:
+        server.stop()
