@@ -37,9 +37,10 @@ from __future__ import annotations
 import hashlib
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from logging import ERROR
+from typing import Any
 
 import torch
 from flowerbed import keys
@@ -53,6 +54,7 @@ from flowerbed.models import build_model
 from flwr.app import (
     ArrayRecord,
     ConfigRecord,
+    ConfigRecordValues,
     Context,
     Error,
     Message,
@@ -111,7 +113,7 @@ class Setup:
 
 def _number(
     source: str,
-    values: dict[str, object] | ConfigRecord,
+    values: Mapping[str, Any],
     key: str,
     kind: type[int] | type[float],
 ) -> float:
@@ -132,7 +134,7 @@ def _number(
 
 def _from_config_or_run(
     config: ConfigRecord,
-    run_config: dict[str, object],
+    run_config: Mapping[str, Any],
     config_key: str,
     run_key: str,
     kind: type[int] | type[float],
@@ -143,7 +145,7 @@ def _from_config_or_run(
     return _number("run config", run_config, run_key, kind)
 
 
-def _optional_int(run_config: dict[str, object], key: str) -> int | None:
+def _optional_int(run_config: Mapping[str, Any], key: str) -> int | None:
     if key not in run_config or run_config[key] in (0, ""):
         return None
     return int(_number("run config", run_config, key, int))
@@ -166,13 +168,19 @@ def _load(context: Context, message: Message, path_key: str = DATASET_PATH) -> S
             "with one subfolder per class, or an .npz with x and y)"
         )
     num_classes = int(_number("run config", run_config, NUM_CLASSES, int))
-    class_names = run_config.get(CLASS_NAMES)
-    names = [n.strip() for n in class_names.split(",")] if class_names else None
+    class_names = run_config.get(CLASS_NAMES, "")
+    if not isinstance(class_names, str):
+        raise BoardError(
+            f"run config '{CLASS_NAMES}' must be a comma-separated string of folder "
+            f"names, got {class_names!r}"
+        )
     data = load_local_data(
         path,
         image_size=_optional_int(run_config, IMAGE_SIZE),
         in_channels=_optional_int(run_config, IN_CHANNELS),
-        class_names=names if isinstance(class_names, str) else None,
+        class_names=[n.strip() for n in class_names.split(",")]
+        if class_names
+        else None,
         num_classes=num_classes,
     )
     model_name = run_config.get(MODEL, DEFAULTS[MODEL])
@@ -357,7 +365,7 @@ def profile(message: Message, context: Context) -> Message:
         )
         meter.num_steps, meter.num_examples = stats.num_steps, stats.num_examples
     metrics = meter.result(stats.mean_loss).metrics()
-    device: dict[str, int | float | str] = dict(telemetry.read_telemetry())
+    device: dict[str, ConfigRecordValues] = dict(telemetry.read_telemetry())
     label = context.node_config.get(DEVICE)
     if isinstance(label, str) and label:
         device[DEVICE] = label
