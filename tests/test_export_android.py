@@ -64,8 +64,11 @@ class Program:
         return self.module.named_gradients()
 
 
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
 @pytest.fixture(scope="module")
-def digits_batch() -> tuple[torch.Tensor, torch.Tensor]:
+def digits_batch() -> Batch:
     """A fixed batch of 12 real digits (not the export's example batch size, 8)."""
     data = load_dataset("digits")
     return torch.from_numpy(data.x_train[:12]), torch.from_numpy(data.y_train[:12])
@@ -99,7 +102,7 @@ def _torch_grads(
 @needs_executorch
 @pytest.mark.parametrize("name", EXPORT_MODELS)
 def test_parameter_names_are_the_state_dict_keys(
-    name: str, exported: Any, digits_batch: Any
+    name: str, exported: ExportedModels, digits_batch: Batch
 ) -> None:
     model, pte = exported[name]
     program = Program(pte)
@@ -113,7 +116,7 @@ def test_parameter_names_are_the_state_dict_keys(
 @needs_executorch
 @pytest.mark.parametrize("name", EXPORT_MODELS)
 def test_loss_and_gradients_match_torch_autograd(
-    name: str, exported: Any, digits_batch: Any
+    name: str, exported: ExportedModels, digits_batch: Batch
 ) -> None:
     model, pte = exported[name]
     x, y = digits_batch
@@ -132,13 +135,13 @@ def test_loss_and_gradients_match_torch_autograd(
 
 @needs_executorch
 def test_sgd_steps_through_the_program_lower_the_loss_like_torch_sgd(
-    exported: Any, digits_batch: Any
+    exported: ExportedModels, digits_batch: Batch
 ) -> None:
     from executorch.extension.training import get_sgd_optimizer
 
     model, pte = exported["lenet"]
     x, y = digits_batch
-    lr, steps = 0.5, 5
+    lr, steps = 0.05, 5
     program = Program(pte)
     losses = [float(program.step(x, y))]
     optimiser = get_sgd_optimizer(program.parameters(), lr)
@@ -179,7 +182,7 @@ def _special_arrays(model: nn.Module, seed: int) -> dict[str, np.ndarray]:
 
 @needs_executorch
 def test_weights_written_into_the_program_read_back_bit_for_bit(
-    exported: Any, digits_batch: Any
+    exported: ExportedModels, digits_batch: Batch
 ) -> None:
     model, pte = exported["lenet"]
     program = Program(pte)
@@ -194,7 +197,7 @@ def test_weights_written_into_the_program_read_back_bit_for_bit(
 
 @needs_executorch
 def test_program_trains_with_the_weights_written_into_it(
-    exported: Any, digits_batch: Any
+    exported: ExportedModels, digits_batch: Batch
 ) -> None:
     _, pte = exported["lenet"]
     x, y = digits_batch
@@ -216,7 +219,7 @@ def test_program_trains_with_the_weights_written_into_it(
 
 @needs_executorch
 def test_program_takes_any_batch_up_to_its_maximum_and_refuses_larger(
-    exported: Any,
+    exported: ExportedModels,
 ) -> None:
     model, pte = exported["softmax"]
     program = Program(pte)
@@ -232,10 +235,11 @@ def test_program_takes_any_batch_up_to_its_maximum_and_refuses_larger(
 
 @needs_executorch
 def test_cli_writes_a_program_starting_from_the_arrays_file(
-    tmp_path: Path, digits_batch: Any
+    tmp_path: Path, digits_batch: Batch
 ) -> None:
     model, _ = build_export_model("mlp", "digits", hidden=5)
-    arrays = _special_arrays(model, seed=2)
+    # Any: numpy types np.savez(**kwds) as its bool allow_pickle flag.
+    arrays: dict[str, Any] = _special_arrays(model, seed=2)
     np.savez(tmp_path / "initial.npz", **arrays)
     out = tmp_path / "out" / "model.pte"
     argv = ["export-android", "--model", "mlp", "--dataset", "digits", "--hidden", "5"]
