@@ -289,6 +289,13 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
             return None, None
         count = math.ceil(wanted * self.over_selection)
         messages = self._train_messages(server_round, self._global, config, grid, count)
+        log(
+            INFO,
+            "configure_train: sampled %d nodes (keeping the first %d), deadline %s",
+            len(messages),
+            wanted,
+            "none" if self._deadline is None else f"{self._deadline:.2f} s",
+        )
         self._bases[server_round] = self._global_np
         sent = inflight.push(messages, server_round)
         start = clock.now()

@@ -318,7 +318,9 @@ class RuntimeWeightedFedAvg(FedAvg):
     ) -> Iterable[Message]:
         """Sample nodes (skipping quarantined ones) and build their train messages."""
         count = self._sample_size(grid, self.fraction_train, self.min_train_nodes)
-        return self._train_messages(server_round, arrays, config, grid, count)
+        messages = self._train_messages(server_round, arrays, config, grid, count)
+        log(INFO, "configure_train: sampled %d nodes", len(messages))
+        return messages
 
     def _train_messages(
         self,
@@ -329,7 +331,6 @@ class RuntimeWeightedFedAvg(FedAvg):
         count: int,
     ) -> list[Message]:
         node_ids = self._sample(grid, server_round, count, "train")
-        log(INFO, "configure_train: sampled %d nodes", len(node_ids))
         self._set_global(arrays)
         base = self._base_steps(config)
         steps: dict[int, int] | None = None
