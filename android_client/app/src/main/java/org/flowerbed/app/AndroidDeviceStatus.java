@@ -10,8 +10,8 @@ import android.os.BatteryManager;
 import org.flowerbed.phone.DeviceStatus;
 
 /**
- * Battery level, battery temperature and the training conditions (charging, unmetered Wi-Fi)
- * read from Android's sticky battery broadcast and the connectivity service.
+ * Battery level, battery temperature and the training conditions (charging, unmetered Wi-Fi) read
+ * from Android's sticky battery broadcast and the connectivity service.
  */
 final class AndroidDeviceStatus implements DeviceStatus {
   private final Context context;

@@ -9,14 +9,19 @@ final class AppSettings {
 
   /** Gateway root, e.g. http://192.168.1.10:8765. */
   String gatewayUrl;
+
   /** This phone's bearer token, from the gateway's token file. */
   String token;
+
   /** Train only while plugged in (default on). */
   boolean requireCharging;
+
   /** Train only on an unmetered Wi-Fi network (default on). */
   boolean requireUnmeteredWifi;
+
   /** Shape of one sample as the .pte expects it, e.g. "1,8,8" for digits. */
   String sampleShape;
+
   /** Largest batch the .pte accepts (flowerbed export-android --max-batch-size). */
   int maxBatchSize;
 

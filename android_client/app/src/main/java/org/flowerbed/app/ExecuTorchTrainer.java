@@ -23,10 +23,10 @@ import org.pytorch.executorch.training.TrainingModule;
  * taking float32 samples {@code [batch, ...sampleShape]} and int64 labels {@code [batch]} (batch
  * from 1 to the exported maximum) and returning the mean cross-entropy loss and the logits; the
  * runtime keeps the gradients, which {@link TrainingModule#namedGradients} hands to {@link SGD}.
- * Parameters are named by the torch model's state_dict keys, the Flower array names, so the
- * global model is written into the program by name: {@code namedParameters} returns tensors that
- * wrap the program's own parameter memory, and their {@code getRawDataBuffer()} (public since
- * ExecuTorch 1.4) is written in place.
+ * Parameters are named by the torch model's state_dict keys, the Flower array names, so the global
+ * model is written into the program by name: {@code namedParameters} returns tensors that wrap the
+ * program's own parameter memory, and their {@code getRawDataBuffer()} (public since ExecuTorch
+ * 1.4) is written in place.
  */
 final class ExecuTorchTrainer implements Trainer {
   static final String METHOD = "forward";
@@ -44,8 +44,8 @@ final class ExecuTorchTrainer implements Trainer {
   /**
    * Load the program.
    *
-   * @throws IllegalArgumentException if the data's feature count is not the product of the
-   *     sample shape
+   * @throws IllegalArgumentException if the data's feature count is not the product of the sample
+   *     shape
    * @throws RuntimeException from ExecuTorch if the file is missing or not a program
    */
   static ExecuTorchTrainer load(
@@ -65,7 +65,11 @@ final class ExecuTorchTrainer implements Trainer {
               + " features");
     }
     return new ExecuTorchTrainer(
-        TrainingModule.load(pte.getAbsolutePath()), data, sampleShape, (int) size, maxBatchSize,
+        TrainingModule.load(pte.getAbsolutePath()),
+        data,
+        sampleShape,
+        (int) size,
+        maxBatchSize,
         seed);
   }
 

@@ -29,10 +29,10 @@ import org.flowerbed.phone.Trainer;
 
 /**
  * Foreground service that runs core's {@link PhoneAgent} on a worker thread. The agent waits
- * (without polling) while the device is not charging or not on unmetered Wi-Fi, when the
- * settings ask for that, and abandons a task if the condition is lost mid-training. A partial
- * wake lock keeps the CPU up with the screen off, but only while those conditions hold: a
- * phone waiting for its charger is left free to sleep.
+ * (without polling) while the device is not charging or not on unmetered Wi-Fi, when the settings
+ * ask for that, and abandons a task if the condition is lost mid-training. A partial wake lock
+ * keeps the CPU up with the screen off, but only while those conditions hold: a phone waiting for
+ * its charger is left free to sleep.
  *
  * <p>Files, in the app's external files directory ({@code
  * /sdcard/Android/data/org.flowerbed.app/files/}, pushed with adb): {@code model.pte} from {@code

@@ -3,11 +3,10 @@ package org.flowerbed.phone;
 import java.util.Random;
 
 /**
- * Exponential backoff with jitter for retrying network errors:
- * wait_k = min(maxMs, initialMs * 2^k) * (1 - jitter * u), u uniform in [0, 1), for the k-th
- * consecutive failure (k = 0, 1, ...). The jitter spreads out the retries of many phones that
- * lost the same Wi-Fi at once ("full jitter" family, Brooker, "Exponential Backoff and Jitter",
- * AWS Architecture Blog, 2015).
+ * Exponential backoff with jitter for retrying network errors: wait_k = min(maxMs, initialMs * 2^k)
+ * * (1 - jitter * u), u uniform in [0, 1), for the k-th consecutive failure (k = 0, 1, ...). The
+ * jitter spreads out the retries of many phones that lost the same Wi-Fi at once ("full jitter"
+ * family, Brooker, "Exponential Backoff and Jitter", AWS Architecture Blog, 2015).
  */
 public final class Backoff {
   private final long initialMs;

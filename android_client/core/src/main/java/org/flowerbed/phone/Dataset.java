@@ -52,8 +52,8 @@ public final class Dataset {
   }
 
   /**
-   * Read rows {@code label,f1,f2,...}: an integer label >= 0 then float features, all rows the
-   * same width. Blank lines are skipped.
+   * Read rows {@code label,f1,f2,...}: an integer label >= 0 then float features, all rows the same
+   * width. Blank lines are skipped.
    *
    * @param source name used in error messages
    * @throws IOException naming the source and line of the first bad row

@@ -10,8 +10,8 @@ import java.util.Random;
  * plain SGD, p <- p - lr * grad, as {@code torch.nn.CrossEntropyLoss} with {@code
  * torch.optim.SGD(lr)} and no momentum. Minibatches come from a {@link MinibatchSampler}.
  *
- * <p>Parameters are named arrays in PyTorch {@code nn.Linear} layout (weight [out, in], bias
- * [out], row-major), so the gateway can load them into the matching torch model.
+ * <p>Parameters are named arrays in PyTorch {@code nn.Linear} layout (weight [out, in], bias [out],
+ * row-major), so the gateway can load them into the matching torch model.
  */
 public abstract class DenseTrainer implements Trainer {
   protected final Dataset data;

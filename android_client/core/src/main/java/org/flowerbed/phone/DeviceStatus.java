@@ -1,9 +1,9 @@
 package org.flowerbed.phone;
 
 /**
- * What the device knows about itself: battery and temperature for the metrics, and whether it
- * may train at all right now. The Android app reads these from the battery and network services;
- * a JVM phone may report nothing.
+ * What the device knows about itself: battery and temperature for the metrics, and whether it may
+ * train at all right now. The Android app reads these from the battery and network services; a JVM
+ * phone may report nothing.
  */
 public interface DeviceStatus {
   /** A device that reports nothing and never refuses to train. */
@@ -32,8 +32,8 @@ public interface DeviceStatus {
   Double tempC();
 
   /**
-   * Why the device must not train now (for example "not charging", "metered network"), or null
-   * if it may. Asked before taking work and before every training step.
+   * Why the device must not train now (for example "not charging", "metered network"), or null if
+   * it may. Asked before taking work and before every training step.
    */
   String blockReason();
 }

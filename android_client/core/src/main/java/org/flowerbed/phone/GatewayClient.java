@@ -16,14 +16,14 @@ import java.util.regex.Matcher;
 import java.util.regex.Pattern;
 
 /**
- * The phone side of protocol version 1 (android_client/PROTOCOL.md) over {@link
- * HttpURLConnection}, which Android and every JVM have.
+ * The phone side of protocol version 1 (android_client/PROTOCOL.md) over {@link HttpURLConnection},
+ * which Android and every JVM have.
  *
  * <p>Every request carries {@code Authorization: Bearer <token>}; the token is the phone's
- * identity, so calling {@link #hello} again after sleep or a network change returns the same
- * node id. Network errors and 5xx answers are retried with {@link Backoff}; other error answers
- * raise {@link GatewayException} at once. Downloads resume with {@code Range} and uploads resume
- * from the offset a {@code 409} names, so a flaky Wi-Fi link costs only the bytes in flight.
+ * identity, so calling {@link #hello} again after sleep or a network change returns the same node
+ * id. Network errors and 5xx answers are retried with {@link Backoff}; other error answers raise
+ * {@link GatewayException} at once. Downloads resume with {@code Range} and uploads resume from the
+ * offset a {@code 409} names, so a flaky Wi-Fi link costs only the bytes in flight.
  *
  * <p>One client serves one thread; {@link #close} may be called from any thread to abort.
  */
@@ -44,8 +44,8 @@ public final class GatewayClient {
   private volatile HttpURLConnection active;
 
   /**
-   * @param gatewayUrl gateway root such as {@code http://192.168.1.10:8765} (the client adds
-   *     {@code /v1})
+   * @param gatewayUrl gateway root such as {@code http://192.168.1.10:8765} (the client adds {@code
+   *     /v1})
    * @param token this phone's bearer token
    * @param backoff retry policy for network errors
    * @param sleeper how to wait between retries
@@ -113,11 +113,11 @@ public final class GatewayClient {
   }
 
   /**
-   * {@code GET /v1/task/<id>/arrays}: the global model as a tensor blob. After a broken
-   * connection the download resumes with {@code Range: bytes=<received>-}.
+   * {@code GET /v1/task/<id>/arrays}: the global model as a tensor blob. After a broken connection
+   * the download resumes with {@code Range: bytes=<received>-}.
    *
-   * @throws GatewayException 404 if the task expired, or a protocol violation if the blob's
-   *     length differs from the task's {@code arrays_bytes}
+   * @throws GatewayException 404 if the task expired, or a protocol violation if the blob's length
+   *     differs from the task's {@code arrays_bytes}
    */
   public byte[] downloadArrays(Task task) throws IOException {
     long total = task.arraysBytes();
@@ -145,8 +145,7 @@ public final class GatewayClient {
     }
   }
 
-  private void downloadOnce(String path, ByteArrayOutputStream got, long total)
-      throws IOException {
+  private void downloadOnce(String path, ByteArrayOutputStream got, long total) throws IOException {
     HttpURLConnection c = open("GET", path, readTimeoutMs);
     try {
       if (got.size() > 0) {
@@ -196,8 +195,8 @@ public final class GatewayClient {
 
   /**
    * {@code PUT /v1/task/<id>/result?offset=&total=}: upload the updated tensors in chunks of at
-   * most {@code chunkBytes}. After a broken connection the same chunk is sent again; a {@code
-   * 409} names the bytes the gateway holds and the upload goes on from there.
+   * most {@code chunkBytes}. After a broken connection the same chunk is sent again; a {@code 409}
+   * names the bytes the gateway holds and the upload goes on from there.
    *
    * @throws GatewayException 413 if the blob exceeds the gateway's limit (the task is then failed
    *     for this phone), 404 if the task expired
@@ -468,7 +467,9 @@ public final class GatewayClient {
       } catch (IllegalArgumentException e) {
         throw new GatewayException(
             GatewayException.PROTOCOL_VIOLATION,
-            "gateway answered " + status + " with a body that is not a JSON object: "
+            "gateway answered "
+                + status
+                + " with a body that is not a JSON object: "
                 + e.getMessage());
       }
     }

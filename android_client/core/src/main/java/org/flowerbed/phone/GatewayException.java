@@ -3,9 +3,9 @@ package org.flowerbed.phone;
 import java.io.IOException;
 
 /**
- * The gateway answered with an error status ({@link #status()} is the HTTP code and the message
- * its {@code {"error": ...}} reason), or broke the protocol ({@link #PROTOCOL_VIOLATION}).
- * Unlike a network error, retrying the same request will not help.
+ * The gateway answered with an error status ({@link #status()} is the HTTP code and the message its
+ * {@code {"error": ...}} reason), or broke the protocol ({@link #PROTOCOL_VIOLATION}). Unlike a
+ * network error, retrying the same request will not help.
  */
 public final class GatewayException extends IOException {
   private static final long serialVersionUID = 1L;

@@ -4,9 +4,9 @@ import java.util.Random;
 
 /**
  * Minibatch indices as {@code flowerbed.clients.training.train_steps} draws them: consecutive
- * slices of a seeded permutation of the examples, reshuffled when the next slice would run past
- * the end, batch = min(batch_size, examples). Every trainer on the phone (pure Java or
- * ExecuTorch) samples this way, so {@code num-examples} means the same everywhere.
+ * slices of a seeded permutation of the examples, reshuffled when the next slice would run past the
+ * end, batch = min(batch_size, examples). Every trainer on the phone (pure Java or ExecuTorch)
+ * samples this way, so {@code num-examples} means the same everywhere.
  */
 public final class MinibatchSampler {
   private final int size;

@@ -5,10 +5,10 @@ import java.util.List;
 import java.util.Random;
 
 /**
- * One-hidden-layer perceptron, logits = W2 relu(W1 x + b1) + b2, with parameters {@code
- * fc1.weight} [hidden, in], {@code fc1.bias} [hidden], {@code fc2.weight} [classes, hidden],
- * {@code fc2.bias} [classes]: torch {@code nn.Linear} layers registered as {@code fc1} and {@code
- * fc2} with a ReLU between them.
+ * One-hidden-layer perceptron, logits = W2 relu(W1 x + b1) + b2, with parameters {@code fc1.weight}
+ * [hidden, in], {@code fc1.bias} [hidden], {@code fc2.weight} [classes, hidden], {@code fc2.bias}
+ * [classes]: torch {@code nn.Linear} layers registered as {@code fc1} and {@code fc2} with a ReLU
+ * between them.
  */
 public final class Mlp extends DenseTrainer {
   public static final String W1 = "fc1.weight";
@@ -31,8 +31,8 @@ public final class Mlp extends DenseTrainer {
   /**
    * A model holding the given parameters.
    *
-   * @throws IllegalArgumentException unless the arrays have the layout of {@link #layout()} with
-   *     in = the data's feature count
+   * @throws IllegalArgumentException unless the arrays have the layout of {@link #layout()} with in
+   *     = the data's feature count
    */
   public Mlp(Dataset data, List<NamedArray> arrays, long seed) {
     super(data, arrays, classesOf(arrays, data), seed);
@@ -46,7 +46,13 @@ public final class Mlp extends DenseTrainer {
 
   /** The parameter layout this model expects, for an error message. */
   public static String layout() {
-    return W1 + " [hidden, in], " + B1 + " [hidden], " + W2 + " [classes, hidden], " + B2
+    return W1
+        + " [hidden, in], "
+        + B1
+        + " [hidden], "
+        + W2
+        + " [classes, hidden], "
+        + B2
         + " [classes]";
   }
 
@@ -54,7 +60,8 @@ public final class Mlp extends DenseTrainer {
     return Arrays.asList(
         new NamedArray(W1, new int[] {hidden, in}, linearInit(hidden * in, in, random)),
         new NamedArray(B1, new int[] {hidden}, linearInit(hidden, in, random)),
-        new NamedArray(W2, new int[] {classes, hidden}, linearInit(classes * hidden, hidden, random)),
+        new NamedArray(
+            W2, new int[] {classes, hidden}, linearInit(classes * hidden, hidden, random)),
         new NamedArray(B2, new int[] {classes}, linearInit(classes, hidden, random)));
   }
 

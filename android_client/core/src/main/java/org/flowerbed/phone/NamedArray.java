@@ -3,8 +3,8 @@ package org.flowerbed.phone;
 import java.util.Arrays;
 
 /**
- * One named float32 array: a Flower array such as {@code fc1.weight}, with its shape and
- * row-major (C order) data, as PyTorch stores a tensor.
+ * One named float32 array: a Flower array such as {@code fc1.weight}, with its shape and row-major
+ * (C order) data, as PyTorch stores a tensor.
  */
 public final class NamedArray {
   private final String name;
@@ -15,8 +15,8 @@ public final class NamedArray {
    * @param name Flower array name, non-empty
    * @param shape dimensions, each >= 0 (an empty shape is a scalar holding one value)
    * @param data row-major values; its length must be the product of {@code shape}
-   * @throws IllegalArgumentException if the name is empty, a dimension is negative or the
-   *     data length does not match the shape
+   * @throws IllegalArgumentException if the name is empty, a dimension is negative or the data
+   *     length does not match the shape
    */
   public NamedArray(String name, int[] shape, float[] data) {
     if (name == null || name.isEmpty()) {

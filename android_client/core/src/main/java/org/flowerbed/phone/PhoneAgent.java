@@ -9,14 +9,13 @@ import java.util.Map;
 
 /**
  * The phone's work loop, shared by the JVM phone ({@link PhoneMain}) and the Android app: hello,
- * long-poll, download the arrays, train or evaluate them, upload, complete; one log line per
- * task.
+ * long-poll, download the arrays, train or evaluate them, upload, complete; one log line per task.
  *
- * <p>Network trouble is survived: the client retries each request, and when it gives up the
- * agent waits and says hello again with the same token, so the phone comes back as the same
- * Flower node. A task that cannot be done (bad arrays, bad config, trainer error, the device may
- * no longer train) is failed with its reason. Only a refusal of the phone itself (401 wrong
- * token, 426 unsupported protocol) ends {@link #run} with an exception.
+ * <p>Network trouble is survived: the client retries each request, and when it gives up the agent
+ * waits and says hello again with the same token, so the phone comes back as the same Flower node.
+ * A task that cannot be done (bad arrays, bad config, trainer error, the device may no longer
+ * train) is failed with its reason. Only a refusal of the phone itself (401 wrong token, 426
+ * unsupported protocol) ends {@link #run} with an exception.
  */
 public final class PhoneAgent {
   /** Builds a trainer holding the arrays of a task. */
@@ -172,9 +171,8 @@ public final class PhoneAgent {
   /**
    * Do one task and describe the outcome in one line.
    *
-   * @throws IOException on network trouble (the task is asked for again after reconnecting, as
-   *     the gateway hands out the same task until it is completed or expires), a refusal, or a
-   *     protocol violation
+   * @throws IOException on network trouble (the task is asked for again after reconnecting, as the
+   *     gateway hands out the same task until it is completed or expires) or a refusal
    */
   private String handle(Task task) throws IOException {
     String head = "task=" + task.id() + " type=" + task.type();
@@ -225,8 +223,12 @@ public final class PhoneAgent {
       client.complete(task.id(), metrics);
       return head + " status=accepted" + detail;
     } catch (GatewayException e) {
-      if (isRefusal(e) || e.status() == GatewayException.PROTOCOL_VIOLATION) {
+      if (isRefusal(e)) {
         throw e;
+      }
+      if (e.status() == GatewayException.PROTOCOL_VIOLATION) {
+        // Asking again would get the same broken answer: give the task up instead.
+        return head + " status=failed at=" + step + reason(e) + giveUp(task, step, e);
       }
       String status = e.status() == 404 ? "expired" : "rejected";
       return head + " status=" + status + " http=" + e.status() + " at=" + step + reason(e);

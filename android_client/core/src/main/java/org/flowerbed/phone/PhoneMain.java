@@ -26,7 +26,8 @@ public final class PhoneMain {
           + "  --token TOKEN      this phone's bearer token (required)\n"
           + "  --data FILE.csv    local data, rows 'label,f1,f2,...' (required)\n"
           + "  --max-tasks N      exit after N tasks (default 0: run until SIGTERM)\n"
-          + "  --slow-ms N        sleep N ms per training step, to act as a slow phone (default 0)\n"
+          + "  --slow-ms N        sleep N ms per training step, to act as a slow phone (default"
+          + " 0)\n"
           + "  --poll-wait S      seconds of each long poll (default 20)\n"
           + "  --seed N           seed of the minibatch order (default 0)\n"
           + "  --model NAME       device model sent with hello (default jvm-phone)\n"
@@ -183,7 +184,9 @@ public final class PhoneMain {
           o.tempC = decimal(flag, v);
         } else {
           throw new IllegalArgumentException(
-              "unknown option " + flag + "; valid: --gateway --token --data --max-tasks"
+              "unknown option "
+                  + flag
+                  + "; valid: --gateway --token --data --max-tasks"
                   + " --slow-ms --poll-wait --seed --model --battery-pct --temp-c --help");
         }
       }
@@ -203,7 +206,8 @@ public final class PhoneMain {
       } catch (NumberFormatException e) {
         // reported below
       }
-      throw new IllegalArgumentException(flag + " needs an integer >= " + min + ", got '" + v + "'");
+      throw new IllegalArgumentException(
+          flag + " needs an integer >= " + min + ", got '" + v + "'");
     }
 
     private static double decimal(String flag, String v) {

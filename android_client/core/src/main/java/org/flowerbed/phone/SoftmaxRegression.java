@@ -25,8 +25,8 @@ public final class SoftmaxRegression extends DenseTrainer {
   /**
    * A model holding the given parameters.
    *
-   * @throws IllegalArgumentException unless {@code arrays} are {@code fc.weight} [C, in] and
-   *     {@code fc.bias} [C] (either order) with in = the data's feature count
+   * @throws IllegalArgumentException unless {@code arrays} are {@code fc.weight} [C, in] and {@code
+   *     fc.bias} [C] (either order) with in = the data's feature count
    */
   public SoftmaxRegression(Dataset data, List<NamedArray> arrays, long seed) {
     super(data, arrays, classesOf(arrays, data), seed);

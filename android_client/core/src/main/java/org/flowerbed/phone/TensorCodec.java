@@ -17,12 +17,13 @@ import java.util.Set;
  * The tensor encoding of PROTOCOL.md ({@code application/x-flowerbed-tensors}), little-endian:
  *
  * <pre>
- * magic "FBT1" | count uint32 | count x (name_len uint16 | name UTF-8 | dtype uint8 (0 = float32)
- *                                        | ndim uint8 | dims ndim x uint32 | data prod(dims) x float32)
+ * magic "FBT1" | count uint32 | count x tensor
+ * tensor: name_len uint16 | name UTF-8 | dtype uint8 (0 = float32) | ndim uint8
+ *         | dims ndim x uint32 | data prod(dims) x float32
  * </pre>
  *
- * Decoding is strict: a bad magic, a truncated blob, trailing bytes, an unknown dtype, a
- * dimension above 2^31-1, a name that is empty, not valid UTF-8 or repeated are all malformed.
+ * Decoding is strict: a bad magic, a truncated blob, trailing bytes, an unknown dtype, a dimension
+ * above 2^31-1, a name that is empty, not valid UTF-8 or repeated are all malformed.
  */
 public final class TensorCodec {
   /** The content type of an encoded blob. */
@@ -48,8 +49,8 @@ public final class TensorCodec {
   /**
    * Encode arrays in the given order.
    *
-   * @throws IllegalArgumentException if a name is longer than 65535 UTF-8 bytes, an array has
-   *     more than 255 dimensions, names repeat, or the blob would exceed 2 GiB
+   * @throws IllegalArgumentException if a name is longer than 65535 UTF-8 bytes, an array has more
+   *     than 255 dimensions, names repeat, or the blob would exceed 2 GiB
    */
   public static byte[] encode(List<NamedArray> arrays) {
     long size = encodedSize(arrays);

@@ -19,6 +19,7 @@ public final class TrainSettings {
   public static final int DEFAULT_BATCH_SIZE = 32;
 
   public final int localSteps;
+
   /** Seconds of training allowed, or null for no limit. */
   public final Double deadlineS;
 

@@ -10,8 +10,8 @@ public interface Trainer {
   /**
    * Load the global model.
    *
-   * @throws IllegalArgumentException if the names, order or shapes differ from the model's,
-   *     saying which array is wrong
+   * @throws IllegalArgumentException if the names, order or shapes differ from the model's, saying
+   *     which array is wrong
    */
   void setParameters(List<NamedArray> arrays);
 

@@ -5,15 +5,15 @@ import java.util.Map;
 
 /**
  * Deadline-aware local training: SGD steps until {@code local-steps} are done or the next step
- * would end past {@code deadline-s}, whichever comes first, then report the (possibly partial)
- * work in the wire keys the strategies read.
+ * would end past {@code deadline-s}, whichever comes first, then report the (possibly partial) work
+ * in the wire keys the strategies read.
  *
  * <p>Before each step the loop stops if elapsed >= deadline, or if elapsed + mean step time >
  * deadline (the next step is predicted to overrun). The first step always runs, so a train task
  * never reports zero examples. Partial work is what FedNova and FedProx-style aggregation expect
  * (Wang et al., "Tackling the Objective Inconsistency Problem in Heterogeneous Federated
- * Optimization", NeurIPS 2020; Li et al., "Federated Optimization in Heterogeneous Networks",
- * MLSys 2020): {@code num-steps} tells the server how much was done.
+ * Optimization", NeurIPS 2020; Li et al., "Federated Optimization in Heterogeneous Networks", MLSys
+ * 2020): {@code num-steps} tells the server how much was done.
  */
 public final class TrainingLoop {
   /** Training stopped because the device may no longer train (unplugged, shutting down). */
@@ -71,6 +71,7 @@ public final class TrainingLoop {
     public final long numExamples;
     public final double trainTimeS;
     public final double meanLoss;
+
     /** True when the deadline, not {@code local-steps}, ended training. */
     public final boolean deadlineHit;
 

@@ -20,8 +20,8 @@ import java.util.regex.Matcher;
 import java.util.regex.Pattern;
 
 /**
- * A small in-test gateway that follows PROTOCOL.md on 127.0.0.1, records what the phone sent,
- * and can be told to misbehave (drop connections, cut downloads short, answer a given status).
+ * A small in-test gateway that follows PROTOCOL.md on 127.0.0.1, records what the phone sent, and
+ * can be told to misbehave (drop connections, cut downloads short, answer a given status).
  */
 final class FakeGateway implements AutoCloseable {
   /** One task the gateway hands out until it is completed or failed. */
@@ -55,18 +55,23 @@ final class FakeGateway implements AutoCloseable {
     }
   }
 
-  private static final Pattern TASK_PATH = Pattern.compile("/v1/task/([^/]+)/(arrays|result|complete|fail)");
+  private static final Pattern TASK_PATH =
+      Pattern.compile("/v1/task/([^/]+)/(arrays|result|complete|fail)");
 
   final Map<String, Long> tokens = new HashMap<String, Long>();
   final List<FakeTask> queue = Collections.synchronizedList(new ArrayList<FakeTask>());
-  final Map<String, FakeTask> tasks = Collections.synchronizedMap(new LinkedHashMap<String, FakeTask>());
+  final Map<String, FakeTask> tasks =
+      Collections.synchronizedMap(new LinkedHashMap<String, FakeTask>());
   final List<String> requests = Collections.synchronizedList(new ArrayList<String>());
-  final List<Map<String, Object>> hellos = Collections.synchronizedList(new ArrayList<Map<String, Object>>());
+  final List<Map<String, Object>> hellos =
+      Collections.synchronizedList(new ArrayList<Map<String, Object>>());
   private final List<Fault> faults = Collections.synchronizedList(new ArrayList<Fault>());
   int chunkBytes = 1 << 20;
   long maxUploadBytes = 1 << 26;
+
   /** Milliseconds a poll waits before answering 204 when there is no task. */
   volatile long pollDelayMs;
+
   /** Bytes of the next arrays download to send before cutting the connection; -1: all. */
   volatile int cutDownloadAt = -1;
 
@@ -146,8 +151,16 @@ final class FakeGateway implements AutoCloseable {
         send(
             ex,
             200,
-            "{\"node_id\": " + node + ", \"phone\": \"phone-" + node + "\", \"poll_s\": 1,"
-                + " \"max_upload_bytes\": " + maxUploadBytes + ", \"chunk_bytes\": " + chunkBytes + "}");
+            "{\"node_id\": "
+                + node
+                + ", \"phone\": \"phone-"
+                + node
+                + "\", \"poll_s\": 1,"
+                + " \"max_upload_bytes\": "
+                + maxUploadBytes
+                + ", \"chunk_bytes\": "
+                + chunkBytes
+                + "}");
         return;
       }
       if (path.equals("/v1/task")) {
@@ -201,12 +214,14 @@ final class FakeGateway implements AutoCloseable {
       } else if (what.equals("complete")) {
         @SuppressWarnings("unchecked")
         Map<String, Object> metrics =
-            (Map<String, Object>) Json.parseObject(new String(body, StandardCharsets.UTF_8)).get("metrics");
+            (Map<String, Object>)
+                Json.parseObject(new String(body, StandardCharsets.UTF_8)).get("metrics");
         t.metrics = metrics;
         queue.remove(t);
         send(ex, 200, "{\"status\": \"accepted\"}");
       } else {
-        t.failReason = (String) Json.parseObject(new String(body, StandardCharsets.UTF_8)).get("reason");
+        t.failReason =
+            (String) Json.parseObject(new String(body, StandardCharsets.UTF_8)).get("reason");
         queue.remove(t);
         send(ex, 200, "{\"status\": \"failed\"}");
       }
@@ -227,8 +242,10 @@ final class FakeGateway implements AutoCloseable {
       }
       start = Integer.parseInt(r.group(1));
       status = 206;
-      ex.getResponseHeaders().set(
-          "Content-Range", "bytes " + start + "-" + (t.arrays.length - 1) + "/" + t.arrays.length);
+      ex.getResponseHeaders()
+          .set(
+              "Content-Range",
+              "bytes " + start + "-" + (t.arrays.length - 1) + "/" + t.arrays.length);
     }
     int len = t.arrays.length - start;
     ex.getResponseHeaders().set("Content-Type", TensorCodec.CONTENT_TYPE);

@@ -26,7 +26,13 @@ public final class JUnitMain {
     int skipped = r.getIgnoreCount() + r.getAssumptionFailureCount();
     int passed = r.getRunCount() - r.getFailureCount() - r.getAssumptionFailureCount();
     System.out.println(
-        "junit: " + passed + " passed, " + r.getFailureCount() + " failed, " + skipped + " skipped");
+        "junit: "
+            + passed
+            + " passed, "
+            + r.getFailureCount()
+            + " failed, "
+            + skipped
+            + " skipped");
     System.exit(r.wasSuccessful() && r.getRunCount() > 0 ? 0 : 1);
   }
 }

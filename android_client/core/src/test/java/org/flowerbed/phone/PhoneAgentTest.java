@@ -120,7 +120,10 @@ public class PhoneAgentTest {
   public void trainTaskUploadsTheTrainedArraysAndReportsTheWork() throws Exception {
     FakeGateway.FakeTask t =
         gw.addTask(
-            "t-1", "train", config("local-steps", 5L, "batch-size", 2L, "lr", 0.5), identityModel());
+            "t-1",
+            "train",
+            config("local-steps", 5L, "batch-size", 2L, "lr", 0.5),
+            identityModel());
     assertEquals(1, agent("tok-a").run(1));
     List<NamedArray> up = TensorCodec.decode(t.upload.toByteArray());
     List<NamedArray> sent = TensorCodec.decode(identityModel());
@@ -136,7 +139,8 @@ public class PhoneAgentTest {
     assertFalse(t.metrics.containsKey("temp-c"));
     assertTrue(
         lastTaskLine(),
-        lastTaskLine().startsWith("task=t-1 type=train status=accepted num-steps=5 num-examples=10"));
+        lastTaskLine()
+            .startsWith("task=t-1 type=train status=accepted num-steps=5 num-examples=10"));
     assertEquals("hello node_id=7 phone=phone-7 chunk_bytes=1048576", log.get(0));
   }
 
@@ -158,7 +162,20 @@ public class PhoneAgentTest {
     FakeGateway.FakeTask t = gw.addTask("t-3", "train", config(), bad);
     agent("tok-a").run(1);
     assertTrue(t.failReason, t.failReason.startsWith("decode: truncated"));
-    assertTrue(lastTaskLine(), lastTaskLine().startsWith("task=t-3 type=train status=failed at=decode"));
+    assertTrue(
+        lastTaskLine(), lastTaskLine().startsWith("task=t-3 type=train status=failed at=decode"));
+  }
+
+  @Test
+  public void arraysLongerThanAnnouncedFailTheTaskInsteadOfLooping() throws Exception {
+    FakeGateway.FakeTask t = gw.addTask("t-9", "train", config(), identityModel());
+    char[] junk = new char[200];
+    Arrays.fill(junk, 'x');
+    gw.fault("/v1/task/t-9/arrays", 200, new String(junk));
+    agent("tok-a").run(1);
+    assertTrue(t.failReason, t.failReason.startsWith("download: the arrays are longer than"));
+    assertTrue(
+        lastTaskLine(), lastTaskLine().startsWith("task=t-9 type=train status=failed at=download"));
   }
 
   @Test
@@ -184,7 +201,9 @@ public class PhoneAgentTest {
     gw.addTask("big", "train", config("local-steps", 1L), identityModel());
     FakeGateway.FakeTask next = gw.addTask("next", "evaluate", config(), identityModel());
     assertEquals(2, agent("tok-a").run(2));
-    assertTrue(log.toString(), log.get(1).startsWith("task=big type=train status=rejected http=413 at=upload"));
+    assertTrue(
+        log.toString(),
+        log.get(1).startsWith("task=big type=train status=rejected http=413 at=upload"));
     assertEquals(3L, next.metrics.get("num-examples"));
   }
 
@@ -209,7 +228,8 @@ public class PhoneAgentTest {
     assertEquals(1, agent("tok-a").run(1));
     assertEquals(2, gw.hellos.size());
     assertEquals("hello node_id=7 phone=phone-7 chunk_bytes=1048576", log.get(0));
-    assertTrue(log.get(1), log.get(1).startsWith("reconnecting after network error: poll failed 4"));
+    assertTrue(
+        log.get(1), log.get(1).startsWith("reconnecting after network error: poll failed 4"));
     assertEquals(log.get(0), log.get(2));
   }
 
@@ -251,7 +271,11 @@ public class PhoneAgentTest {
   @Test
   public void uploadedArraysDecodeToWhatTheTrainerHolds() throws Exception {
     FakeGateway.FakeTask t =
-        gw.addTask("t-8", "train", config("local-steps", 1L, "batch-size", 3L, "lr", 1.0), identityModel());
+        gw.addTask(
+            "t-8",
+            "train",
+            config("local-steps", 1L, "batch-size", 3L, "lr", 1.0),
+            identityModel());
     agent("tok-a").run(1);
     // The same step done here by hand on a fresh trainer gives the same arrays.
     DenseTrainer expected = Models.fromArrays(TensorCodec.decode(identityModel()), DATA, 0);

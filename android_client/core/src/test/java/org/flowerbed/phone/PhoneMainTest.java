@@ -51,10 +51,7 @@ public class PhoneMainTest {
   }
 
   private int run(String... args) {
-    return PhoneMain.run(
-        args,
-        new PrintStream(out, true),
-        new PrintStream(err, true));
+    return PhoneMain.run(args, new PrintStream(out, true), new PrintStream(err, true));
   }
 
   private String stdout() {
@@ -74,13 +71,27 @@ public class PhoneMainTest {
     FakeGateway.FakeTask t = gw.addTask("t-1", "train", config, mlp());
     int status =
         run(
-            "--gateway", gw.url(), "--token", "tok-a", "--data", csv.getPath(), "--max-tasks", "1",
-            "--battery-pct", "55", "--temp-c", "31.5", "--poll-wait", "0");
+            "--gateway",
+            gw.url(),
+            "--token",
+            "tok-a",
+            "--data",
+            csv.getPath(),
+            "--max-tasks",
+            "1",
+            "--battery-pct",
+            "55",
+            "--temp-c",
+            "31.5",
+            "--poll-wait",
+            "0");
     assertEquals(0, status);
     String[] lines = stdout().split("\n");
     assertEquals(3, lines.length);
     assertEquals("hello node_id=3 phone=phone-3 chunk_bytes=1048576", lines[0]);
-    assertTrue(lines[1], lines[1].startsWith("task=t-1 type=train status=accepted num-steps=3 num-examples=6"));
+    assertTrue(
+        lines[1],
+        lines[1].startsWith("task=t-1 type=train status=accepted num-steps=3 num-examples=6"));
     assertEquals("stopped tasks=1", lines[2]);
     assertEquals(6L, t.metrics.get("num-examples"));
     assertEquals(55.0, t.metrics.get("battery-pct"));
@@ -100,13 +111,19 @@ public class PhoneMainTest {
   @Test
   public void badArgumentsExitTwoWithTheReason() {
     assertEquals(2, run("--gateway", gw.url(), "--token", "t"));
-    assertTrue(err.toString(), err.toString().startsWith("error: --gateway, --token and --data are required"));
+    assertTrue(
+        err.toString(),
+        err.toString().startsWith("error: --gateway, --token and --data are required"));
     err.reset();
     assertEquals(2, run("--gateway", "ftp://x", "--token", "t", "--data", csv.getPath()));
-    assertTrue(err.toString(), err.toString().startsWith("error: gateway URL must start with http://"));
+    assertTrue(
+        err.toString(), err.toString().startsWith("error: gateway URL must start with http://"));
     err.reset();
-    assertEquals(2, run("--gateway", gw.url(), "--token", "t", "--data", csv.getPath(), "--slow-ms", "-3"));
-    assertTrue(err.toString(), err.toString().startsWith("error: --slow-ms needs an integer >= 0, got '-3'"));
+    assertEquals(
+        2, run("--gateway", gw.url(), "--token", "t", "--data", csv.getPath(), "--slow-ms", "-3"));
+    assertTrue(
+        err.toString(),
+        err.toString().startsWith("error: --slow-ms needs an integer >= 0, got '-3'"));
     err.reset();
     assertEquals(2, run("--gateway", gw.url(), "--token", "t", "--data", "/nonexistent.csv"));
     assertTrue(err.toString(), err.toString().startsWith("error: /nonexistent.csv"));
@@ -115,12 +132,21 @@ public class PhoneMainTest {
   @Test
   public void aSeparateJvmPhoneStopsOnSigterm() throws Exception {
     gw.pollDelayMs = 20_000;
-    String java = System.getProperty("java.home") + File.separator + "bin" + File.separator + "java";
+    String java =
+        System.getProperty("java.home") + File.separator + "bin" + File.separator + "java";
     ProcessBuilder pb =
         new ProcessBuilder(
             Arrays.asList(
-                java, "-cp", System.getProperty("java.class.path"), "org.flowerbed.phone.PhoneMain",
-                "--gateway", gw.url(), "--token", "tok-a", "--data", csv.getPath()));
+                java,
+                "-cp",
+                System.getProperty("java.class.path"),
+                "org.flowerbed.phone.PhoneMain",
+                "--gateway",
+                gw.url(),
+                "--token",
+                "tok-a",
+                "--data",
+                csv.getPath()));
     File log = tmp.newFile("phone.log");
     pb.redirectErrorStream(true);
     pb.redirectOutput(log); // Process.destroy() closes pipes, so the output goes to a file
@@ -132,7 +158,8 @@ public class PhoneMainTest {
       p.destroy(); // SIGTERM
       assertTrue("no exit within 10 s of SIGTERM", p.waitFor(10, TimeUnit.SECONDS));
       BufferedReader lines =
-          new BufferedReader(new InputStreamReader(new FileInputStream(log), StandardCharsets.UTF_8));
+          new BufferedReader(
+              new InputStreamReader(new FileInputStream(log), StandardCharsets.UTF_8));
       try {
         assertEquals("hello node_id=3 phone=phone-3 chunk_bytes=1048576", lines.readLine());
         assertEquals("stopped tasks=0", lines.readLine());

@@ -15,15 +15,31 @@ import org.junit.Test;
 public class TensorCodecTest {
   /** One tensor "w" of shape [2] holding 1.0, -2.0, written out byte by byte. */
   private static final byte[] TINY = {
-    'F', 'B', 'T', '1', // magic
-    1, 0, 0, 0, // count = 1
-    1, 0, // name_len = 1
+    'F',
+    'B',
+    'T',
+    '1', // magic
+    1,
+    0,
+    0,
+    0, // count = 1
+    1,
+    0, // name_len = 1
     'w', // name
     0, // dtype float32
     1, // ndim
-    2, 0, 0, 0, // dims[0] = 2
-    0, 0, (byte) 0x80, 0x3f, // 1.0f  = 0x3f800000
-    0, 0, 0, (byte) 0xc0, // -2.0f = 0xc0000000
+    2,
+    0,
+    0,
+    0, // dims[0] = 2
+    0,
+    0,
+    (byte) 0x80,
+    0x3f, // 1.0f  = 0x3f800000
+    0,
+    0,
+    0,
+    (byte) 0xc0, // -2.0f = 0xc0000000
   };
 
   private static NamedArray array(String name, int[] shape, float... data) {
@@ -43,8 +59,7 @@ public class TensorCodecTest {
 
   @Test
   public void encodesTheByteLayoutOfTheProtocol() {
-    byte[] blob =
-        TensorCodec.encode(Collections.singletonList(array("w", new int[] {2}, 1f, -2f)));
+    byte[] blob = TensorCodec.encode(Collections.singletonList(array("w", new int[] {2}, 1f, -2f)));
     assertArrayEquals(TINY, blob);
     assertEquals(
         TINY.length,

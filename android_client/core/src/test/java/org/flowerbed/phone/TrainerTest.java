@@ -157,7 +157,8 @@ public class TrainerTest {
     SoftmaxRegression t = new SoftmaxRegression(separable(4, 0), 2, 0);
     List<NamedArray> p =
         Arrays.asList(
-            array("fc.weight", new int[] {2, 2}, 1, 2, 3, 4), array("fc.bias", new int[] {2}, 5, 6));
+            array("fc.weight", new int[] {2, 2}, 1, 2, 3, 4),
+            array("fc.bias", new int[] {2}, 5, 6));
     t.setParameters(p);
     p.get(0).data()[0] = 99; // the trainer holds its own copy
     assertArrayEquals(new float[] {1, 2, 3, 4}, param(t, "fc.weight"), 0);
@@ -178,11 +179,12 @@ public class TrainerTest {
   @Test
   public void modelsExplainUnknownArrays() {
     try {
-      Models.fromArrays(
-          Arrays.asList(array("conv1.weight", new int[] {1}, 0)), separable(4, 0), 0);
+      Models.fromArrays(Arrays.asList(array("conv1.weight", new int[] {1}, 0)), separable(4, 0), 0);
       fail("expected IllegalArgumentException");
     } catch (IllegalArgumentException e) {
-      assertTrue(e.getMessage(), e.getMessage().startsWith("no pure-Java model has arrays [conv1.weight]"));
+      assertTrue(
+          e.getMessage(),
+          e.getMessage().startsWith("no pure-Java model has arrays [conv1.weight]"));
       assertTrue(e.getMessage(), e.getMessage().contains("fc1.weight [hidden, in]"));
     }
   }
@@ -191,7 +193,8 @@ public class TrainerTest {
   public void modelsRefuseAModelOverOtherFeatures() {
     List<NamedArray> threeFeatures =
         Arrays.asList(
-            array("fc.weight", new int[] {2, 3}, new float[6]), array("fc.bias", new int[] {2}, 0, 0));
+            array("fc.weight", new int[] {2, 3}, new float[6]),
+            array("fc.bias", new int[] {2}, 0, 0));
     try {
       Models.fromArrays(threeFeatures, separable(4, 0), 0);
       fail("expected IllegalArgumentException");
