@@ -1,5 +1,7 @@
 """End to end: a real SuperLink, the gateway and four JVM phones train digits.
 
+Both tests share one local SuperLink (module fixture).
+
 A ServerApp (``flowerbed.clients.bridge.demo_app``, DeadlineFedAvg with a 5 s
 deadline) runs in deployment mode through ``flwr run`` against a local SuperLink.
 Phone p3 trains slowly and is killed during its first task: that round must close
@@ -19,12 +21,16 @@ from pathlib import Path
 
 import pytest
 from flowerbed.clients.bridge.demo_app import write_phone_csvs
+from flowerbed.clients.bridge.gateway import Gateway, GatewaySettings
 from flowerbed.clients.bridge.procs import (
     free_port,
     start_gateway,
     start_superlink,
     stop_processes,
 )
+from flowerbed.clients.bridge.relay import SuperLinkConnector
+from flowerbed.clients.bridge.server import GatewayServer
+from flowerbed.clients.bridge.simphone import SimPhone
 
 ROOT = Path(__file__).resolve().parents[1]
 JAR = Path(
@@ -75,7 +81,19 @@ address = "127.0.0.1:{port}"
 insecure = true
 """
 
-pytestmark = [pytest.mark.slow, pytest.mark.java]
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def superlink(tmp_path_factory):
+    """Port of a local insecure SuperLink, stopped by pid after the module."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("superlink") / "superlink.log"
+    proc = start_superlink(port, log)
+    try:
+        yield port
+    finally:
+        stop_processes([proc])
 
 
 def _phone_jar() -> Path:
@@ -136,8 +154,9 @@ def _wait_for_line(path: Path, pattern: str, timeout: float) -> re.Match[str]:
     raise AssertionError(f"no line matching {pattern!r} in {path} within {timeout} s")
 
 
+@pytest.mark.java
 def test_phones_train_digits_and_a_killed_phone_is_a_straggler_then_rejoins(
-    tmp_path, procs
+    tmp_path, procs, superlink
 ):
     jar = _phone_jar()
     data = tmp_path / "data"
@@ -146,8 +165,7 @@ def test_phones_train_digits_and_a_killed_phone_is_a_straggler_then_rejoins(
     tokens.write_text(
         "".join(f"e2e-token-phone-{i}-0000 p{i}\n" for i in range(PHONES))
     )
-    link_port, gw_port = free_port(), free_port()
-    procs.append(start_superlink(link_port, tmp_path / "superlink.log"))
+    link_port, gw_port = superlink, free_port()
     app = tmp_path / "app"
     app.mkdir()
     results = tmp_path / "results.json"
@@ -218,3 +236,22 @@ def test_phones_train_digits_and_a_killed_phone_is_a_straggler_then_rejoins(
     accuracy = [r["accuracy"] for r in outcome["rounds"]]
     assert len(accuracy) == 6
     assert accuracy[-1] > accuracy[0] + 0.5
+
+
+def test_node_ids_survive_a_gateway_restart_with_a_state_dir(tmp_path, superlink):
+    token = "restart-test-token-0000"
+    node_ids = []
+    for _ in range(2):  # the same gateway configuration, started twice
+        connector = SuperLinkConnector(
+            f"127.0.0.1:{superlink}", insecure=True, state_dir=tmp_path / "state"
+        )
+        gateway = Gateway({token: "survivor"}, connector, GatewaySettings())
+        server = GatewayServer(gateway, "127.0.0.1", 0).start()
+        try:
+            phone = SimPhone(server.url, token)
+            node_ids.append(phone.hello()["node_id"])
+            phone.close()
+        finally:
+            server.stop()
+    assert node_ids[0] == node_ids[1]
+    assert (tmp_path / "state" / "survivor.pem").stat().st_mode & 0o777 == 0o600

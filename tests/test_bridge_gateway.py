@@ -53,7 +53,7 @@ class FakeFlower:
         self.active: set[int] = set()
         self.registrations = 0
 
-    def new_identity(self) -> object:
+    def new_identity(self, phone_name: str) -> object:
         return object()
 
     def register(self, identity: object) -> int:

@@ -48,6 +48,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--tokens", required=True, help="token file: '<token> <phone-name>'")
     p.add_argument("--host", default="127.0.0.1", help="listen address for phones")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="listen port")
+    p.add_argument(
+        "--state-dir",
+        help="keep phones' node keys here: node ids survive gateway restarts",
+    )
     p.add_argument("--certfile", help="PEM certificate chain: serve phones HTTPS")
     p.add_argument("--keyfile", help="PEM private key of --certfile")
     d = GatewaySettings()
@@ -125,7 +129,10 @@ def run(args: argparse.Namespace) -> int:
         log.error("%s", err)
         return 2
     connector = SuperLinkConnector(
-        args.superlink, insecure=args.insecure, root_certificates=args.root_certificates
+        args.superlink,
+        insecure=args.insecure,
+        root_certificates=args.root_certificates,
+        state_dir=args.state_dir,
     )
     gateway = Gateway(tokens, connector, settings)
     try:

@@ -162,7 +162,7 @@ class Gateway:
         phone.device = device if isinstance(device, dict) else {"raw": str(device)}
         with self._register_lock:
             if phone.node_id is None:
-                identity = self.connector.new_identity()
+                identity = self.connector.new_identity(phone.name)
                 try:
                     node_id = self.connector.register(identity)
                 except Exception as err:

@@ -11,18 +11,23 @@ transfer are Flower's own functions; nothing of Flower's wire format is redone h
 Each phone owns a Flower node key pair. The gateway registers the node once (at the
 phone's first ``hello``) and passes the key pair to ``http_request_response``, which
 then only activates the node on entry and deactivates it on exit, never unregisters
-it: a phone that sleeps, changes network or restarts keeps its node id.
+it: a phone that sleeps, changes network or restarts keeps its node id. With a state
+directory the key pairs are kept on disk, so node ids also survive a gateway
+restart (the SuperLink knows the key and answers with the same node).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from functools import partial
+from pathlib import Path
 from typing import Any, Protocol
 
+import httpx
 from cryptography.hazmat.primitives.asymmetric import ec
 from flowerbed import keys
 from flowerbed.clients.bridge.tasks import (
@@ -33,7 +38,13 @@ from flowerbed.clients.bridge.tasks import (
     task_from_message,
 )
 from flwr.app import Message
-from flwr.proto.fleet_pb2 import RegisterNodeFleetRequest  # pylint: disable=E0611
+from flwr.common.constant import HEARTBEAT_DEFAULT_INTERVAL
+from flwr.proto.fleet_pb2 import (  # pylint: disable=E0611
+    ActivateNodeRequest,
+    DeactivateNodeRequest,
+    RegisterNodeFleetRequest,
+)
+from flwr.supercore.error import ApiErrorCode, FlowerError
 from flwr.supercore.inflatable.inflatable_object import (
     get_all_nested_objects,
     get_object_tree,
@@ -45,7 +56,12 @@ from flwr.supercore.inflatable.inflatable_utils import (
     pull_objects,
     push_object_contents_from_iterable,
 )
-from flwr.supercore.primitives.asymmetric import generate_key_pairs, public_key_to_bytes
+from flwr.supercore.primitives.asymmetric import (
+    bytes_to_private_key,
+    generate_key_pairs,
+    private_key_to_bytes,
+    public_key_to_bytes,
+)
 from flwr.supernode.fleet_http_client import FleetHttpClient
 from flwr.supernode.fleet_http_connection import http_request_response
 from flwr.supernode.node_auth_http_interceptor import NodeAuthHttpInterceptor
@@ -70,8 +86,8 @@ class NodeLink(Protocol):
 class NodeConnector(Protocol):
     """Creates node identities and opens their Fleet API connections."""
 
-    def new_identity(self) -> Any:
-        """A fresh node identity (a key pair for the SuperLink)."""
+    def new_identity(self, phone_name: str) -> Any:
+        """The phone's node identity (a key pair for the SuperLink)."""
 
     def register(self, identity: Any) -> int:
         """Register the identity as a node once; return its node id."""
@@ -102,30 +118,68 @@ class SuperLinkConnector:
         Plain HTTP instead of HTTPS.
     root_certificates : bytes | str | None
         PEM bundle (or its path) to verify the SuperLink's certificate.
+    state_dir : str | Path | None
+        Keep each phone's node key here (``<phone>.pem``, mode 600) so node ids
+        survive gateway restarts; None keeps keys in memory only.
     """
 
     def __init__(
-        self, address: str, insecure: bool, root_certificates: bytes | str | None = None
+        self,
+        address: str,
+        insecure: bool,
+        root_certificates: bytes | str | None = None,
+        state_dir: str | Path | None = None,
     ) -> None:
         self.address = address
         self.insecure = insecure
         self.root_certificates = root_certificates
+        self.state_dir = Path(state_dir) if state_dir is not None else None
 
-    def new_identity(self) -> KeyPair:
-        return generate_key_pairs()
+    def new_identity(self, phone_name: str) -> KeyPair:
+        if self.state_dir is None:
+            return generate_key_pairs()
+        path = self.state_dir / f"{phone_name}.pem"
+        if path.exists():
+            private_key = bytes_to_private_key(path.read_bytes())
+            return private_key, private_key.public_key()
+        private_key, public_key = generate_key_pairs()
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(private_key_to_bytes(private_key))
+        return private_key, public_key
 
     def register(self, identity: KeyPair) -> int:
+        """Register the node; a key the SuperLink already knows keeps its node id."""
         private_key, public_key = identity
+        key = public_key_to_bytes(public_key)
         with FleetHttpClient.from_server_address(
             self.address,
             self.insecure,
             self.root_certificates,
             interceptors=[NodeAuthHttpInterceptor(private_key, public_key)],
         ) as client:
-            response = client.RegisterNode(
-                RegisterNodeFleetRequest(public_key=public_key_to_bytes(public_key))
-            )
-        return int(response.node_id)
+            try:
+                return int(
+                    client.RegisterNode(
+                        RegisterNodeFleetRequest(public_key=key)
+                    ).node_id
+                )
+            except httpx.HTTPStatusError as err:
+                error = FlowerError.from_json(err.response.text)
+                if (
+                    error is None
+                    or error.code != ApiErrorCode.PUBLIC_KEY_ALREADY_IN_USE
+                ):
+                    raise
+            # Known key (a restarted gateway): activating answers with its node id.
+            node_id = client.ActivateNode(
+                ActivateNodeRequest(
+                    public_key=key, heartbeat_interval=HEARTBEAT_DEFAULT_INTERVAL
+                )
+            ).node_id
+            client.DeactivateNode(DeactivateNodeRequest(node_id=node_id))
+            return int(node_id)
 
     @contextmanager
     def connect(self, identity: KeyPair) -> Iterator[NodeLink]:
