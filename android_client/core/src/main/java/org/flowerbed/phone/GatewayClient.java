@@ -301,10 +301,6 @@ public final class GatewayClient {
     }
   }
 
-  public boolean isClosed() {
-    return closed;
-  }
-
   private Response withRetry(String what, String method, String path, byte[] body, int timeoutMs)
       throws IOException {
     return withRetry(what, method, path, body, timeoutMs, false);

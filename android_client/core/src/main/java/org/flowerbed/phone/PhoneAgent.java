@@ -80,15 +80,6 @@ public final class PhoneAgent {
     }
   }
 
-  public boolean isStopping() {
-    return stopping;
-  }
-
-  /** The last hello answer, or null before the first. */
-  public Hello hello() {
-    return hello;
-  }
-
   /**
    * Work until {@link #stop} or until {@code maxTasks} tasks were handled (0: no limit).
    *
