@@ -104,7 +104,9 @@ class _Handler(BaseHTTPRequestHandler):
             if err.status == 401:
                 self.close_connection = True
             elif phone is not None and err.status in (400, 409, 413):
-                log.warning(
+                # 409 is an ordinary resume; 400 and 413 reject the phone's data.
+                log.log(
+                    logging.INFO if err.status == 409 else logging.WARNING,
                     "phone %s at %s: %s %s rejected (%s): %s",
                     phone.name,
                     self._address(),
