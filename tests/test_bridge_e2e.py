@@ -31,6 +31,7 @@ from flowerbed.clients.bridge.procs import (
 from flowerbed.clients.bridge.relay import SuperLinkConnector
 from flowerbed.clients.bridge.server import GatewayServer
 from flowerbed.clients.bridge.simphone import SimPhone
+from flowerbed.strategies.utils import ROUND_PARTICIPANTS, ROUND_STRAGGLERS
 
 ROOT = Path(__file__).resolve().parents[1]
 JAR = Path(
@@ -226,12 +227,12 @@ def test_phones_train_digits_and_a_killed_phone_is_a_straggler_then_rejoins(
     # Its first task expired unanswered; the round closed at the deadline with 3.
     train = outcome["train"]
     killed_round = int(re.search(rf"{first.group(1)} \(round (\d+)", gw_text)[1])
-    assert train[str(killed_round)]["participants"] == 3
-    assert train[str(killed_round)]["stragglers"] >= 1
+    assert train[str(killed_round)][ROUND_PARTICIPANTS] == 3
+    assert train[str(killed_round)][ROUND_STRAGGLERS] >= 1
     # After its restart p3 completed tasks again and a later round used all four.
     after_restart = gw_text.split(f"task {first.group(1)} expired", 1)[1]
     assert re.search(r"phone p3: task \w+ accepted", after_restart)
-    assert any(m["participants"] == PHONES for r, m in train.items() if int(r) > 1)
+    assert any(m[ROUND_PARTICIPANTS] == PHONES for r, m in train.items() if int(r) > 1)
     # The global model improved: round 0 is an untrained 10-class model.
     accuracy = [r["accuracy"] for r in outcome["rounds"]]
     assert len(accuracy) == 6
