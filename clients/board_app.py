@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from logging import ERROR
 from typing import Any
 
+import numpy as np
 import torch
 from flowerbed import keys
 from flowerbed.clients import telemetry
@@ -59,6 +60,7 @@ from flwr.app import (
     Error,
     Message,
     MetricRecord,
+    MetricRecordValues,
     RecordDict,
 )
 from flwr.clientapp import ClientApp
@@ -90,6 +92,9 @@ DEFAULTS: dict[str, str | int | float] = {
     SEED: 0,
     keys.PROFILE_STEPS: 5,
 }
+
+EVAL_CHUNK = 256
+"""Samples per forward pass in ``evaluate`` (bounds activation memory on boards)."""
 
 ERROR_CODE = ErrorCode.CLIENT_APP_RAISED_EXCEPTION
 """Code of the error replies this app sends (Flower's "ClientApp raised exception")."""
@@ -305,12 +310,29 @@ def train(message: Message, context: Context) -> Message:
     return Message(content, reply_to=message)
 
 
+def chunked_evaluate(
+    model: nn.Module, x: np.ndarray, y: np.ndarray, chunk: int = EVAL_CHUNK
+) -> tuple[float, float]:
+    """Mean loss and accuracy over (x, y), ``chunk`` samples per forward pass.
+
+    Each chunk's mean is weighted by its size, so the result equals one pass over
+    all samples while memory stays bounded on a board.
+    """
+    loss_sum = correct = 0.0
+    for begin in range(0, len(x), chunk):
+        xs, ys = x[begin : begin + chunk], y[begin : begin + chunk]
+        loss, acc = evaluate_model(model, xs, ys)
+        loss_sum += loss * len(xs)
+        correct += acc * len(xs)
+    return loss_sum / len(x), correct / len(x)
+
+
 def evaluate(message: Message, context: Context) -> Message:
     """Loss and accuracy of the received model on the board's evaluation data."""
     setup = _load(context, message, EVAL_DATASET_PATH)
     start = time.monotonic()
-    loss, acc = evaluate_model(setup.model, setup.data.x, setup.data.y)
-    metrics = {
+    loss, acc = chunked_evaluate(setup.model, setup.data.x, setup.data.y)
+    metrics: dict[str, MetricRecordValues] = {
         keys.NUM_EXAMPLES: len(setup.data),
         keys.EVAL_LOSS: loss,
         keys.EVAL_ACC: acc,

@@ -11,6 +11,7 @@ import pytest
 from flowerbed import keys
 from flowerbed.clients import board_app
 from flowerbed.clients.board_app import deadline_origin
+from flowerbed.clients.training import evaluate
 from flowerbed.models import build_model
 from flwr.app import (
     ArrayRecord,
@@ -199,3 +200,13 @@ def test_profiling_query_refuses_zero_steps(npz: Path) -> None:
     reply = board_app.app(sent, context({"dataset-path": str(npz)}))
     assert reply.has_error()
     assert keys.PROFILE_STEPS in (reply.error.reason or "")
+
+
+def test_chunked_evaluation_equals_one_pass() -> None:
+    rng = np.random.default_rng(1)
+    x = rng.random((10, 1, 8, 8), dtype=np.float32)
+    y = rng.integers(0, 10, 10)
+    model = build_model("lenet", 1, 8, 10)
+    whole = evaluate(model, x, y)
+    # chunks of 3, 3, 3 and 1 samples, weighted by their sizes
+    assert board_app.chunked_evaluate(model, x, y, chunk=3) == pytest.approx(whole)
