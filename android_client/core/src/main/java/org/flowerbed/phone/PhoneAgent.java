@@ -32,6 +32,10 @@ public final class PhoneAgent {
   }
 
   private final GatewayClient client;
+
+  /** Seconds kept free before a task's expiry for the upload and complete round trips. */
+  static final double UPLOAD_SLACK_S = 1.0;
+
   private final TrainerFactory factory;
   private final DeviceStatus device;
   private final Ticker ticker;
@@ -166,10 +170,12 @@ public final class PhoneAgent {
    *     gateway hands out the same task until it is completed or expires) or a refusal
    */
   private String handle(Task task) throws IOException {
+    long received = ticker.nanoTime();
     String head = "task=" + task.id() + " type=" + task.type();
     String step = "download";
     try {
       byte[] blob = client.downloadArrays(task);
+      double downloadS = (ticker.nanoTime() - received) / 1e9;
       step = "decode";
       List<NamedArray> arrays = TensorCodec.decode(blob);
       step = "build";
@@ -178,7 +184,9 @@ public final class PhoneAgent {
       String detail;
       if (task.isTrain()) {
         step = "train";
-        TrainSettings settings = TrainSettings.fromConfig(task.config(), trainer.numExamples());
+        TrainSettings settings =
+            TrainSettings.fromConfig(task.config(), trainer.numExamples())
+                .capDeadline(trainingBudgetS(task, received, downloadS));
         TrainingLoop.Report report = TrainingLoop.train(trainer, settings, ticker, gate());
         step = "upload";
         client.uploadResult(
@@ -229,6 +237,18 @@ public final class PhoneAgent {
       // reason and the phone keeps serving.
       return head + " status=failed at=" + step + reason(e) + giveUp(task, step, e);
     }
+  }
+
+  /**
+   * Seconds of training that still let the result reach the gateway before the task expires:
+   * expires_in_s - (time since the task arrived) - (upload time, estimated as the download time,
+   * since the update is as large as the model) - {@link #UPLOAD_SLACK_S}. Training past it would
+   * only produce a reply the gateway no longer takes, so the loop stops there and reports the
+   * partial work instead.
+   */
+  private double trainingBudgetS(Task task, long receivedNanos, double downloadS) {
+    double sinceReceived = (ticker.nanoTime() - receivedNanos) / 1e9;
+    return task.expiresInS() - sinceReceived - downloadS - UPLOAD_SLACK_S;
   }
 
   /** Tell the gateway the task is given up; returns a note for the log if that failed too. */

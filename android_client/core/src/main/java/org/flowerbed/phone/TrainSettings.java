@@ -34,6 +34,17 @@ public final class TrainSettings {
   }
 
   /**
+   * These settings with the deadline lowered to {@code limitS} if that is sooner (or set, if there
+   * was none).
+   */
+  public TrainSettings capDeadline(double limitS) {
+    if (deadlineS != null && deadlineS <= limitS) {
+      return this;
+    }
+    return new TrainSettings(localSteps, limitS, lr, batchSize);
+  }
+
+  /**
    * Read the settings from a task config. Absent keys take defaults: {@link #DEFAULT_LR}, {@link
    * #DEFAULT_BATCH_SIZE}, no deadline, and one pass over the data, max(1, floor(examples / batch))
    * steps.

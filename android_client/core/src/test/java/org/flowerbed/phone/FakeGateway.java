@@ -69,6 +69,9 @@ final class FakeGateway implements AutoCloseable {
   int chunkBytes = 1 << 20;
   long maxUploadBytes = 1 << 26;
 
+  /** The expires_in_s every task announces. */
+  volatile double expiresInS = 60.0;
+
   /** Milliseconds a poll waits before answering 204 when there is no task. */
   volatile long pollDelayMs;
 
@@ -181,7 +184,7 @@ final class FakeGateway implements AutoCloseable {
         j.put("type", t.type);
         j.put("config", t.config);
         j.put("arrays_bytes", (long) t.arrays.length);
-        j.put("expires_in_s", 60.0);
+        j.put("expires_in_s", expiresInS);
         send(ex, 200, Json.write(j));
         return;
       }

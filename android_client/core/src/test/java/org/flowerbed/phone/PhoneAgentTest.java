@@ -39,6 +39,18 @@ public class PhoneAgentTest {
   }
 
   private PhoneAgent agent(String token) {
+    return agent(
+        token,
+        Ticker.SYSTEM,
+        new PhoneAgent.TrainerFactory() {
+          @Override
+          public Trainer create(List<NamedArray> arrays) {
+            return Models.fromArrays(arrays, DATA, 0);
+          }
+        });
+  }
+
+  private PhoneAgent agent(String token, Ticker ticker, PhoneAgent.TrainerFactory factory) {
     Sleeper sleeper =
         new Sleeper() {
           @Override
@@ -64,13 +76,6 @@ public class PhoneAgentTest {
             return block;
           }
         };
-    PhoneAgent.TrainerFactory factory =
-        new PhoneAgent.TrainerFactory() {
-          @Override
-          public Trainer create(List<NamedArray> arrays) {
-            return Models.fromArrays(arrays, DATA, 0);
-          }
-        };
     GatewayClient client =
         new GatewayClient(gw.url(), token, new Backoff(10, 100, 0, 4, 0), sleeper, 2000, 5000);
     Map<String, Object> info = new HashMap<String, Object>();
@@ -79,7 +84,7 @@ public class PhoneAgentTest {
         client,
         factory,
         device,
-        Ticker.SYSTEM,
+        ticker,
         sleeper,
         new Backoff(10, 100, 0, 4, 0),
         info,
@@ -154,6 +159,61 @@ public class PhoneAgentTest {
     assertEquals(2.0 / 3, (Double) t.metrics.get("eval-acc"), 1e-12);
     assertEquals(0, t.upload.size());
     assertTrue(lastTaskLine(), lastTaskLine().contains("status=accepted num-examples=3"));
+  }
+
+  @Test
+  public void trainingStopsInTimeForTheResultToBeatTheTaskExpiry() throws Exception {
+    // expires_in_s = 5, each step takes 1 s on a hand-moved clock, download takes no time:
+    // budget = 5 - 0 - 0 - 1 s slack = 4 s, so 4 of the 10 asked steps run.
+    gw.expiresInS = 5.0;
+    FakeGateway.FakeTask t =
+        gw.addTask("t-10", "train", config("local-steps", 10L, "batch-size", 1L), identityModel());
+    final long[] now = {0};
+    Ticker clock =
+        new Ticker() {
+          @Override
+          public long nanoTime() {
+            return now[0];
+          }
+        };
+    PhoneAgent.TrainerFactory slow =
+        new PhoneAgent.TrainerFactory() {
+          @Override
+          public Trainer create(List<NamedArray> arrays) {
+            final Trainer inner = Models.fromArrays(arrays, DATA, 0);
+            return new Trainer() {
+              @Override
+              public void setParameters(List<NamedArray> a) {
+                inner.setParameters(a);
+              }
+
+              @Override
+              public List<NamedArray> getParameters() {
+                return inner.getParameters();
+              }
+
+              @Override
+              public int numExamples() {
+                return inner.numExamples();
+              }
+
+              @Override
+              public StepResult step(int batchSize, double lr) {
+                now[0] += 1_000_000_000L;
+                return inner.step(batchSize, lr);
+              }
+
+              @Override
+              public Evaluation evaluate() {
+                return inner.evaluate();
+              }
+            };
+          }
+        };
+    agent("tok-a", clock, slow).run(1);
+    assertEquals(4L, t.metrics.get("num-steps"));
+    assertEquals(4.0, (Double) t.metrics.get("train-time-s"), 1e-9);
+    assertTrue(lastTaskLine(), lastTaskLine().endsWith("deadline-hit=true"));
   }
 
   @Test
