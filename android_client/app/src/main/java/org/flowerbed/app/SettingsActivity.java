@@ -96,6 +96,8 @@ public final class SettingsActivity extends Activity {
       return;
     }
     s.save(this);
+    // A running service keeps the settings it started with: restart it with the new ones.
+    stopService(new Intent(this, TrainingService.class));
     startForegroundService(new Intent(this, TrainingService.class));
     status.setText("Started; the notification shows each task.");
   }
