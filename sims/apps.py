@@ -25,4 +25,5 @@ def main(grid: Grid, context: Context) -> None:
     """Check the run config before anything trains, then run the scenario."""
     scenario = Scenario.from_run_config(context.run_config)
     outcome = run_server(grid, scenario)
-    print(f"flowerbed: run folder written to {outcome.run_dir}", flush=True)
+    run_dir = outcome.run_dir.resolve() if outcome.run_dir else None
+    print(f"flowerbed: run folder written to {run_dir}", flush=True)

@@ -158,11 +158,12 @@ class FleetGrid(Grid):
             reply, after_s = self._execute(message)
             ttl = message.metadata.ttl
             if after_s > ttl:  # too late: the reply is dropped, the TTL expires
-                reply = message.create_error_reply(
+                reply = Message(
                     Error(
                         ErrorCode.REPLY_MESSAGE_UNAVAILABLE,
                         f"no reply within the message's TTL of {ttl:g} s",
-                    )
+                    ),
+                    reply_to=message,
                 )
                 after_s = ttl
             heapq.heappush(
@@ -200,16 +201,19 @@ class FleetGrid(Grid):
             reply = self.client_app(message, context)
         except NodeDropout as drop:
             if drop.silent:
-                return message.create_error_reply(
-                    Error(ErrorCode.REPLY_MESSAGE_UNAVAILABLE, str(drop))
+                return Message(
+                    Error(ErrorCode.REPLY_MESSAGE_UNAVAILABLE, str(drop)),
+                    reply_to=message,
                 ), math.inf
-            return message.create_error_reply(
-                Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, str(drop))
+            return Message(
+                Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, str(drop)),
+                reply_to=message,
             ), drop.after_s
         except Exception as err:  # a crashing ClientApp is an error reply, as in Flower
             log.warning("node %s raised %r", message.metadata.dst_node_id, err)
-            return message.create_error_reply(
-                Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, repr(err))
+            return Message(
+                Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, repr(err)),
+                reply_to=message,
             ), 0.0
         if reply.has_error():
             return reply, 0.0

@@ -1,0 +1,173 @@
+"""``flowerbed sim``: run a scenario on the in-process fleet engine."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+from flowerbed.sims.config import ConfigError, Scenario
+
+OPTION_KEYS = {
+    "fleet": "fleet",
+    "nodes": "num-nodes",
+    "rounds": "num-rounds",
+    "strategy": "strategy",
+    "model": "model",
+    "dataset": "dataset",
+    "data_dir": "data-dir",
+    "partition": "partition",
+    "alpha": "alpha",
+    "seed": "seed",
+    "target": "target-accuracy",
+    "out": "output-dir",
+    "local_steps": "local-steps",
+    "dropout": "dropout",
+    "deadline": "deadline-s",
+}
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "sim",
+        help="simulate a heterogeneous fleet on the in-process engine",
+        description="Train on a simulated fleet of unequal devices. Time is virtual: "
+        "each node reports how long its device would have taken. Writes a run "
+        "folder (results.json, rounds.csv, accuracy.png).",
+    )
+    d = Scenario()
+    p.add_argument("--fleet", help=f"fleet mix (default {d.fleet})")
+    p.add_argument("--nodes", type=int, help=f"number of nodes (default {d.num_nodes})")
+    p.add_argument("--rounds", type=int, help=f"rounds (default {d.num_rounds})")
+    p.add_argument("--strategy", help=f"strategy (default {d.strategy})")
+    p.add_argument("--model", help=f"model: lenet or mobilenet (default {d.model})")
+    p.add_argument("--dataset", help=f"digits, mnist or cifar10 (default {d.dataset})")
+    p.add_argument("--data-dir", help="folder holding mnist/cifar10 files")
+    p.add_argument("--partition", help=f"iid or dirichlet (default {d.partition})")
+    p.add_argument("--alpha", type=float, help=f"Dirichlet alpha (default {d.alpha})")
+    p.add_argument("--seed", type=int, help=f"random seed (default {d.seed})")
+    p.add_argument(
+        "--target", type=float, help=f"target accuracy (default {d.target_accuracy})"
+    )
+    p.add_argument("--local-steps", type=int, help=f"default {d.local_steps}")
+    p.add_argument(
+        "--dropout",
+        type=float,
+        help="per-task dropout probability for every node (default: device profiles)",
+    )
+    p.add_argument("--deadline", type=float, help="deadline-s sent to nodes (0: none)")
+    p.add_argument("--out", help=f"output folder (default {d.output_dir})")
+    p.add_argument(
+        "-c",
+        "--config",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any run-config key, as in pyproject.toml (repeatable)",
+    )
+    p.add_argument("-v", "--verbose", action="store_true", help="show Flower's log")
+    p.set_defaults(func=run)
+
+
+def _parse_value(text: str) -> Any:
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def run_config_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    config: dict[str, Any] = {}
+    for item in args.config:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--config expects KEY=VALUE, got {item!r}")
+        config[key.strip()] = _parse_value(value.strip())
+    for option, key in OPTION_KEYS.items():
+        value = getattr(args, option)
+        if value is not None:
+            config[key] = value
+    return config
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    console = Console()
+    try:
+        scenario = Scenario.from_run_config(run_config_from_args(args))
+    except ConfigError as err:
+        console.print(f"[red]flowerbed sim: error:[/red] {err}")
+        return 2
+    if not args.verbose:
+        logging.getLogger("flwr").setLevel(logging.WARNING)
+    return simulate(scenario, console)
+
+
+def simulate(scenario: Scenario, console: Any) -> int:
+    from flowerbed.sims.recorder import RoundRecord
+    from flowerbed.sims.scenario import run_scenario
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+    from rich.table import Table
+
+    table = Table(title=f"{scenario.strategy} on {scenario.fleet}")
+    for column in ("round", "virtual time (s)", "accuracy", "participants"):
+        table.add_column(column, justify="right")
+    table.add_column("failed", justify="right")
+    table.add_column("stragglers", justify="right")
+    table.add_column("energy (J)", justify="right")
+    progress = Progress(
+        TextColumn("[bold]simulating"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("rounds  acc {task.fields[acc]}  vtime {task.fields[vtime]}"),
+        TimeElapsedColumn(),
+        console=console,
+    )
+
+    def on_round(r: RoundRecord) -> None:
+        table.add_row(
+            str(r.round),
+            f"{r.virtual_time_s:.1f}",
+            f"{100 * r.accuracy:.1f}%",
+            str(len(r.participants)),
+            str(len(r.failed)),
+            str(r.stragglers),
+            f"{r.energy_j:.1f}",
+        )
+        progress.update(
+            task,
+            advance=1,
+            acc=f"{100 * r.accuracy:.1f}%",
+            vtime=f"{r.virtual_time_s:.1f}s",
+        )
+
+    with progress:
+        task = progress.add_task("sim", total=scenario.num_rounds, acc="-", vtime="0s")
+        outcome = run_scenario(scenario.to_run_config(), on_round=on_round)
+    console.print(table)
+    res = outcome.results
+    ttt = res["time_to_target_s"]
+    console.print(
+        f"final accuracy {100 * res['final_accuracy']:.1f}%  |  time to "
+        f"{100 * scenario.target_accuracy:.0f}%: "
+        + (f"{ttt:.1f} s (virtual)" if ttt is not None else "not reached")
+        + f"  |  energy {res['total_energy_j']:.1f} J"
+    )
+    console.print(f"run folder: {outcome.run_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    from flowerbed.cli import main
+
+    sys.exit(main(["sim", *sys.argv[1:]]))
