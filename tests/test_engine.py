@@ -1,4 +1,4 @@
-"""The in-process fleet engine: virtual-time arrival, deadlines, dropout, repeatability."""
+"""The in-process fleet engine: arrival order, deadlines, dropout, repeatability."""
 
 import math
 
