@@ -24,29 +24,35 @@ if [ ${#missing[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}"
 fi
 
-rm -rf build
-mkdir -p build/classes build/test-classes
+# Each run compiles into a fresh directory of its own, so it starts from a clean state and a
+# concurrent run (or a JVM phone using the jar) is not disturbed; the tested jar replaces
+# build/flowerbed-phone.jar in one rename at the end.
+mkdir -p build
+work=$(mktemp -d "$(pwd)/build/run.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+mkdir -p "$work/classes" "$work/test-classes"
 
 echo "compiling core (javac --release 8)"
-find src/main/java -name '*.java' | sort >build/main-sources.txt
-javac --release 8 -encoding UTF-8 -Xlint:all -Werror -d build/classes @build/main-sources.txt
+find src/main/java -name '*.java' | sort >"$work/main-sources.txt"
+javac --release 8 -encoding UTF-8 -Xlint:all -Werror -d "$work/classes" @"$work/main-sources.txt"
 
-echo "building build/flowerbed-phone.jar"
-jar --create --file build/flowerbed-phone.jar --main-class org.flowerbed.phone.PhoneMain \
-  -C build/classes .
+echo "building the jar"
+jar --create --file "$work/flowerbed-phone.jar" --main-class org.flowerbed.phone.PhoneMain \
+  -C "$work/classes" .
 
 echo "compiling tests"
-find src/test/java -name '*.java' | sort >build/test-sources.txt
+find src/test/java -name '*.java' | sort >"$work/test-sources.txt"
 javac --release 8 -encoding UTF-8 -Xlint:all -Xlint:-options \
-  -cp "build/flowerbed-phone.jar:$JUNIT" -d build/test-classes @build/test-sources.txt
+  -cp "$work/flowerbed-phone.jar:$JUNIT" -d "$work/test-classes" @"$work/test-sources.txt"
 
 echo "running JUnit"
-classes=$(cd build/test-classes && find . -name '*Test.class' ! -name '*$*' | sort |
+classes=$(cd "$work/test-classes" && find . -name '*Test.class' ! -name '*$*' | sort |
   sed -e 's|^\./||' -e 's|\.class$||' -e 's|/|.|g')
 # shellcheck disable=SC2086  # one argument per test class
-java -cp "build/test-classes:build/flowerbed-phone.jar:$JUNIT:$HAMCREST" \
+java -cp "$work/test-classes:$work/flowerbed-phone.jar:$JUNIT:$HAMCREST" \
   org.flowerbed.phone.JUnitMain $classes
 
 echo "checking the jar starts"
-java -jar build/flowerbed-phone.jar --help >/dev/null
+java -jar "$work/flowerbed-phone.jar" --help >/dev/null
+mv -f "$work/flowerbed-phone.jar" build/flowerbed-phone.jar
 echo "built $(pwd)/build/flowerbed-phone.jar"

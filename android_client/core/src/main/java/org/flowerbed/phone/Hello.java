@@ -1,5 +1,6 @@
 package org.flowerbed.phone;
 
+import java.math.BigInteger;
 import java.util.Map;
 
 /** The gateway's answer to {@code POST /v1/hello}: who this phone is and the limits to keep. */
@@ -23,11 +24,27 @@ public final class Hello {
    */
   public static Hello fromJson(Map<String, Object> json) throws GatewayException {
     return new Hello(
-        integer(json, "node_id", Long.MIN_VALUE),
+        uint64(json, "node_id"),
         string(json, "phone"),
         (int) integer(json, "poll_s", 0),
         integer(json, "max_upload_bytes", 1),
         (int) Math.min(Integer.MAX_VALUE, integer(json, "chunk_bytes", 1)));
+  }
+
+  /** A uint64 (Flower's node id type) as the bits of a long; see {@link #nodeIdText()}. */
+  private static long uint64(Map<String, Object> json, String key) throws GatewayException {
+    Object v = json.get(key);
+    if (v instanceof Long && (Long) v >= 0) {
+      return (Long) v;
+    }
+    if (v instanceof BigInteger
+        && ((BigInteger) v).signum() >= 0
+        && ((BigInteger) v).bitLength() <= 64) {
+      return ((BigInteger) v).longValue();
+    }
+    throw new GatewayException(
+        GatewayException.PROTOCOL_VIOLATION,
+        "bad hello from gateway: " + key + " must be an integer in [0, 2^64): " + json);
   }
 
   private static long integer(Map<String, Object> json, String key, long min)
@@ -51,9 +68,17 @@ public final class Hello {
     return (String) v;
   }
 
-  /** The Flower node id this phone is; the same after every reconnect with the same token. */
+  /**
+   * The Flower node id this phone is, the same after every reconnect with the same token. Node ids
+   * are uint64: this is their bit pattern (negative above 2^63-1); print {@link #nodeIdText()}.
+   */
   public long nodeId() {
     return nodeId;
+  }
+
+  /** The node id in decimal, as Flower prints it. */
+  public String nodeIdText() {
+    return Long.toUnsignedString(nodeId);
   }
 
   public String phone() {

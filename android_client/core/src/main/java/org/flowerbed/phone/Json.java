@@ -1,5 +1,6 @@
 package org.flowerbed.phone;
 
+import java.math.BigInteger;
 import java.util.ArrayList;
 import java.util.LinkedHashMap;
 import java.util.List;
@@ -8,8 +9,9 @@ import java.util.Map;
 /**
  * The little JSON the phone protocol needs, without a library (Android and a plain JVM share no
  * JSON API). Objects parse to {@code LinkedHashMap<String, Object>}, arrays to {@code
- * List<Object>}, integers without fraction or exponent to {@code Long}, other numbers to {@code
- * Double}, and {@code true}/{@code false}/{@code null} to Boolean and null.
+ * List<Object>}, integers without fraction or exponent to {@code Long} (or {@code BigInteger}
+ * beyond its range), other numbers to {@code Double}, and {@code true}/{@code false}/{@code null}
+ * to Boolean and null.
  */
 public final class Json {
   private final String text;
@@ -298,7 +300,11 @@ public final class Json {
     String s = text.substring(start, pos);
     try {
       if (integral) {
-        return Long.valueOf(s);
+        try {
+          return Long.valueOf(s);
+        } catch (NumberFormatException tooLarge) {
+          return new BigInteger(s); // Flower node ids are uint64 and may exceed a long
+        }
       }
       return Double.valueOf(s);
     } catch (NumberFormatException e) {

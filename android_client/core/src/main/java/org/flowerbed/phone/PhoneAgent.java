@@ -102,7 +102,7 @@ public final class PhoneAgent {
             hello = client.hello(deviceInfo);
             log.line(
                 "hello node_id="
-                    + hello.nodeId()
+                    + hello.nodeIdText()
                     + " phone="
                     + hello.phone()
                     + " chunk_bytes="

@@ -91,6 +91,24 @@ public class GatewayClientTest {
   }
 
   @Test
+  public void nodeIdsAreUint64() throws IOException {
+    // Flower draws node ids from the whole uint64 range; this one is above 2^63-1.
+    Hello h =
+        Hello.fromJson(
+            Json.parseObject(
+                "{\"node_id\": 16659729769155621624, \"phone\": \"p0\", \"poll_s\": 5,"
+                    + " \"max_upload_bytes\": 67108864, \"chunk_bytes\": 1048576}"));
+    assertEquals("16659729769155621624", h.nodeIdText());
+    try {
+      Hello.fromJson(Json.parseObject("{\"node_id\": 18446744073709551616}"));
+      fail("2^64 is not a node id");
+    } catch (GatewayException e) {
+      assertTrue(
+          e.getMessage(), e.getMessage().contains("node_id must be an integer in [0, 2^64)"));
+    }
+  }
+
+  @Test
   public void helloAfterALostConnectionReturnsTheSameNode() throws IOException {
     GatewayClient c = client();
     long first = c.hello(new HashMap<String, Object>()).nodeId();

@@ -4,6 +4,7 @@ import static org.junit.Assert.assertEquals;
 import static org.junit.Assert.assertTrue;
 import static org.junit.Assert.fail;
 
+import java.math.BigInteger;
 import java.util.Arrays;
 import java.util.LinkedHashMap;
 import java.util.Map;
@@ -22,6 +23,13 @@ public class JsonTest {
     assertEquals(Boolean.TRUE, m.get("ok"));
     assertTrue(m.containsKey("none"));
     assertEquals(Arrays.<Object>asList(1L, -25.0, "a\"bé"), m.get("list"));
+  }
+
+  @Test
+  public void integersBeyondALongStayExact() {
+    Map<String, Object> m = Json.parseObject("{\"node_id\": 16659729769155621624}");
+    assertEquals(new BigInteger("16659729769155621624"), m.get("node_id"));
+    assertEquals("{\"node_id\":16659729769155621624}", Json.write(m));
   }
 
   @Test
