@@ -208,7 +208,11 @@ def test_phones_train_digits_and_a_killed_phone_is_a_straggler_then_rejoins(
     procs.append(victim)
 
     # Kill p3 while it trains its first task (20 steps x 400 ms > deadline).
-    first = _wait_for_line(gw_log, r"phone p3: train task (\w+)", 120)
+    try:
+        first = _wait_for_line(gw_log, r"phone p3: train task (\w+)", 120)
+    except AssertionError as err:
+        tails = {p.name: p.read_text()[-600:] for p in sorted(tmp_path.glob("*.log"))}
+        raise AssertionError(f"{err}; log tails: {tails}") from None
     time.sleep(1.0)
     victim.kill()
     victim.wait()
@@ -220,6 +224,11 @@ def test_phones_train_digits_and_a_killed_phone_is_a_straggler_then_rejoins(
         pytest.fail(f"no results; ServerApp log:\n{run_log.read_text()[-3000:]}")
     outcome = json.loads(results.read_text())
     gw_text = gw_log.read_text()
+
+    # Every phone joined: its own log shows the hello answer it understood.
+    for i in range(PHONES):
+        phone_log = (tmp_path / f"p{i}.log").read_text()
+        assert "hello node_id=" in phone_log, f"p{i} never joined: {phone_log[-800:]}"
 
     # p3 kept its node id across the kill: every hello maps it to one node.
     p3_nodes = set(re.findall(r"hello from phone p3 \(node (\d+)\)", gw_text))
