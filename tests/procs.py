@@ -64,8 +64,6 @@ CONNECTION = "flowerbed-test"
 """Name of the SuperLink connection written into the temporary config.toml."""
 STOP_GRACE_S = 5.0
 """Seconds a process gets to exit after SIGTERM before SIGKILL."""
-SUPEREXEC_POLL_S = 0.2
-"""Task polling period given to Flower's SuperExec processes (seconds)."""
 NODE_ID_PATTERN = re.compile(r"SuperNode ID: (\d+)")
 RUN_ID_PATTERN = re.compile(r"Successfully started run (\d+)")
 
@@ -170,11 +168,12 @@ def stop_tree(root: subprocess.Popen[bytes], grace_s: float = STOP_GRACE_S) -> N
         root.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline:
+        if root.poll() is not None:
+            break
+        known.update(descendants(root.pid))
         for pid, start in list(known.items()):
             if _alive(pid, start):
                 known.update(descendants(pid))
-        if root.poll() is not None:
-            break
         time.sleep(0.1)
     if root.poll() is None:
         root.kill()
@@ -368,9 +367,6 @@ class Federation:
                 "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
                 "FLWR_TELEMETRY_ENABLED": "0",
                 "FLWR_DISABLE_UPDATE_CHECK": "1",
-                # SuperExec polls for new ClientApp/ServerApp tasks every 1 s by
-                # default; a shorter period takes ~0.5 s off each message's latency.
-                "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": str(SUPEREXEC_POLL_S),
                 # Several SuperNodes share few cores: one thread per ClientApp
                 # avoids oversubscribing them (pass env= to change it).
                 "OMP_NUM_THREADS": "1",

@@ -202,3 +202,12 @@ def test_power_sampler_without_power_reading_reports_none() -> None:
 def test_negative_slowdown_is_refused() -> None:
     with pytest.raises(ValueError, match="slowdown_s"):
         TrainingMeter(slowdown_s=-1.0)
+
+
+def test_helpers_are_importable_from_the_package() -> None:
+    import flowerbed.clients as clients
+
+    assert clients.timed_train is timed_train
+    assert clients.TrainingMeter is TrainingMeter
+    with pytest.raises(AttributeError, match="no_such_helper"):
+        _ = clients.no_such_helper

@@ -42,7 +42,7 @@ SERVER_APP = '''
 """ServerApp for the deployment tests: a profiling query, then DeadlineFedAvg.
 
 The deadline follows the machine: 3 x the round trip of a profiling query to every
-node (at least 20 s, at most 90 s). On a loaded CI machine a SuperNode takes many
+node (at least 15 s, at most 90 s). On a loaded CI machine a SuperNode takes many
 seconds to start each ClientApp process, and a fixed deadline would measure the
 machine, not the strategy.
 
@@ -113,7 +113,7 @@ def main(grid: Grid, context: Context) -> None:
     initial = ArrayRecord(build_model("lenet", 1, 8, 10).state_dict())
     nodes = int(cfg["num-nodes"])
     probes, probe_s = profile(grid, initial, nodes, int(cfg["profile-steps"]))
-    deadline = min(90.0, max(20.0, 3.0 * probe_s))
+    deadline = min(90.0, max(15.0, 3.0 * probe_s))
     strategy = DeadlineFedAvg(
         fraction_evaluate=0.0,
         min_train_nodes=2,
@@ -303,12 +303,12 @@ def test_run_survives_a_killed_supernode_and_uses_it_again_after_restart(
     result = json.loads(out.read_text())
     assert sorted(result["rounds"]) == ["1", "2", "3"], why
     participants = [result["rounds"][str(r)]["participants"] for r in (1, 2, 3)]
-    # Round 1 completes with the two survivors; the killed incarnation never
-    # answers (it stays registered until its heartbeat lapses, so it is also a
-    # straggler later). Only two of the original nodes are alive, so a round with
-    # three participants used the restarted node.
+    # Round 1 completes with the two survivors: the killed incarnation never
+    # answers (a straggler at the deadline, or, once its heartbeat has lapsed
+    # for 60 s, an error reply from the SuperLink). Only two of the original
+    # nodes are alive, so a later round with three participants used the
+    # restarted node.
     assert participants[0] == 2, why
-    assert result["rounds"]["1"]["stragglers"] == 1, why
     assert 3 in participants[1:], why
     for seconds in result["durations"]:
         assert seconds <= result["deadline-s"] + CLOSE_SLACK_S, why
