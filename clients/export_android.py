@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 import torch
 from flowerbed.data import DATASETS, check_dataset_name
-from flowerbed.models import MODELS, build_model
+from flowerbed.models import MODELS, build_model, he_init
 from torch import nn
 from torch.nn import functional as F
 
@@ -130,8 +130,9 @@ def build_export_model(
     Returns
     -------
     tuple of (torch.nn.Module, InputShape)
-        The freshly initialised model (torch's default init under the current RNG
-        state) and the sample shape it takes.
+        The model, He-initialised like every flowerbed model
+        (:func:`flowerbed.models.he_init`, under the current torch RNG state), and
+        the sample shape it takes.
 
     Raises
     ------
@@ -143,18 +144,17 @@ def build_export_model(
     shape = DATASET_SHAPES[dataset]
     in_features = shape.in_channels * shape.image_size * shape.image_size
     if name == "softmax":
-        return SoftmaxRegression(in_features, shape.num_classes), shape
+        return he_init(SoftmaxRegression(in_features, shape.num_classes)), shape
     if name == "mlp":
         if hidden < 1:
             raise ValueError(f"hidden must be >= 1, got {hidden}")
-        return MLP(in_features, hidden, shape.num_classes), shape
+        return he_init(MLP(in_features, hidden, shape.num_classes)), shape
     if name not in MODELS:
         raise ValueError(
             f"unknown model {name!r}; valid choices: {', '.join(EXPORT_MODELS)}"
         )
-    return build_model(name, shape.in_channels, shape.image_size, shape.num_classes), (
-        shape
-    )
+    model = build_model(name, shape.in_channels, shape.image_size, shape.num_classes)
+    return model, shape
 
 
 def load_arrays(model: nn.Module, path: str | Path) -> None:
@@ -233,6 +233,34 @@ def _check_exportable(model: nn.Module) -> None:
         raise ValueError(f"parameters {wrong} are not float32")
 
 
+def _decompose_pool_backward(joint: Any) -> Any:
+    """Replace ``max_pool2d_with_indices_backward`` by PyTorch's decomposition of it.
+
+    ExecuTorch's portable kernel for that op does not zero its output (see the
+    module docstring); the decomposition scatter-adds into a fresh zero tensor.
+    PyTorch's decomposition declines to run in deterministic-algorithms mode, so the
+    mode is lifted for the call and restored after it.
+    """
+    from torch._decomp import decomposition_table
+
+    pool_backward = torch.ops.aten.max_pool2d_with_indices_backward.default
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(False)
+    try:
+        joint = joint.run_decompositions(
+            {pool_backward: decomposition_table[pool_backward]}
+        )
+    finally:
+        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+    if any(node.target == pool_backward for node in joint.graph.nodes):
+        raise RuntimeError(
+            "max_pool2d_with_indices_backward survived its decomposition; the "
+            "program would train on corrupted gradients"
+        )
+    return joint
+
+
 def export_training_program(
     model: nn.Module,
     shape: InputShape,
@@ -278,9 +306,9 @@ def export_training_program(
             f"export-android needs ExecuTorch, which is not installed ({err}); "
             f"install it with: {EXECUTORCH_INSTALL}"
         ) from err
-    from torch._decomp import decomposition_table
     from torch.export import Dim, export
     from torch.export.experimental import _export_forward_backward
+    from torch.export.graph_signature import OutputKind
 
     program = _with_cross_entropy(model)
     batch = min(max_batch_size, 8)
@@ -293,14 +321,11 @@ def export_training_program(
         program, example, dynamic_shapes=({0: size}, {0: size}), strict=True
     )
     joint = _export_forward_backward(exported, joint_loss_index=0)
-    pool_backward = torch.ops.aten.max_pool2d_with_indices_backward.default
-    joint = joint.run_decompositions(
-        {pool_backward: decomposition_table[pool_backward]}
-    )
+    joint = _decompose_pool_backward(joint)
     names = [
         spec.target
         for spec in joint.graph_signature.output_specs
-        if spec.kind.name == "GRADIENT_TO_PARAMETER"
+        if spec.kind == OutputKind.GRADIENT_TO_PARAMETER
     ]
     if names != list(model.state_dict()):
         raise ValueError(
@@ -339,7 +364,7 @@ def register(subparsers: Any) -> None:
         type=Path,
         default=None,
         help="initial weights: .npz with one float32 array per state_dict key "
-        "(default: torch's initialisation under --seed)",
+        "(default: He initialisation under --seed)",
     )
     parser.add_argument(
         "--hidden",
