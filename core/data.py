@@ -218,3 +218,41 @@ def partition(
         f"Dirichlet(alpha={alpha}) left a node with fewer than {min_size} samples "
         f"in 100 draws; raise alpha or use fewer nodes"
     )
+
+
+def _download_mnist(root: Path) -> None:
+    from torchvision.datasets import MNIST
+
+    for train in (True, False):
+        MNIST(str(root), train=train, download=True)
+
+
+def _download_cifar10(root: Path) -> None:
+    from torchvision.datasets import CIFAR10
+
+    for train in (True, False):
+        CIFAR10(str(root), train=train, download=True)
+
+
+DOWNLOADERS = {"mnist": _download_mnist, "cifar10": _download_cifar10}
+"""Fetch an online dataset once into a folder ``load_dataset`` reads (needs the
+``vision`` extra: torchvision writes MNIST's IDX files and CIFAR-10's batches)."""
+
+
+def download(name: str, data_dir: str | Path) -> Path:
+    """Download ``mnist`` or ``cifar10`` into ``data_dir`` with torchvision."""
+    if name not in DOWNLOADERS:
+        raise ValueError(
+            f"nothing to download for {name!r}; valid choices: {', '.join(DOWNLOADERS)}"
+        )
+    try:
+        import torchvision  # noqa: F401
+    except Exception as err:
+        raise DataError(
+            f"downloading {name} needs torchvision: pip install 'flowerbed[vision]' "
+            f"({err})"
+        ) from err
+    root = Path(data_dir).expanduser()
+    root.mkdir(parents=True, exist_ok=True)
+    DOWNLOADERS[name](root)
+    return root

@@ -69,6 +69,26 @@ def register(subparsers: Any) -> None:
     p.add_argument("-v", "--verbose", action="store_true", help="show Flower's log")
     p.set_defaults(func=run)
 
+    dl = subparsers.add_parser(
+        "download",
+        help="fetch MNIST or CIFAR-10 once into a folder (needs the vision extra)",
+    )
+    dl.add_argument("dataset", help="mnist or cifar10")
+    dl.add_argument("data_dir", metavar="DIR", help="folder to fill")
+    dl.set_defaults(func=run_download)
+
+
+def run_download(args: argparse.Namespace) -> int:
+    from flowerbed.data import DataError, download
+
+    try:
+        root = download(args.dataset, args.data_dir)
+    except (ValueError, DataError) as err:
+        print(f"flowerbed download: error: {err}", file=sys.stderr)
+        return 2
+    print(f"{args.dataset} is in {root}; use --data-dir {root}")
+    return 0
+
 
 def _parse_value(text: str) -> Any:
     for cast in (int, float):
@@ -108,6 +128,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def simulate(scenario: Scenario, console: Any) -> int:
+    from flowerbed.data import DataError
+    from flowerbed.sims.node import cached_dataset
     from flowerbed.sims.recorder import RoundRecord
     from flowerbed.sims.scenario import run_scenario
     from rich.progress import (
@@ -151,6 +173,11 @@ def simulate(scenario: Scenario, console: Any) -> int:
             vtime=f"{r.virtual_time_s:.1f}s",
         )
 
+    try:
+        cached_dataset(scenario.dataset, scenario.data_dir)  # fail before any training
+    except DataError as err:
+        console.print(f"[red]flowerbed sim: error:[/red] {err}")
+        return 2
     with progress:
         task = progress.add_task("sim", total=scenario.num_rounds, acc="-", vtime="0s")
         outcome = run_scenario(scenario.to_run_config(), on_round=on_round)
