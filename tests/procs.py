@@ -145,6 +145,11 @@ def descendants(pid: int) -> dict[int, int]:
     return found
 
 
+def alive(pid: int) -> bool:
+    """Whether a process with this pid exists and is not a zombie."""
+    return _stat(pid) is not None
+
+
 def _alive(pid: int, start: int) -> bool:
     stat = _stat(pid)
     return stat is not None and stat[1] == start

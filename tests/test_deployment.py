@@ -20,7 +20,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from flowerbed.data import load_dataset, partition
-from procs import Federation, SuperNode
+from procs import Federation, SuperNode, alive, descendants
 
 pytestmark = pytest.mark.slow
 
@@ -295,7 +295,9 @@ def test_run_survives_a_killed_supernode_and_uses_it_again_after_restart(
         started = "Start `flwr-clientapp` process"
         first = victim.wait_for_log(started, timeout=180)
         victim.wait_for_log(started, timeout=180, start=first.end())
+        board = {victim.pid, *descendants(victim.pid)}
         victim.kill()
+        assert not [pid for pid in board if alive(pid)]
         fed.restart_supernode(victim)
         run = handle.wait(RUN_TIMEOUT_S)
         why = explain(fed, run.log)
