@@ -3,8 +3,11 @@
 Starts the installed ``flower-superlink`` and ``flower-supernode`` programs (the
 current Python environment's), each with free ports, its own log file and, for
 SuperNodes, its own ``node_config``, all sharing a temporary ``FLWR_HOME`` whose
-``config.toml`` names the SuperLink connection. Runs are submitted with
-``flwr run <app_dir> <connection> --stream`` with
+``config.toml`` names the SuperLink connection. In flwr 1.41 the SuperLink serves
+the Fleet, Control and Runtime APIs on one ``--host``/``--port``, and each SuperNode
+opens its own Runtime API for its ClientApps on ``--port`` (the former
+``--clientappio-api-address``), which must differ between SuperNodes on one host.
+Runs are submitted with ``flwr run <app_dir> <connection> --stream`` with
 ``FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1``, so the ServerApp and ClientApps
 run in this environment (nothing is installed, nothing downloaded). Telemetry and
 update checks are off.
@@ -14,8 +17,10 @@ together with every descendant it spawned (Flower's SuperExec and its
 ``flwr-serverapp``/``flwr-clientapp`` processes, which Flower detaches into their
 own sessions). :class:`Federation` does this on exit, also when the test fails.
 
-Typical use (a pytest test; ``tmp_path`` is pytest's)::
+Typical use (a pytest test; ``tmp_path`` is pytest's; the test suite runs with
+``--import-mode=importlib``, so put this folder on ``sys.path`` first)::
 
+    sys.path.insert(0, str(Path(__file__).parent))
     from procs import Federation
 
     def test_something(tmp_path):
@@ -34,8 +39,11 @@ then for example ``nodes[0].kill()`` and ``fed.restart_supernode(nodes[0])``, th
 Timing facts of flwr 1.41 worth knowing when writing such tests: a SuperNode polls
 for work every 3 s when idle and starts a fresh ``flwr-clientapp`` process per
 message (imports included); a SuperNode killed with SIGKILL stays "online" at the
-SuperLink for up to 2 heartbeats (60 s), while one stopped with SIGTERM deactivates
-itself at once; a restarted SuperNode registers under a new node id.
+SuperLink for up to 2 heartbeats (60 s; then its pending messages get a "Node
+Unavailable" error reply), while one stopped with SIGTERM deactivates itself at
+once; a restarted SuperNode registers under a new node id. The ServerApp's output
+is in the run's log (:attr:`RunResult.log`), each ClientApp's in its SuperNode's
+log (:meth:`Process.log`).
 """
 
 from __future__ import annotations
