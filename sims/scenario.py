@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from flowerbed import keys
 from flowerbed.models import build_model
-from flowerbed.sims.config import ConfigError, Scenario
+from flowerbed.sims.config import Scenario
 from flowerbed.sims.engine import FleetGrid, SimNode
 from flowerbed.sims.node import DEVICE_KEY, cached_dataset
 from flowerbed.sims.outputs import summarise, write_run_folder
@@ -41,14 +41,15 @@ def _flower_args(s: Scenario) -> dict[str, Any]:
     }
 
 
-def _flowerbed_strategy(name: str) -> StrategyFactory:
+def _flowerbed(name: str, **options: Any) -> StrategyFactory:
+    """Factory for a flowerbed strategy; ``options`` map scenario fields to kwargs."""
+
     def factory(s: Scenario) -> Strategy:
         from flowerbed import strategies
 
-        cls = getattr(strategies, name, None)
-        if cls is None:
-            raise ConfigError(f"strategy {name} is not part of this flowerbed build")
-        return cls(**_flower_args(s))  # type: ignore[no-any-return]
+        cls = getattr(strategies, name)
+        kwargs = {k: (v(s) if callable(v) else v) for k, v in options.items()}
+        return cls(**_flower_args(s), seed=s.seed, **kwargs)  # type: ignore[no-any-return]
 
     return factory
 
@@ -56,10 +57,17 @@ def _flowerbed_strategy(name: str) -> StrategyFactory:
 STRATEGIES: dict[str, StrategyFactory] = {
     "fedavg": lambda s: FedAvg(**_flower_args(s)),
     "fedprox": lambda s: FedProx(proximal_mu=s.proximal_mu, **_flower_args(s)),
-    "runtime-weighted": _flowerbed_strategy("RuntimeWeightedFedAvg"),
-    "deadline": _flowerbed_strategy("DeadlineFedAvg"),
-    "fedbuff": _flowerbed_strategy("FedBuff"),
+    "runtime-weighted": _flowerbed("RuntimeWeightedFedAvg"),
+    # deadline-s > 0: that fixed deadline; 0: an adaptive one (DeadlineFedAvg docs)
+    "deadline": _flowerbed(
+        "DeadlineFedAvg",
+        deadline_s=lambda s: s.deadline_s or None,
+        adaptive_deadline=lambda s: s.deadline_s == 0,
+        partial_work=True,
+    ),
+    "fedbuff": _flowerbed("FedBuff"),
 }
+"""Strategy of each run-config ``strategy`` name, built from the scenario."""
 
 
 def build_strategy(scenario: Scenario) -> Strategy:
