@@ -246,3 +246,21 @@ def get_device(name: str) -> DeviceProfile:
         raise ValueError(
             f"unknown device {name!r}; valid choices: {', '.join(DEVICES)}"
         ) from None
+
+
+def catalogue_markdown() -> str:
+    """The catalogue as the Markdown table docs/simulation.md carries (tested equal)."""
+    rows = [
+        "| device | class | Geekbench 5 multi | speed (Pi 4B = 1) "
+        "| ms per LeNet-5 sample | down / up Mbit/s | idle / busy W "
+        "| dropout per task | mean online |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for d in DEVICES.values():
+        rows.append(
+            f"| `{d.name}` | {d.description} | {d.geekbench5_multi:.0f} "
+            f"| {d.relative_speed:.2f} | {1000 * d.seconds_per_sample:.2f} "
+            f"| {d.downlink_mbps:g} / {d.uplink_mbps:g} | {d.idle_w:g} / {d.busy_w:g} "
+            f"| {d.dropout_prob:.0%} | {d.mean_online_s / 3600:g} h |"
+        )
+    return "\n".join(rows)
