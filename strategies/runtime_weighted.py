@@ -46,7 +46,7 @@ from .utils import (
 WEIGHTINGS = ("runtime", "throughput", "fednova", "examples")
 """Valid values of ``weighting``."""
 
-DEFAULT_WEIGHTING = "runtime"
+DEFAULT_WEIGHTING = "fednova"
 DEFAULT_SPEED_SMOOTHING = 0.5
 DEFAULT_QUARANTINE_AFTER = 3
 DEFAULT_QUARANTINE_ROUNDS = 5
@@ -91,8 +91,11 @@ class RuntimeWeightedFedAvg(FedAvg):
     min_available_nodes, weighted_by_key, arrayrecord_key, configrecord_key,
     train_metrics_aggr_fn, evaluate_metrics_aggr_fn
         As in Flower's ``FedAvg`` (same defaults). ``weighted_by_key`` is ``n_i``.
-    weighting : str (default: "runtime")
+    weighting : str (default: "fednova")
         One of ``"runtime"``, ``"throughput"``, ``"fednova"``, ``"examples"``.
+        FedNova is the default: on unequal fleets with non-IID data it matched
+        FedAvg with equal work and beat the other weightings with balanced
+        (unequal) work; see docs/strategies/runtime-weighted.md.
     balance_work : bool (default: False)
         Assign ``local-steps`` proportional to each node's smoothed speed.
     local_steps : int, optional (default: None)

@@ -102,7 +102,9 @@ app = ServerApp()
 def main(grid: Grid, context: Context) -> None:
     num_rounds = int(context.run_config["num-rounds"])
     strategies = {
-        "RuntimeWeightedFedAvg": RuntimeWeightedFedAvg(fraction_evaluate=0.5),
+        "RuntimeWeightedFedAvg": RuntimeWeightedFedAvg(
+            fraction_evaluate=0.5, weighting="runtime"
+        ),
         "DeadlineFedAvg": DeadlineFedAvg(fraction_evaluate=0.5, deadline_s=60.0),
         "FedBuff": FedBuff(fraction_evaluate=0.5, buffer_size=2),
     }
@@ -204,5 +206,8 @@ def test_strategies_run_in_an_unmodified_serverapp_with_plain_clients(
         assert report[name]["train_rounds"] == [1, 2], name
         loss = report[name]["evaluate_loss"]
         assert loss["2"] < loss["1"], name
-    # The clients send no train-time-s: the strategies say they fell back.
+    # The clients send neither train-time-s nor num-steps: the strategies say how
+    # they fell back (runtime weighting measures round trips; FedNova, the
+    # default, counts one step per node).
     assert "using the measured reply round-trip time" in text
+    assert "fednova weighting without 'num-steps'" in text
