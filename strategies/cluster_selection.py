@@ -1,0 +1,722 @@
+"""ClusterSelection: profile briefly, pick the best set of nodes, train on it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from logging import INFO, WARNING
+
+from flowerbed import keys
+from flowerbed.clock import Clock, clock_of, collect_replies
+from flwr.app import (
+    ArrayRecord,
+    ConfigRecord,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import FedAvg, Result, Strategy
+from flwr.supercore import log
+from flwr.supercore.run import Run
+
+from .fedbuff import FedBuff
+from .selection_model import (
+    EXHAUSTIVE_MAX_NODES,
+    MODES,
+    Estimate,
+    NodeModel,
+    Observation,
+    Workload,
+    check_objective,
+    fit_node,
+    select,
+)
+
+DEFAULT_PROFILE_STEPS = (1, 3)
+"""Steps of the two timed profiling tasks (two lengths separate s_i from c_i)."""
+DEFAULT_PROFILE_TIMEOUT_S = 600.0
+"""Clock seconds a profiling task may take; slower nodes are left out."""
+DEFAULT_DRIFT_TOLERANCE = 0.25
+"""Relative gap between measured and estimated round time that triggers re-selection."""
+DEFAULT_DROP_AFTER_FAILURES = 2
+"""Consecutive failed or missing replies after which a member counts as gone."""
+
+# Keys ClusterSelection adds to each round's train MetricRecord in the Result.
+SELECTION_ESTIMATED_S = "selection-estimated-s"
+"""Estimated round time of the configuration that trained the round."""
+SELECTION_MEASURED_S = "selection-measured-s"
+"""Measured round time: dispatch to the last successful reply, on the grid's clock."""
+SELECTION_SIZE = "selection-size"
+"""Nodes in the configuration."""
+
+
+@dataclass
+class SelectionRecord:
+    """Estimate against measurement for one round (sync) or window of replies (async).
+
+    ``measured_s`` is None when no member replied; ``event`` says why the
+    configuration changed after this round, if it did.
+    """
+
+    round: int
+    members: tuple[int, ...]
+    estimated_s: float
+    measured_s: float | None
+    event: str = ""
+
+    @property
+    def drift(self) -> float | None:
+        """(measured - estimated) / estimated."""
+        if self.measured_s is None:
+            return None
+        return (self.measured_s - self.estimated_s) / self.estimated_s
+
+
+def _metrics(reply: Message) -> MetricRecord | None:
+    if reply.has_error():
+        return None
+    records = list(reply.content.metric_records.values())
+    return records[0] if records else None
+
+
+def _number(metrics: MetricRecord, key: str) -> float | None:
+    value = metrics.get(key)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
+
+
+def observation_of(
+    reply: Message, round_trip_s: float, steps: int, transfers: int
+) -> Observation | None:
+    """An :class:`Observation` from a successful reply, None for an unusable one.
+
+    ``steps`` is what the task asked for; the reply's ``num-steps`` wins when sent.
+    """
+    metrics = _metrics(reply)
+    if metrics is None:
+        return None
+    done = _number(metrics, keys.NUM_STEPS)
+    steps = int(done) if done is not None else steps
+    if steps < 1:
+        return None
+    return Observation(
+        steps=steps,
+        round_trip_s=round_trip_s,
+        train_time_s=_number(metrics, keys.TRAIN_TIME_S),
+        comm_time_s=_number(metrics, keys.COMM_TIME_S),
+        energy_j=_number(metrics, keys.ENERGY_J),
+        power_w=_number(metrics, keys.POWER_W),
+        transfers=transfers,
+    )
+
+
+def timed_exchange(
+    grid: Grid, clock: Clock, messages: Sequence[Message], timeout: float
+) -> dict[int, tuple[Message, float]]:
+    """Push ``messages``; return node id -> (reply, seconds from push to pull).
+
+    Replies are pulled as they arrive on the grid's clock (virtual time on the
+    in-process engine); nodes silent for ``timeout`` seconds are left out.
+    """
+    start = clock.now()
+    ids = list(grid.push_messages(messages))
+    node_of = {
+        mid: m.metadata.dst_node_id for mid, m in zip(ids, messages, strict=True)
+    }
+    got: dict[int, tuple[Message, float]] = {}
+    while len(got) < len(ids):
+        waiting = [mid for mid in ids if node_of[mid] not in got]
+        for reply in grid.pull_messages(waiting):
+            node = node_of[reply.metadata.reply_to_message_id]
+            got[node] = (reply, clock.now() - start)
+        remaining = start + timeout - clock.now()
+        if len(got) == len(ids) or remaining <= 0:
+            break
+        clock.wait(remaining)
+    return got
+
+
+@dataclass
+class _Batch:
+    """Train messages of one round in flight (sync) or one window of replies."""
+
+    round: int
+    started: float
+    sent: dict[str, tuple[int, float]] = field(default_factory=dict)
+    replies: dict[int, tuple[Message | None, float]] = field(default_factory=dict)
+
+
+class _Selector:
+    """The chosen configuration, its estimate, and the per-round bookkeeping."""
+
+    def __init__(
+        self,
+        owner: ClusterSelection,
+        models: dict[int, NodeModel],
+        workload: Workload,
+        min_size: int,
+        clock: Clock,
+    ) -> None:
+        self.owner = owner
+        self.models = models
+        self.workload = workload
+        self.min_size = min_size
+        self.clock = clock
+        self.failures: dict[int, int] = {}
+        self.gone: set[int] = set()
+        self.records: list[SelectionRecord] = []
+        self.batch: _Batch | None = None
+        self.windows = 0
+        self.latest: dict[int, Observation] = {}
+        self.choice = self.choose("initial selection")
+
+    # --- choosing --------------------------------------------------------------
+    def choose(self, reason: str) -> Estimate:
+        candidates = [m for n, m in sorted(self.models.items()) if n not in self.gone]
+        o = self.owner
+        if len(candidates) < self.min_size:
+            raise RuntimeError(
+                f"ClusterSelection: {len(candidates)} usable node(s) left, the "
+                f"wrapped strategy needs at least {self.min_size}"
+            )
+        choice = select(
+            candidates,
+            self.workload,
+            o.objective,
+            min_size=self.min_size,
+            search=o.search,
+            exhaustive_max_nodes=o.exhaustive_max_nodes,
+        )
+        log(
+            INFO,
+            "ClusterSelection (%s): %d of %d nodes %s; estimated round %.3gs, "
+            "time %.4gs, energy %.4gJ, time-to-accuracy %.4gs",
+            reason,
+            len(choice.members),
+            len(candidates),
+            list(choice.members),
+            choice.round_s,
+            choice.time_s,
+            choice.energy_j,
+            choice.time_to_accuracy_s,
+        )
+        return choice
+
+    def reselect(self, reason: str) -> None:
+        if self.records:
+            self.records[-1].event = reason
+        self.choice = self.choose(reason)
+
+    def members(self, connected: set[int]) -> list[int]:
+        vanished = [n for n in self.choice.members if n not in connected]
+        if vanished:
+            self.gone.update(vanished)
+            self.reselect(f"nodes {vanished} disconnected")
+        if self.workload.mode == "sync" and self.batch is not None:
+            self.close_batch()
+        return sorted(n for n in self.choice.members if n in connected)
+
+    # --- watching train messages -----------------------------------------------
+    def sent(self, message_id: str, message: Message) -> None:
+        now = self.clock.now()
+        config = message.content.config_records.get(keys.CONFIG, ConfigRecord())
+        server_round = config.get(keys.SERVER_ROUND, 0)
+        server_round = int(server_round) if isinstance(server_round, int) else 0
+        if self.batch is None:
+            index = server_round if self.workload.mode == "sync" else self.windows + 1
+            self.batch = _Batch(index, now)
+        self.batch.sent[message_id] = (message.metadata.dst_node_id, now)
+
+    def received(self, reply: Message) -> None:
+        batch = self.batch
+        key = reply.metadata.reply_to_message_id
+        if batch is None or key not in batch.sent:
+            return
+        node, dispatched = batch.sent[key]
+        arrived = self.clock.now()
+        batch.replies[node] = (None if reply.has_error() else reply, arrived)
+        self._observe(node, reply, arrived - dispatched)
+        if self.workload.mode == "sync":
+            if len(batch.replies) == len(batch.sent):
+                self.close_batch()
+        elif len(batch.replies) >= len(self.choice.members):
+            self.close_batch()
+
+    def _observe(self, node: int, reply: Message, round_trip_s: float) -> None:
+        obs = observation_of(
+            reply, round_trip_s, self.workload.member_steps(len(self.choice.members)), 2
+        )
+        if obs is None:
+            self.failures[node] = self.failures.get(node, 0) + 1
+            return
+        self.failures[node] = 0
+        self.latest[node] = obs
+
+    def close_batch(self) -> None:
+        batch, self.batch = self.batch, None
+        if batch is None:
+            return
+        answered = set(batch.replies)
+        for node, _ in batch.sent.values():
+            if node not in answered:
+                self.failures[node] = self.failures.get(node, 0) + 1
+        ok = [t for r, t in batch.replies.values() if r is not None]
+        estimated = self.choice.round_s
+        if self.workload.mode == "sync":
+            measured = max(ok) - batch.started if ok else None
+        else:
+            self.windows += 1
+            measured = (max(ok) - batch.started) / len(ok) if ok else None
+        record = SelectionRecord(batch.round, self.choice.members, estimated, measured)
+        self.records.append(record)
+        log(
+            INFO,
+            "ClusterSelection %s %d: estimated %.3gs, measured %s (%s)",
+            "round" if self.workload.mode == "sync" else "window",
+            batch.round,
+            estimated,
+            "none" if measured is None else f"{measured:.3g}s",
+            "no reply"
+            if record.drift is None
+            else f"{100 * record.drift:+.1f}% off the estimate",
+        )
+        lost = [
+            n
+            for n in self.choice.members
+            if self.failures.get(n, 0) >= self.owner.drop_after_failures
+        ]
+        if lost:
+            self.gone.update(lost)
+            self.reselect(
+                f"nodes {lost} failed {self.owner.drop_after_failures} times in a row"
+            )
+        elif (
+            record.drift is not None and abs(record.drift) > self.owner.drift_tolerance
+        ):
+            self._refit()
+            self.reselect(
+                f"measurement {100 * record.drift:+.1f}% off the estimate (tolerance "
+                f"{100 * self.owner.drift_tolerance:.0f}%): models refitted"
+            )
+
+    def _refit(self) -> None:
+        """Replace s_i and c_i by the members' latest training tasks."""
+        for node, obs in self.latest.items():
+            fitted = fit_node(node, [obs])
+            self.models[node] = replace(
+                self.models[node], step_s=fitted.step_s, overhead_s=fitted.overhead_s
+            )
+
+
+class SelectedGrid(Grid):
+    """A Grid that shows the wrapped strategy only the chosen nodes.
+
+    It passes everything to the inner grid; ``get_node_ids`` returns the chosen
+    configuration (re-selecting first if a member disconnected), synchronous train
+    messages get the configuration's ``local-steps`` (the round's work split over
+    the members), and train replies are timed against the estimate.
+    """
+
+    def __init__(self, inner: Grid, selector: _Selector) -> None:
+        self.inner = inner
+        self.selector = selector
+        clock = getattr(inner, "clock", None)
+        if clock is not None:
+            self.clock = clock
+
+    def set_run(self, run: Run) -> None:
+        self.inner.set_run(run)
+
+    @property
+    def run(self) -> Run:
+        return self.inner.run
+
+    def create_message(
+        self,
+        content: RecordDict,
+        message_type: str,
+        dst_node_id: int,
+        group_id: str,
+        ttl: float | None = None,
+    ) -> Message:
+        return self.inner.create_message(
+            content, message_type, dst_node_id, group_id, ttl
+        )
+
+    def get_node_ids(self) -> Iterable[int]:
+        return self.selector.members(set(self.inner.get_node_ids()))
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        messages = list(messages)
+        selector = self.selector
+        train = [m for m in messages if m.metadata.message_type == MessageType.TRAIN]
+        if selector.workload.mode == "sync":
+            steps = selector.workload.member_steps(len(selector.choice.members))
+            for message in train:
+                config = message.content.config_records.get(keys.CONFIG)
+                if config is not None:
+                    config[keys.LOCAL_STEPS] = steps
+        ids = list(self.inner.push_messages(messages))
+        for message, message_id in zip(messages, ids, strict=True):
+            if message.metadata.message_type == MessageType.TRAIN:
+                selector.sent(message_id, message)
+        return ids
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        replies = list(self.inner.pull_messages(message_ids))
+        for reply in replies:
+            self.selector.received(reply)
+        return replies
+
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> Iterable[Message]:
+        return collect_replies(self, self.push_messages(messages), timeout)
+
+
+class ClusterSelection(Strategy):
+    """Profile each node briefly, choose the best set of nodes, train on it.
+
+    Gu, Kong, Munir, Kim (2019) pre-train a few steps on every device, estimate
+    time, power, energy and EDP of every candidate cluster configuration and train
+    on the best one for the provider's preference. ``start()``:
+
+    1. **Profiles** every connected node: a ``query`` message (flowerbed's board
+       client answers with ``train-time-s``, ``num-steps`` and, where measurable,
+       ``power-w``/``energy-j``); nodes that cannot answer it get two short
+       training tasks of ``profile_steps`` steps instead, timed by their reply's
+       ``train-time-s`` or, from plain Flower clients, by their round trip on
+       :func:`flowerbed.clock.clock_of` (two lengths separate per-step time from
+       per-task overhead).
+    2. **Fits** per node seconds per step, per-task overhead (communication:
+       ``comm-time-s`` where reported, else round trip minus train time) and busy
+       and idle power (:func:`flowerbed.strategies.selection_model.fit_node`).
+    3. **Estimates** every candidate configuration and **selects** the best for
+       ``objective`` (formulas, search and what is exact:
+       :mod:`flowerbed.strategies.selection_model`).
+    4. **Trains** with the wrapped strategy on a :class:`SelectedGrid` that shows it
+       only the chosen nodes. In synchronous mode the round's work
+       (``round_steps``) is split evenly: each member's train message carries
+       ``local-steps = ceil(round_steps / k)``.
+    5. **Logs** estimated against measured round time every round (``sync``) or
+       every ``k`` replies (``async``), adds them to the Result's train metrics
+       (:data:`SELECTION_ESTIMATED_S`, :data:`SELECTION_MEASURED_S`,
+       :data:`SELECTION_SIZE`), and **re-selects** when a member disconnects,
+       fails ``drop_after_failures`` times in a row, or the measurement drifts
+       beyond ``drift_tolerance`` (then s_i and c_i are refitted from the
+       members' latest training replies first).
+
+    Parameters
+    ----------
+    fraction_train, fraction_evaluate, min_train_nodes, min_evaluate_nodes, \
+min_available_nodes, weighted_by_key, arrayrecord_key, configrecord_key, \
+train_metrics_aggr_fn, evaluate_metrics_aggr_fn
+        Flower ``FedAvg``'s arguments: they build the wrapped ``FedAvg`` when
+        ``strategy`` is None and are unused otherwise.
+    strategy : Strategy, optional (default: None)
+        The strategy that trains on the chosen nodes (any Flower or flowerbed
+        strategy); None means ``FedAvg`` with the arguments above.
+    objective : str (default: "time")
+        ``"time"``, ``"energy"``, ``"edp"`` or ``"time-to-accuracy"``.
+    mode : str, optional (default: None)
+        ``"sync"`` (the slowest member sets the pace) or ``"async"`` (throughputs
+        add up); None means ``"async"`` for a wrapped ``FedBuff``, else ``"sync"``.
+    round_steps : int, optional (default: None)
+        sync: optimiser steps per round, split over the members; None means the
+        train config's ``local-steps`` times the number of profiled nodes (the
+        work the whole fleet would do).
+    kappa : float (default: 1.0)
+        Weight of the participation term in the rounds to accuracy,
+        rounds = R (1 + kappa / k) (Li et al., ICLR 2020, Theorem 3).
+    profile_steps : Sequence[int] (default: (1, 3))
+        Steps of the timed profiling tasks; the query asks for the largest.
+    use_query : bool (default: True)
+        Try the board clients' profiling query before training tasks.
+    profile_timeout_s : float (default: 600.0)
+        Clock seconds a profiling exchange may take; silent nodes are left out.
+    drift_tolerance : float (default: 0.25)
+        Relative gap between measured and estimated round time that triggers
+        re-selection.
+    drop_after_failures : int (default: 2)
+        Consecutive failed or missing replies after which a member counts as gone.
+    search : str (default: "auto")
+        ``"exhaustive"``, ``"polynomial"`` or ``"auto"``.
+    exhaustive_max_nodes : int (default: 12)
+        ``"auto"`` searches exhaustively up to this many nodes.
+    min_nodes : int, optional (default: None)
+        Smallest configuration; None means the wrapped strategy's
+        ``max(min_train_nodes, min_available_nodes)`` (it would wait forever for
+        more nodes than it is shown).
+    """
+
+    def __init__(
+        self,
+        fraction_train: float = 1.0,
+        fraction_evaluate: float = 1.0,
+        min_train_nodes: int = 2,
+        min_evaluate_nodes: int = 2,
+        min_available_nodes: int = 2,
+        weighted_by_key: str = keys.NUM_EXAMPLES,
+        arrayrecord_key: str = keys.ARRAYS,
+        configrecord_key: str = keys.CONFIG,
+        train_metrics_aggr_fn: Callable[[list[RecordDict], str], MetricRecord]
+        | None = None,
+        evaluate_metrics_aggr_fn: Callable[[list[RecordDict], str], MetricRecord]
+        | None = None,
+        *,
+        strategy: Strategy | None = None,
+        objective: str = "time",
+        mode: str | None = None,
+        round_steps: int | None = None,
+        kappa: float = 1.0,
+        profile_steps: Sequence[int] = DEFAULT_PROFILE_STEPS,
+        use_query: bool = True,
+        profile_timeout_s: float = DEFAULT_PROFILE_TIMEOUT_S,
+        drift_tolerance: float = DEFAULT_DRIFT_TOLERANCE,
+        drop_after_failures: int = DEFAULT_DROP_AFTER_FAILURES,
+        search: str = "auto",
+        exhaustive_max_nodes: int = EXHAUSTIVE_MAX_NODES,
+        min_nodes: int | None = None,
+    ) -> None:
+        check_objective(objective)
+        if mode is not None and mode not in MODES:
+            raise ValueError(
+                f"unknown mode {mode!r}; valid choices: {', '.join(MODES)}"
+            )
+        checks = [
+            (round_steps is None or round_steps >= 1, "round_steps must be >= 1"),
+            (kappa >= 0, "kappa must be >= 0"),
+            (
+                len(profile_steps) >= 1 and min(profile_steps) >= 1,
+                "profile_steps must be one or more step counts >= 1",
+            ),
+            (profile_timeout_s > 0, "profile_timeout_s must be > 0"),
+            (drift_tolerance > 0, "drift_tolerance must be > 0"),
+            (drop_after_failures >= 1, "drop_after_failures must be >= 1"),
+            (min_nodes is None or min_nodes >= 1, "min_nodes must be >= 1"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+        self.strategy = (
+            strategy
+            if strategy is not None
+            else FedAvg(
+                fraction_train=fraction_train,
+                fraction_evaluate=fraction_evaluate,
+                min_train_nodes=min_train_nodes,
+                min_evaluate_nodes=min_evaluate_nodes,
+                min_available_nodes=min_available_nodes,
+                weighted_by_key=weighted_by_key,
+                arrayrecord_key=arrayrecord_key,
+                configrecord_key=configrecord_key,
+                train_metrics_aggr_fn=train_metrics_aggr_fn,
+                evaluate_metrics_aggr_fn=evaluate_metrics_aggr_fn,
+            )
+        )
+        self.objective = objective
+        self.mode = mode
+        self.round_steps = round_steps
+        self.kappa = kappa
+        self.profile_steps = tuple(int(s) for s in profile_steps)
+        self.use_query = use_query
+        self.profile_timeout_s = profile_timeout_s
+        self.drift_tolerance = drift_tolerance
+        self.drop_after_failures = drop_after_failures
+        self.search = search
+        self.exhaustive_max_nodes = exhaustive_max_nodes
+        self.min_nodes = min_nodes
+        self.node_models: dict[int, NodeModel] = {}
+        """Fitted per-node models (after ``start``)."""
+        self.profile_s = 0.0
+        """Clock seconds the profiling phase took."""
+        self.selection_log: list[SelectionRecord] = []
+        """Estimate against measurement, every round (after ``start``)."""
+        self.choice: Estimate | None = None
+        """The configuration in use at the end of ``start``."""
+
+    # --- Strategy API: the wrapped strategy decides ------------------------------
+    def summary(self) -> None:
+        log(
+            INFO,
+            "\t├── ClusterSelection: objective %s, mode %s, profile steps %s",
+            self.objective,
+            self.mode or "auto",
+            self.profile_steps,
+        )
+        log(INFO, "\t└── wrapping %s", type(self.strategy).__name__)
+        self.strategy.summary()
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        return self.strategy.configure_train(server_round, arrays, config, grid)
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        return self.strategy.aggregate_train(server_round, replies)
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        return self.strategy.configure_evaluate(server_round, arrays, config, grid)
+
+    def aggregate_evaluate(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> MetricRecord | None:
+        return self.strategy.aggregate_evaluate(server_round, replies)
+
+    # --- profiling -------------------------------------------------------------
+    def profile(
+        self,
+        grid: Grid,
+        arrays: ArrayRecord,
+        train_config: ConfigRecord,
+    ) -> dict[int, NodeModel]:
+        """Time every connected node (query, else short training tasks); fit models."""
+        clock = clock_of(grid)
+        started = clock.now()
+        nodes = sorted(grid.get_node_ids())
+        observed: dict[int, list[Observation]] = {n: [] for n in nodes}
+        if self.use_query:
+            query = RecordDict(
+                {
+                    keys.ARRAYS: arrays,
+                    keys.CONFIG: ConfigRecord(
+                        {keys.PROFILE_STEPS: max(self.profile_steps)}
+                    ),
+                }
+            )
+            replies = timed_exchange(
+                grid,
+                clock,
+                [Message(query, n, MessageType.QUERY) for n in nodes],
+                self.profile_timeout_s,
+            )
+            for node, (reply, rtt) in replies.items():
+                obs = observation_of(reply, rtt, max(self.profile_steps), 1)
+                if obs is not None and obs.train_time_s is not None:
+                    observed[node].append(obs)
+        rest = [n for n in nodes if not observed[n]]
+        if rest:
+            log(
+                INFO,
+                "ClusterSelection: %d node(s) without a profiling query answer; "
+                "timing %s training steps on them",
+                len(rest),
+                list(self.profile_steps),
+            )
+        for steps in self.profile_steps if rest else ():
+            config = ConfigRecord(dict(train_config))
+            config.pop(keys.DEADLINE_S, None)
+            config[keys.LOCAL_STEPS] = steps
+            config[keys.SERVER_ROUND] = 0
+            content = RecordDict({keys.ARRAYS: arrays, keys.CONFIG: config})
+            replies = timed_exchange(
+                grid,
+                clock,
+                [Message(content, n, MessageType.TRAIN) for n in rest],
+                self.profile_timeout_s,
+            )
+            for node, (reply, rtt) in replies.items():
+                obs = observation_of(reply, rtt, steps, 2)
+                if obs is not None:
+                    observed[node].append(obs)
+        models: dict[int, NodeModel] = {}
+        for node, observations in observed.items():
+            if not observations:
+                log(WARNING, "ClusterSelection: node %s never answered; left out", node)
+                continue
+            try:
+                models[node] = fit_node(node, observations)
+            except ValueError as err:
+                log(WARNING, "ClusterSelection: %s; left out", err)
+        self.profile_s = clock.now() - started
+        for m in models.values():
+            log(
+                INFO,
+                "ClusterSelection: node %s: %.4gs/step, %.3gs overhead, busy %s W, "
+                "idle %s W",
+                m.node_id,
+                m.step_s,
+                m.overhead_s,
+                "?" if m.busy_w is None else f"{m.busy_w:.3g}",
+                "?" if m.idle_w is None else f"{m.idle_w:.3g}",
+            )
+        log(INFO, "ClusterSelection: profiling took %.3gs", self.profile_s)
+        return models
+
+    def workload(
+        self, train_config: ConfigRecord, num_rounds: int, num_nodes: int
+    ) -> Workload:
+        """The job the configurations are estimated for (see ``round_steps``)."""
+        mode = self.mode or ("async" if isinstance(self.strategy, FedBuff) else "sync")
+        local = train_config.get(keys.LOCAL_STEPS)
+        local_steps = int(local) if isinstance(local, int) else None
+        if mode == "sync":
+            steps = self.round_steps or (
+                local_steps * num_nodes if local_steps is not None else None
+            )
+        else:
+            steps = local_steps
+        if steps is None:
+            raise ValueError(
+                "ClusterSelection needs the work per task: put 'local-steps' in "
+                "train_config" + (" or set round_steps" if mode == "sync" else "")
+            )
+        buffer = getattr(self.strategy, "buffer_size", None)
+        return Workload(
+            mode=mode,
+            steps=steps,
+            num_rounds=num_rounds,
+            buffer_size=buffer if isinstance(buffer, int) else None,
+            kappa=self.kappa,
+        )
+
+    def start(
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int = 3,
+        timeout: float = 3600,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+    ) -> Result:
+        """Profile, select, train with the wrapped strategy; FedAvg's contract."""
+        log(INFO, "Starting ClusterSelection strategy:")
+        self.summary()
+        train_config = ConfigRecord() if train_config is None else train_config
+        self.node_models = self.profile(grid, initial_arrays, train_config)
+        workload = self.workload(train_config, num_rounds, len(self.node_models))
+        min_size = self.min_nodes or max(
+            int(getattr(self.strategy, "min_train_nodes", 1)),
+            int(getattr(self.strategy, "min_available_nodes", 1)),
+        )
+        selector = _Selector(self, self.node_models, workload, min_size, clock_of(grid))
+        self.selection_log = selector.records
+        result = self.strategy.start(
+            grid=SelectedGrid(grid, selector),
+            initial_arrays=initial_arrays,
+            num_rounds=num_rounds,
+            timeout=timeout,
+            train_config=train_config,
+            evaluate_config=evaluate_config,
+            evaluate_fn=evaluate_fn,
+        )
+        selector.close_batch()
+        self.choice = selector.choice
+        if workload.mode == "sync":
+            for record in selector.records:
+                metrics = result.train_metrics_clientapp.get(record.round)
+                if metrics is None:
+                    continue
+                metrics[SELECTION_ESTIMATED_S] = record.estimated_s
+                metrics[SELECTION_SIZE] = len(record.members)
+                if record.measured_s is not None:
+                    metrics[SELECTION_MEASURED_S] = record.measured_s
+        return result
