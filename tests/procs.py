@@ -414,26 +414,30 @@ class Federation:
             proc.stop()
 
     # ------------------------------------------------------------------ SuperLink
-    def start_superlink(self, timeout: float = 60.0) -> Process:
-        """Start ``flower-superlink --insecure`` and wait for its /health answer."""
+    def start_superlink(
+        self, timeout: float = 60.0, simulated_supernodes: int | None = None
+    ) -> Process:
+        """Start ``flower-superlink --insecure`` and wait for its /health answer.
+
+        With ``simulated_supernodes`` the SuperLink runs Flower's simulation runtime
+        (Ray) with that many simulated SuperNodes instead of waiting for real ones.
+        """
         if self.superlink is not None:
             raise RuntimeError("this federation already has a SuperLink")
         self.port = free_port()
-        proc = Process(
-            "superlink",
-            [
-                program("flower-superlink"),
-                "--insecure",
-                "--host",
-                HOST,
-                "--port",
-                str(self.port),
-                "--disable-runtime-dependency-installation",
-            ],
-            self.logs / "superlink.log",
-            self.env,
-        )
-        self._write_connection()
+        args = [
+            program("flower-superlink"),
+            "--insecure",
+            "--host",
+            HOST,
+            "--port",
+            str(self.port),
+            "--disable-runtime-dependency-installation",
+        ]
+        if simulated_supernodes is not None:
+            args += ["--simulation", "--isolation", "subprocess"]
+        proc = Process("superlink", args, self.logs / "superlink.log", self.env)
+        self._write_connection(simulated_supernodes)
         proc.start()
         self._everything.append(proc)
         self.superlink = proc
@@ -452,13 +456,18 @@ class Federation:
                 raise TimeoutError(f"SuperLink not healthy after {timeout} s")
             time.sleep(0.2)
 
-    def _write_connection(self) -> None:
+    def _write_connection(self, simulated_supernodes: int | None = None) -> None:
+        options = (
+            f"options.num-supernodes = {simulated_supernodes}\n"
+            if simulated_supernodes is not None
+            else ""
+        )
         (self.home / "config.toml").write_text(
             "[superlink]\n"
             f'default = "{CONNECTION}"\n\n'
             f"[superlink.{CONNECTION}]\n"
             f'address = "{HOST}:{self.port}"\n'
-            "insecure = true\n",
+            "insecure = true\n" + options,
             encoding="utf-8",
         )
 
