@@ -12,9 +12,8 @@ import json
 from pathlib import Path
 
 import pytest
-from procs import Federation
-
 from flowerbed.sims.scenario import run_scenario
+from procs import Federation
 
 ROOT = Path(__file__).parents[1]
 SCENARIO = {
