@@ -7,18 +7,14 @@ bad reply. Every strategy must end round 1 with x = (1 + 3) / 2 = 2.
 from __future__ import annotations
 
 import logging
-import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 import pytest
-from flwr.app import Error, Message, MetricRecord, RecordDict
-
-sys.path.insert(0, str(Path(__file__).parent))
 from flowerbed import keys
 from flowerbed.strategies import DeadlineFedAvg, FedBuff, RuntimeWeightedFedAvg
 from flowerbed.strategies.utils import to_arrayrecord
+from flwr.app import Error, Message, MetricRecord, RecordDict
 from test_strategies_fakes import FakeGrid, node, received, reply, weights
 
 

@@ -9,14 +9,8 @@ from __future__ import annotations
 
 import logging
 import math
-import sys
-from pathlib import Path
 
 import pytest
-from flwr.app import MetricRecord
-from flwr.serverapp.strategy import Result
-
-sys.path.insert(0, str(Path(__file__).parent))
 from flowerbed import keys
 from flowerbed.strategies import DeadlineFedAvg
 from flowerbed.strategies.utils import (
@@ -25,6 +19,8 @@ from flowerbed.strategies.utils import (
     ROUND_PARTICIPANTS,
     ROUND_STRAGGLERS,
 )
+from flwr.app import MetricRecord
+from flwr.serverapp.strategy import Result
 from test_strategies_fakes import FakeGrid, config_of, node, silent, weights
 
 

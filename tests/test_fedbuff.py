@@ -7,13 +7,8 @@ it received plus its shift (node 1: +1, node 2: +4), so its update is the shift.
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
-from flwr.app import ArrayRecord, MetricRecord
-
-sys.path.insert(0, str(Path(__file__).parent))
 from flowerbed.strategies import FedBuff
 from flowerbed.strategies.utils import (
     ROUND_CLOCK_S,
@@ -21,6 +16,7 @@ from flowerbed.strategies.utils import (
     hinge_staleness,
     polynomial_staleness,
 )
+from flwr.app import ArrayRecord, MetricRecord
 from test_strategies_fakes import FakeGrid, node, silent, weights
 
 

@@ -7,16 +7,12 @@ Fleet used throughout: global model w = [0]. Node 1 answers w = [1] with 10 exam
 from __future__ import annotations
 
 import logging
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
-from flwr.app import ConfigRecord
-
-sys.path.insert(0, str(Path(__file__).parent))
 from flowerbed import keys
 from flowerbed.strategies import RuntimeWeightedFedAvg
+from flwr.app import ConfigRecord
 from test_strategies_fakes import FakeGrid, config_of, node, weights
 
 

@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import sys
 import tracemalloc
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
-from flwr.app import Message
-
-sys.path.insert(0, str(Path(__file__).parent))
 from flowerbed.strategies import RuntimeWeightedFedAvg
 from flowerbed.strategies.utils import UpdateAccumulator, to_arrayrecord
+from flwr.app import Message
 from test_strategies_fakes import FakeGrid, node, reply
 
 MODEL_FLOATS = 250_000  # 1 MB of float32
