@@ -209,7 +209,7 @@ def evaluate_selection(
     num_classes: int = 10,
     batch_size: int = 16,
     local_steps: int = 10,
-    num_rounds: int = 20,
+    num_rounds: int = 100,
     kappa: float = 1.0,
     profile_steps: Sequence[int] = (1, 3),
     step_jitter: float = 0.10,
