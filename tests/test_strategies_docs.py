@@ -15,6 +15,7 @@ PAGES = {
     "RuntimeWeightedFedAvg": "runtime-weighted.md",
     "DeadlineFedAvg": "deadline.md",
     "FedBuff": "fedbuff.md",
+    "ClusterSelection": "cluster-selection.md",
 }
 
 
