@@ -19,6 +19,7 @@ from flwr.supercore import log
 client_app = ClientApp()
 client_app.train()(node.train)
 client_app.evaluate()(node.evaluate_local)
+client_app.query()(node.profile)
 
 server_app = ServerApp()
 

@@ -26,7 +26,8 @@ OFFLINE = "offline"
 """node_config ``device`` value of a node that never answers (for tests)."""
 DEVICE_KEY = "device"
 """node_config key that pins a node's device class instead of the fleet's draw."""
-TRAIN, EVALUATE = 0, 1
+TRAIN, EVALUATE, QUERY = 0, 1, 2
+DEFAULT_PROFILE_STEPS = 3
 """Task kinds, part of each task's random stream."""
 EVAL_COST = 1.0 / 3.0
 """A forward pass costs about a third of a training step (forward + 2x backward)."""
@@ -225,6 +226,37 @@ def evaluate_local(message: Message, context: Context) -> Message:
             keys.EVAL_ACC: acc,
             keys.EVAL_TIME_S: eval_s,
             keys.COMM_TIME_S: comm_s,
+            keys.PARTITION_ID: node.partition_id,
+        }
+    )
+    return Message(RecordDict({keys.METRICS: metrics}), reply_to=message)
+
+
+def profile(message: Message, context: Context) -> Message:
+    """Answer a profiling query with the virtual time of ``profile-steps`` steps.
+
+    Same keys as the board clients' query (``flowerbed.clients.board_app.profile``):
+    the device's speed and power, as the virtual clock prices them; the model is
+    downloaded (it travels with the query), nothing is uploaded.
+    """
+    scenario, node = _identity(context)
+    config = message.content.config_records.get(keys.CONFIG, {})
+    steps = int(config.get(keys.PROFILE_STEPS, DEFAULT_PROFILE_STEPS))
+    server_round = int(config.get(keys.SERVER_ROUND, 0))
+    dev = node.device
+    batch = min(scenario.batch_size, len(node.x_train))
+    compute_s = steps * vclock.step_seconds(dev, batch, node.cost_factor)
+    comm_s = vclock.transfer_seconds(node.model_bytes, dev.downlink_mbps)
+    _maybe_drop(scenario, node, server_round, QUERY, comm_s + compute_s)
+    metrics = MetricRecord(
+        {
+            keys.NUM_STEPS: steps,
+            keys.NUM_EXAMPLES: steps * batch,
+            keys.TRAIN_TIME_S: compute_s,
+            keys.COMM_TIME_S: comm_s,
+            keys.SAMPLES_PER_S: steps * batch / compute_s,
+            keys.POWER_W: dev.busy_w,
+            keys.ENERGY_J: vclock.energy_joules(dev, compute_s, comm_s),
             keys.PARTITION_ID: node.partition_id,
         }
     )

@@ -172,3 +172,14 @@ def test_flower_fedavg_runs_unchanged_and_learns() -> None:
     assert out[-1].accuracy > 0.5  # chance is 0.1
     # all nodes identical: every round costs the same virtual time
     assert out[1].virtual_time_s == pytest.approx(2 * out[0].virtual_time_s)
+
+
+def test_profiling_query_prices_the_steps_on_the_virtual_clock() -> None:
+    grid = grid_of(["low-end-phone"])
+    content = RecordDict({keys.CONFIG: ConfigRecord({keys.PROFILE_STEPS: 3})})
+    [reply] = grid.send_and_receive([Message(content, 1000, "query")])
+    m = metrics(reply)
+    step = expected_duration("low-end-phone", 1) - expected_duration("low-end-phone", 0)
+    assert m[keys.NUM_STEPS] == 3 and m[keys.TRAIN_TIME_S] == pytest.approx(3 * step)
+    assert m[keys.POWER_W] == get_device("low-end-phone").busy_w
+    assert m[keys.SAMPLES_PER_S] == pytest.approx(24 / (3 * step))
