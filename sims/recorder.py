@@ -19,13 +19,12 @@ from dataclasses import dataclass, field
 
 from flowerbed import keys
 from flowerbed.clients.training import evaluate
-from flowerbed.clock import collect_replies
 from flowerbed.data import Dataset
+from flowerbed.grid import GridWrapper
 from flowerbed.models import build_model
 from flowerbed.sims.engine import VirtualClock, reply_duration
-from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.serverapp import Grid
-from flwr.supercore.run import Run
 
 
 @dataclass
@@ -57,37 +56,12 @@ class _Bucket:
     slowest_s: float = 0.0
 
 
-class RecordingGrid(Grid):
+class RecordingGrid(GridWrapper):
     """A transparent Grid wrapper that reports pushes and replies to a recorder."""
 
     def __init__(self, inner: Grid, recorder: RunRecorder) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.recorder = recorder
-        clock = getattr(inner, "clock", None)
-        if clock is not None:
-            self.clock = clock
-
-    def set_run(self, run: Run) -> None:
-        self.inner.set_run(run)
-
-    @property
-    def run(self) -> Run:
-        return self.inner.run
-
-    def create_message(
-        self,
-        content: RecordDict,
-        message_type: str,
-        dst_node_id: int,
-        group_id: str,
-        ttl: float | None = None,
-    ) -> Message:
-        return self.inner.create_message(
-            content, message_type, dst_node_id, group_id, ttl
-        )
-
-    def get_node_ids(self) -> Iterable[int]:
-        return self.inner.get_node_ids()
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         messages = list(messages)
@@ -101,11 +75,6 @@ class RecordingGrid(Grid):
         for reply in replies:
             self.recorder.received(reply)
         return replies
-
-    def send_and_receive(
-        self, messages: Iterable[Message], *, timeout: float | None = None
-    ) -> Iterable[Message]:
-        return collect_replies(self, self.push_messages(messages), timeout)
 
 
 class RunRecorder:
