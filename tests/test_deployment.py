@@ -3,9 +3,10 @@
 A SuperLink and three SuperNodes (``flower-superlink``, ``flower-supernode``) run
 the board ClientApp (``flowerbed.clients.board_app:app``) on digits partitions;
 a small Flower App written into the test's folder runs ``DeadlineFedAvg`` with
-partial work. One node is slowed with the ClientApp's ``slowdown-s`` test aid
-(seconds slept before each training step), so it cannot finish its
-``local-steps`` before the deadline.
+partial work. In the first test one node is slowed with the ClientApp's
+``slowdown-s`` test aid (seconds slept before each training step), so it cannot
+finish its ``local-steps`` before the deadline; in the second one node is killed
+mid-round and restarted.
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ RUN_TIMEOUT_S = 420.0
 SERVER_APP = '''
 """ServerApp for the deployment tests: a profiling query, then DeadlineFedAvg.
 
-The deadline follows the machine: 3 x the round trip of a profiling query to every
-node (at least 15 s, at most 90 s). On a loaded CI machine a SuperNode takes many
+The deadline follows the machine: 2.5 x the round trip of a profiling query to
+every node (at least 15 s, at most 90 s). On a loaded CI machine a SuperNode takes many
 seconds to start each ClientApp process, and a fixed deadline would measure the
 machine, not the strategy.
 
@@ -87,7 +88,13 @@ def profile(grid: Grid, arrays: ArrayRecord, nodes: int, steps: int):
         for node_id in grid.get_node_ids()
     ]
     start = time.monotonic()
-    replies = list(grid.send_and_receive(messages, timeout=120))
+    waiting = set(grid.push_messages(messages))
+    replies = []
+    while waiting and time.monotonic() - start < 120:
+        for reply in grid.pull_messages(waiting):
+            waiting.discard(reply.metadata.reply_to_message_id)
+            replies.append(reply)
+        time.sleep(0.2)
     seconds = time.monotonic() - start
     found = [
         {**dict(r.content[keys.METRICS]), **dict(r.content[keys.DEVICE_RECORD])}
@@ -113,7 +120,7 @@ def main(grid: Grid, context: Context) -> None:
     initial = ArrayRecord(build_model("lenet", 1, 8, 10).state_dict())
     nodes = int(cfg["num-nodes"])
     probes, probe_s = profile(grid, initial, nodes, int(cfg["profile-steps"]))
-    deadline = min(90.0, max(15.0, 3.0 * probe_s))
+    deadline = min(90.0, max(15.0, 2.5 * probe_s))
     strategy = DeadlineFedAvg(
         fraction_evaluate=0.0,
         min_train_nodes=2,
@@ -205,7 +212,9 @@ def write_partitions(root: Path, count: int) -> list[Path]:
     return paths
 
 
-def start_nodes(fed: Federation, paths: list[Path], slow: int) -> list[SuperNode]:
+def start_nodes(
+    fed: Federation, paths: list[Path], slow: int | None
+) -> list[SuperNode]:
     nodes = []
     for i, path in enumerate(paths):
         config: dict[str, str | float] = {"dataset-path": str(path), "device": "test"}
@@ -286,12 +295,12 @@ def test_run_survives_a_killed_supernode_and_uses_it_again_after_restart(
     out = tmp_path / "result.json"
     with Federation(tmp_path / "fed") as fed:
         fed.start_superlink()
-        nodes = start_nodes(fed, write_partitions(tmp_path, 3), slow=2)
+        nodes = start_nodes(fed, write_partitions(tmp_path, 3), slow=None)
         victim = nodes[2]
-        handle = fed.submit(app_dir, run_config(out, rounds=3))
-        # The first message is the profiling query; the second starts round 1, in
-        # which the slowed node trains until its deadline-s. Kill it (with its
-        # SuperExec and ClientApp: a board losing power) as that ClientApp starts.
+        handle = fed.submit(app_dir, run_config(out, rounds=2))
+        # The first message is the profiling query, the second round 1's training
+        # task. Kill the node (with its SuperExec and ClientApp: a board losing
+        # power) as that ClientApp starts, seconds before it could answer.
         started = "Start `flwr-clientapp` process"
         first = victim.wait_for_log(started, timeout=180)
         victim.wait_for_log(started, timeout=180, start=first.end())
@@ -303,14 +312,12 @@ def test_run_survives_a_killed_supernode_and_uses_it_again_after_restart(
         why = explain(fed, run.log)
     assert run.status == "finished:completed", why
     result = json.loads(out.read_text())
-    assert sorted(result["rounds"]) == ["1", "2", "3"], why
-    participants = [result["rounds"][str(r)]["participants"] for r in (1, 2, 3)]
+    assert sorted(result["rounds"]) == ["1", "2"], why
     # Round 1 completes with the two survivors: the killed incarnation never
-    # answers (a straggler at the deadline, or, once its heartbeat has lapsed
-    # for 60 s, an error reply from the SuperLink). Only two of the original
-    # nodes are alive, so a later round with three participants used the
-    # restarted node.
-    assert participants[0] == 2, why
-    assert 3 in participants[1:], why
+    # answers (a straggler at the deadline). It rejoins under a new node id while
+    # round 1 waits out its deadline; only two of the original nodes are alive,
+    # so three participants in round 2 means the restarted node was used.
+    assert result["rounds"]["1"]["participants"] == 2, why
+    assert result["rounds"]["2"]["participants"] == 3, why
     for seconds in result["durations"]:
         assert seconds <= result["deadline-s"] + CLOSE_SLACK_S, why
