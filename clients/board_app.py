@@ -21,7 +21,8 @@ Run config (``[tool.flwr.app.config]``, same for every board): ``model`` (lenet)
 ``local-steps`` (10), ``seed`` (0), ``profile-steps`` (5), and optionally
 ``image-size``, ``in-channels``, ``class-names`` (comma-separated folder order).
 The server's train ConfigRecord overrides ``local-steps``, ``batch-size`` and the
-learning rate (``lr``) per round and may set ``deadline-s``.
+learning rate (``lr``) per round and may set ``deadline-s`` and ``proximal-mu``
+(FedProx's proximal term, as Flower's FedProx sends it).
 
 Training runs until ``local-steps`` are done or ``deadline-s`` seconds have passed
 since the server sent the task, whichever comes first (partial work; see
@@ -289,6 +290,13 @@ def train(message: Message, context: Context) -> Message:
     )
     if steps < 0:
         raise BoardError(f"local-steps must be >= 0, got {steps}")
+    mu = (
+        _number("train config", config, keys.PROXIMAL_MU, float)
+        if keys.PROXIMAL_MU in config
+        else 0.0
+    )
+    if mu < 0:
+        raise BoardError(f"{keys.PROXIMAL_MU} must be >= 0, got {mu}")
     done = timed_train(
         setup.model,
         setup.data.x,
@@ -300,6 +308,7 @@ def train(message: Message, context: Context) -> Message:
         deadline_s=deadline,
         started_at=deadline_origin(message, arrived),
         slowdown_s=_slowdown(context),
+        proximal_mu=mu,
     )
     content = RecordDict(
         {

@@ -291,13 +291,15 @@ def timed_train(
     started_at: float | None = None,
     root: str | Path = "/",
     slowdown_s: float = 0.0,
+    proximal_mu: float = 0.0,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
 ) -> TimedTraining:
     """Train up to ``steps`` SGD steps or until the deadline, whichever comes first.
 
     The loop is :func:`flowerbed.clients.training.train_steps` (so ``num-steps``
-    and ``num-examples`` mean what they mean on every flowerbed node), wrapped in a
+    and ``num-examples`` mean what they mean on every flowerbed node, and
+    ``proximal_mu`` adds FedProx's proximal term), wrapped in a
     :class:`TrainingMeter`. Parameters are those of both; see there.
 
     Before the clock starts, an optimiser is built once and dropped: the first
@@ -328,6 +330,7 @@ def timed_train(
             lr=lr,
             seed=seed,
             should_stop=meter.should_stop,
+            proximal_mu=proximal_mu,
         )
         meter.num_steps = stats.num_steps
         meter.num_examples = stats.num_examples

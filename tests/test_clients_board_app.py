@@ -210,3 +210,27 @@ def test_chunked_evaluation_equals_one_pass() -> None:
     whole = evaluate(model, x, y)
     # chunks of 3, 3, 3 and 1 samples, weighted by their sizes
     assert board_app.chunked_evaluate(model, x, y, chunk=3) == pytest.approx(whole)
+
+
+def test_fedprox_mu_from_the_server_holds_weights_near_the_global_model(
+    npz: Path,
+) -> None:
+    def drift(config: dict) -> float:
+        sent = message(MessageType.TRAIN, {keys.LOCAL_STEPS: 5, **config})
+        reply = board_app.app(sent, context({"dataset-path": str(npz)}))
+        before = sent.content[keys.ARRAYS].to_numpy_ndarrays()
+        after = reply.content[keys.ARRAYS].to_numpy_ndarrays()
+        pairs = zip(after, before, strict=True)
+        return sum(float(((a - b) ** 2).sum()) for a, b in pairs)
+
+    # Same seed and data; only the proximal term differs. With lr 0.05 and
+    # mu = 10 each step also moves the weights 0.05 x 10 = half-way back towards
+    # the weights the server sent.
+    assert drift({keys.PROXIMAL_MU: 10.0}) < drift({})
+
+
+def test_negative_fedprox_mu_is_refused(npz: Path) -> None:
+    sent = message(MessageType.TRAIN, {keys.PROXIMAL_MU: -1.0})
+    reply = board_app.app(sent, context({"dataset-path": str(npz)}))
+    assert reply.has_error()
+    assert keys.PROXIMAL_MU in (reply.error.reason or "")
