@@ -38,6 +38,7 @@ tasks of the slowest node's round trip (nodes are profiled in parallel).
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import replace
@@ -49,17 +50,22 @@ from flowerbed.sims import vclock
 from flowerbed.sims.devices import DEVICES, DeviceProfile
 
 from .selection_model import (
+    CONFIDENCE_DRAWS,
     OBJECTIVES,
     NodeModel,
     Observation,
     Workload,
     all_masks,
+    confidence,
+    estimate_masks,
     fit_node,
     select,
 )
 
 PAPER_BEST_FRACTION = 0.7667
 """Gu, Kong, Munir, Kim (2019): the best configuration was picked in 76.67%."""
+DEFAULT_PROFILE_MAX_TASKS = 32
+"""Most profiling tasks one node runs (the strategy's default, see there)."""
 NEAR_BEST = 0.01
 """A choice within 1% of the best counts as near-best."""
 
@@ -100,38 +106,63 @@ def _profile(
     down_s: np.ndarray,
     up_s: np.ndarray,
     profile_steps: Sequence[int],
+    max_tasks: int,
     noise: dict[str, float],
-) -> tuple[list[NodeModel], float]:
-    """Per-node models fitted from simulated profiling reports; profiling time."""
+) -> tuple[list[NodeModel], float, list[int]]:
+    """Models fitted from simulated adaptive profiling; its duration; tasks per node.
+
+    As :meth:`ClusterSelection.profile`: every node runs the tasks of
+    ``profile_steps`` back to back; a node that has done them starts another
+    (cycling through ``profile_steps``, at most ``max_tasks`` in all) while some
+    node has not; profiling ends when the last task in flight returns.
+    """
+    n = len(fleet)
     observed: list[list[Observation]] = [[] for _ in fleet]
-    gain = 1 + noise["power_gain_error"] * rng.standard_normal(len(fleet))
-    elapsed = 0.0
-    for steps in profile_steps:
-        slowest = 0.0
-        for i, device in enumerate(fleet):
-            train = float(
-                (step_s[i] * _lognormal(rng, noise["step_jitter"], steps)).sum()
+    gain = 1 + noise["power_gain_error"] * rng.standard_normal(n)
+    required = len(profile_steps)
+    free_at = np.zeros(n)
+    done = np.zeros(n, dtype=int)
+
+    def run(i: int) -> None:
+        steps = profile_steps[done[i] % required]
+        train = float((step_s[i] * _lognormal(rng, noise["step_jitter"], steps)).sum())
+        comm = float(
+            (
+                np.array([down_s[i], up_s[i]])
+                * _lognormal(rng, noise["network_jitter"], 2)
+            ).sum()
+        )
+        energy = vclock.energy_joules(fleet[i], train, comm) * (
+            gain[i] + noise["power_noise"] * rng.standard_normal()
+        )
+        observed[i].append(
+            Observation(
+                steps=steps,
+                round_trip_s=train + comm,
+                train_time_s=train,
+                energy_j=energy,
             )
-            comm = float(
-                (
-                    np.array([down_s[i], up_s[i]])
-                    * _lognormal(rng, noise["network_jitter"], 2)
-                ).sum()
-            )
-            energy = vclock.energy_joules(device, train, comm) * (
-                gain[i] + noise["power_noise"] * rng.standard_normal()
-            )
-            observed[i].append(
-                Observation(
-                    steps=steps,
-                    round_trip_s=train + comm,
-                    train_time_s=train,
-                    energy_j=energy,
-                )
-            )
-            slowest = max(slowest, train + comm)
-        elapsed += slowest
-    return [fit_node(i, obs) for i, obs in enumerate(observed)], elapsed
+        )
+        free_at[i] += train + comm
+        done[i] += 1
+
+    for _ in range(required):
+        for i in range(n):
+            run(i)
+    last_required = float(free_at.max())
+    while True:
+        starts = [
+            i for i in range(n) if free_at[i] < last_required and done[i] < max_tasks
+        ]
+        if not starts:
+            break
+        for i in starts:
+            run(i)
+    return (
+        [fit_node(i, obs) for i, obs in enumerate(observed)],
+        float(free_at.max()),
+        done.tolist(),
+    )
 
 
 def _truth(
@@ -196,6 +227,35 @@ def _row(masks: np.ndarray, members: Sequence[int]) -> int:
     return int(np.flatnonzero((masks == target).all(axis=1))[0])
 
 
+def _oracle_models(
+    fleet: Sequence[DeviceProfile],
+    step_s: np.ndarray,
+    down_s: np.ndarray,
+    up_s: np.ndarray,
+    noise: dict[str, float],
+) -> list[NodeModel]:
+    """The true devices and jitter as node models: what perfect profiling would fit.
+
+    A mean-one lognormal factor of sigma has variance ``exp(sigma^2) - 1``; a step
+    of ``s`` seconds has variance ``s^2 (exp(sigma_step^2) - 1)`` and the two
+    transfers ``(down^2 + up^2) (exp(sigma_net^2) - 1)``.
+    """
+    step_factor = math.expm1(noise["step_jitter"] ** 2)
+    net_factor = math.expm1(noise["network_jitter"] ** 2)
+    return [
+        NodeModel(
+            i,
+            float(step_s[i]),
+            float(down_s[i] + up_s[i]),
+            d.busy_w,
+            d.idle_w,
+            step_var=float(step_s[i] ** 2 * step_factor),
+            overhead_var=float((down_s[i] ** 2 + up_s[i] ** 2) * net_factor),
+        )
+        for i, d in enumerate(fleet)
+    ]
+
+
 def evaluate_selection(
     num_fleets: int = 30,
     seed: int = 0,
@@ -212,6 +272,7 @@ def evaluate_selection(
     num_rounds: int = 100,
     kappa: float = 1.0,
     profile_steps: Sequence[int] = (1, 3),
+    profile_max_tasks: int = DEFAULT_PROFILE_MAX_TASKS,
     step_jitter: float = 0.10,
     network_jitter: float = 0.20,
     power_gain_error: float = 0.03,
@@ -219,6 +280,7 @@ def evaluate_selection(
     unit_spread: float = 0.05,
     truth_rounds: int = 20,
     objectives: Sequence[str] = OBJECTIVES,
+    confidence_draws: int = CONFIDENCE_DRAWS,
 ) -> dict[str, Any]:
     """Accuracy of cluster selection over ``num_fleets`` random fleets.
 
@@ -226,21 +288,36 @@ def evaluate_selection(
     device classes. A synchronous round's work is ``local_steps`` x fleet size
     optimiser steps of ``batch_size`` samples, split over the chosen nodes (the
     strategy's default ``round_steps``); async tasks are ``local_steps`` steps.
-    The job is ``num_rounds`` rounds. See the module docstring for how truth and
-    estimate differ. Returns plain JSON-able data::
+    The job is ``num_rounds`` rounds. Profiling is adaptive: every node runs the
+    ``profile_steps`` tasks, and nodes that finish early repeat them (at most
+    ``profile_max_tasks``) until the slowest is done. See the module docstring
+    for how truth and estimate differ. Returns plain JSON-able data::
 
         {"num_fleets", "seed", "mode", "fleet_sizes", "device_counts", "setup",
-         "noise", "truth", "estimate", "paper_best_fraction",
+         "noise", "truth", "estimate", "paper_best_fraction", "profiling",
          "objectives": {objective: {
              "best_fraction", "near_best_fraction", "mean_regret_pct",
              "max_regret_pct", "profiling_overhead_pct", "mean_nodes_chosen",
              "mean_nodes_best", "polynomial_best_fraction",
-             "polynomial_mean_regret_pct"}}}
+             "polynomial_mean_regret_pct", "oracle_best_fraction",
+             "oracle_mean_regret_pct", "mean_confidence",
+             "within_uncertainty_fraction", "confident_fraction",
+             "confident_best_fraction"}}}
 
     ``best_fraction``: share of fleets where the chosen configuration is the true
     best; ``near_best_fraction``: within 1% of it; regret: % the chosen
     configuration's true cost exceeds the best's; the ``polynomial_`` figures are
     the same fleets with the polynomial search instead of the exhaustive one.
+    ``oracle_``: the same estimate formulas fed the true devices and jitter
+    (perfect profiling), so what is left is the truth's own round-to-round
+    randomness and the model's approximations: a ceiling for ``best_fraction``.
+    ``mean_confidence``: mean of the selection's own confidence
+    (:func:`flowerbed.strategies.selection_model.confidence`, ``confidence_draws``
+    draws, power gain error ``power_gain_error``); ``within_uncertainty_fraction``:
+    fleets where the runner-up's estimate is within two standard deviations;
+    ``confident_fraction``: fleets with confidence >= 0.95, and
+    ``confident_best_fraction`` the share of those that picked the true best
+    (NaN when there are none).
     """
     if num_fleets < 1:
         raise ValueError(f"num_fleets must be >= 1, got {num_fleets}")
@@ -248,6 +325,11 @@ def evaluate_selection(
         raise ValueError(
             "need 1 <= min_nodes <= max_nodes <= 16 and max_nodes >= 2, got "
             f"min_nodes={min_nodes}, max_nodes={max_nodes}"
+        )
+    if profile_max_tasks < len(profile_steps):
+        raise ValueError(
+            f"profile_max_tasks must be >= len(profile_steps) = {len(profile_steps)}, "
+            f"got {profile_max_tasks}"
         )
     for name in objectives:
         if name not in OBJECTIVES:
@@ -263,20 +345,29 @@ def evaluate_selection(
     }
     factor = cost_factor(model, in_channels, image_size, num_classes)
     nbytes = model_num_bytes(build_model(model, in_channels, image_size, num_classes))
+    fields = [
+        "best",
+        "near",
+        "regret",
+        "overhead",
+        "chosen",
+        "best_k",
+        "poly_best",
+        "poly_regret",
+        "oracle_best",
+        "oracle_regret",
+        "confidence",
+        "within",
+        "confident",
+        "confident_best",
+    ]
     per: dict[str, dict[str, list[float]]] = {
-        o: {
-            "best": [],
-            "near": [],
-            "regret": [],
-            "overhead": [],
-            "chosen": [],
-            "best_k": [],
-            "poly_best": [],
-            "poly_regret": [],
-        }
-        for o in objectives
+        o: {name: [] for name in fields} for o in objectives
     }
     sizes: list[int] = []
+    tasks: list[int] = []
+    slowest_tasks: list[int] = []
+    profile_times: list[float] = []
     devices: Counter[str] = Counter()
     for f in range(num_fleets):
         rng = np.random.default_rng([seed, f])
@@ -294,38 +385,55 @@ def evaluate_selection(
             num_rounds=num_rounds,
             kappa=kappa,
         )
-        models, profile_s = _profile(
-            rng, fleet, step_s, down_s, up_s, profile_steps, noise
+        models, profile_s, done = _profile(
+            rng, fleet, step_s, down_s, up_s, profile_steps, profile_max_tasks, noise
         )
+        tasks.extend(done)
+        slowest_tasks.append(min(done))
+        profile_times.append(profile_s)
+        oracle = _oracle_models(fleet, step_s, down_s, up_s, noise)
         masks = all_masks(len(fleet))
         truth = _truth(
             rng, fleet, step_s, down_s, up_s, masks, workload, truth_rounds, noise
+        )
+        estimated = estimate_masks(models, masks, workload)
+        perfect = estimate_masks(oracle, masks, workload)
+        sure = confidence(
+            models,
+            workload,
+            objectives,
+            masks,
+            power_gain_error=power_gain_error,
+            draws=confidence_draws,
+            seed=f,
         )
         for objective in objectives:
             cost = truth[objective]
             best = float(cost.min())
             acc = per[objective]
-            for search, best_key, regret_key in (
-                ("exhaustive", "best", "regret"),
-                ("polynomial", "poly_best", "poly_regret"),
+            poly = select(models, workload, objective, search="polynomial")
+            for row, best_key, regret_key in (
+                (int(np.argmin(estimated[objective])), "best", "regret"),
+                (_row(masks, poly.members), "poly_best", "poly_regret"),
+                (int(np.argmin(perfect[objective])), "oracle_best", "oracle_regret"),
             ):
-                choice = select(models, workload, objective, search=search)
-                row = _row(masks, choice.members)
                 regret = float(cost[row] / best - 1.0)
                 acc[best_key].append(float(regret <= 1e-12))
                 acc[regret_key].append(100 * regret)
-                if search == "exhaustive":
-                    acc["near"].append(float(regret <= NEAR_BEST))
-                    acc["chosen"].append(len(choice.members))
-                    acc["best_k"].append(int(masks[int(np.argmin(cost))].sum()))
-                    job_s = float(
-                        truth[
-                            "time-to-accuracy"
-                            if objective == "time-to-accuracy"
-                            else "time"
-                        ][row]
-                    )
-                    acc["overhead"].append(100 * profile_s / (profile_s + job_s))
+            row = int(np.argmin(estimated[objective]))
+            regret = float(cost[row] / best - 1.0)
+            acc["near"].append(float(regret <= NEAR_BEST))
+            acc["chosen"].append(int(masks[row].sum()))
+            acc["best_k"].append(int(masks[int(np.argmin(cost))].sum()))
+            job = "time-to-accuracy" if objective == "time-to-accuracy" else "time"
+            job_s = float(truth[job][row])
+            acc["overhead"].append(100 * profile_s / (profile_s + job_s))
+            probability = sure[objective].probability
+            acc["confidence"].append(probability)
+            acc["within"].append(float(sure[objective].within_uncertainty))
+            acc["confident"].append(float(probability >= 0.95))
+            if probability >= 0.95:
+                acc["confident_best"].append(acc["best"][-1])
     return {
         "num_fleets": num_fleets,
         "seed": seed,
@@ -342,14 +450,24 @@ def evaluate_selection(
             "num_rounds": num_rounds,
             "kappa": kappa,
             "profile_steps": list(profile_steps),
+            "profile_max_tasks": profile_max_tasks,
             "truth_rounds": truth_rounds,
+            "confidence_draws": confidence_draws,
         },
         "noise": noise,
         "truth": "every configuration on the virtual clock (flowerbed.sims.vclock) "
         "with the true devices and per-round compute and network jitter",
-        "estimate": "per-node models fitted from simulated profiling reports "
-        "(train-time-s of a few jittered steps, round trip, noisy energy-j)",
+        "estimate": "per-node models fitted from simulated adaptive profiling "
+        "reports (train-time-s of a few jittered steps, round trip, noisy "
+        "energy-j); round time as the expected maximum of the members' task times",
         "paper_best_fraction": PAPER_BEST_FRACTION,
+        "profiling": {
+            "mean_seconds": float(np.mean(profile_times)),
+            "mean_tasks_per_node": float(np.mean(tasks)),
+            "min_tasks_per_node": int(np.min(tasks)),
+            "max_tasks_per_node": int(np.max(tasks)),
+            "mean_tasks_of_slowest_node": float(np.mean(slowest_tasks)),
+        },
         "objectives": {
             o: {
                 "best_fraction": float(np.mean(v["best"])),
@@ -361,6 +479,14 @@ def evaluate_selection(
                 "mean_nodes_best": float(np.mean(v["best_k"])),
                 "polynomial_best_fraction": float(np.mean(v["poly_best"])),
                 "polynomial_mean_regret_pct": float(np.mean(v["poly_regret"])),
+                "oracle_best_fraction": float(np.mean(v["oracle_best"])),
+                "oracle_mean_regret_pct": float(np.mean(v["oracle_regret"])),
+                "mean_confidence": float(np.mean(v["confidence"])),
+                "within_uncertainty_fraction": float(np.mean(v["within"])),
+                "confident_fraction": float(np.mean(v["confident"])),
+                "confident_best_fraction": float(np.mean(v["confident_best"]))
+                if v["confident_best"]
+                else float("nan"),
             }
             for o, v in per.items()
         },

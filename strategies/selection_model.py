@@ -61,8 +61,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+from scipy import special
 
 OBJECTIVES = ("time", "energy", "edp", "time-to-accuracy")
 """What a configuration is chosen for."""
@@ -91,6 +93,28 @@ class NodeModel:
     """``Pb_i``: watts while training; None when the node reports no power."""
     idle_w: float | None = None
     """``Pi_i``: watts while communicating or waiting."""
+    step_var: float = 0.0
+    """``v_i``: variance of one step's time (s^2); a task of ``n`` steps has
+    compute variance ``n v_i`` (independent steps)."""
+    overhead_var: float = 0.0
+    """``u_i``: variance of the per-task overhead (s^2)."""
+    step_se: float = 0.0
+    """Standard error of ``s_i`` (seconds per step)."""
+    overhead_se: float = 0.0
+    """Standard error of ``c_i`` (seconds)."""
+    tasks: int = 0
+    """Profiling tasks the fit used."""
+
+    def task_mean_sd(self, steps: int | np.ndarray) -> tuple[Any, Any]:
+        """Mean and standard deviation of a task of ``steps`` steps.
+
+        ``mu = c_i + n s_i``, ``sd = sqrt(u_i + n v_i)`` (overhead and steps
+        independent).
+        """
+        return (
+            self.overhead_s + steps * self.step_s,
+            np.sqrt(self.overhead_var + steps * self.step_var),
+        )
 
 
 @dataclass(frozen=True)
@@ -192,34 +216,65 @@ def fit_node(
     observations: Sequence[Observation],
     idle_fraction: float = IDLE_FRACTION,
 ) -> NodeModel:
-    """Fit ``s_i``, ``c_i``, ``Pb_i``, ``Pi_i`` from a node's timed tasks.
+    """Fit ``s_i``, ``c_i``, their variances, ``Pb_i``, ``Pi_i`` from timed tasks.
 
-    - ``s_i``: sum of ``train-time-s`` / sum of steps when every task reports it;
-      otherwise the least-squares slope of round trip against steps (needs tasks
-      of at least two lengths).
-    - ``c_i``: ``comm-time-s`` when reported, else round trip minus train time (the
-      intercept of the fit when there is no train time); scaled to a training
-      task's two transfers when a task moved the model once.
-    - power: the mean ``power-w`` as ``Pb_i`` when reported (``Pi_i`` =
-      ``idle_fraction`` x ``Pb_i``, see :data:`IDLE_FRACTION`); else from
-      ``energy-j`` = Pb compute + Pi other, by least squares over the tasks
-      (two unknowns: needs tasks of two lengths; with one length, ``Pi`` =
-      ``idle_fraction`` x ``Pb``).
+    Task ``j`` took ``n_j`` steps in ``x_j`` seconds of compute and ``o_j``
+    seconds outside it over ``r_j`` model transfers (2 for a training task, 1
+    for a query). Steps are independent with mean ``s`` and variance ``v``, so
+    ``E x_j = n_j s`` and ``Var x_j = n_j v``; the best linear unbiased
+    estimator is weighted least squares with weights ``1 / n_j``, and its
+    weighted residual sum of squares over ``J - 1`` degrees of freedom is
+    unbiased for ``v`` (Aitken's generalised least squares; Seber and Lee,
+    "Linear Regression Analysis", 2nd ed., Wiley 2003, ch. 3)::
+
+        s = sum x_j / sum n_j
+        v = sum (x_j - n_j s)^2 / n_j / (J - 1),       se(s) = sqrt(v / sum n_j)
+
+    Transfers are treated the same way (mean ``m``, variance ``w`` each; a
+    training task's overhead is two of them), which for training tasks alone
+    is the sample mean and the sample variance (``ddof = 1``) of ``o_j``::
+
+        m = sum o_j / sum r_j,     w = sum (o_j - r_j m)^2 / r_j / (J - 1)
+        c = 2 m,   u = 2 w,        se(c) = 2 sqrt(w / sum r_j)
+
+    With one task the variances are unknown and set to 0. ``x_j`` is
+    ``train-time-s``; without it (a plain Flower client) ``s`` and ``c`` are
+    the ordinary least-squares slope and intercept of round trip against steps
+    (needs tasks of at least two lengths), all of the residual variance
+    (``J - 2`` degrees of freedom) is put on ``u``, and ``v = 0``. ``o_j`` is
+    ``comm-time-s`` when reported, else round trip minus compute.
+
+    Power: the mean ``power-w`` as ``Pb_i`` when reported (``Pi_i`` =
+    ``idle_fraction`` x ``Pb_i``, see :data:`IDLE_FRACTION`); else from
+    ``energy-j`` = Pb compute + Pi other, by least squares over the tasks (two
+    unknowns: needs tasks of two lengths; with one length, ``Pi`` =
+    ``idle_fraction`` x ``Pb``).
     """
     if not observations:
         raise ValueError(f"node {node_id}: no profiling observation to fit")
     steps = np.array([o.steps for o in observations], dtype=float)
     rtt = np.array([o.round_trip_s for o in observations])
+    transfers = np.array([o.transfers for o in observations], dtype=float)
     if np.any(steps < 1):
         raise ValueError(f"node {node_id}: a profiling task took no step")
+    count = len(observations)
     train = [o.train_time_s for o in observations]
-    if all(t is not None for t in train):
+    timed = all(t is not None for t in train)
+    if timed:
         compute = np.array(train, dtype=float)
         step_s = float(compute.sum() / steps.sum())
+        step_var = (
+            float(((compute - steps * step_s) ** 2 / steps).sum() / (count - 1))
+            if count > 1
+            else 0.0
+        )
+        step_se = math.sqrt(step_var / steps.sum())
     elif len(set(steps)) >= 2:
         slope, _ = np.polyfit(steps, rtt, 1)
         step_s = float(slope)
         compute = steps * step_s
+        step_var = 0.0
+        step_se = 0.0
     else:
         raise ValueError(
             f"node {node_id}: without train-time-s, profiling needs tasks of two "
@@ -227,11 +282,27 @@ def fit_node(
         )
     other = np.array(
         [
-            (o.comm_time_s if o.comm_time_s is not None else r - c) * 2 / o.transfers
+            o.comm_time_s if o.comm_time_s is not None else r - c
             for o, r, c in zip(observations, rtt, compute, strict=True)
         ]
     )
-    overhead_s = float(max(0.0, other.mean()))
+    per_transfer = float(other.sum() / transfers.sum())
+    overhead_s = max(0.0, 2 * per_transfer)
+    if timed:
+        transfer_var = (
+            float(((other - transfers * per_transfer) ** 2 / transfers).sum())
+            / (count - 1)
+            if count > 1
+            else 0.0
+        )
+        overhead_var = 2 * transfer_var
+        overhead_se = 2 * math.sqrt(transfer_var / transfers.sum())
+    else:
+        residual = rtt - compute - overhead_s
+        overhead_var = float((residual**2).sum() / (count - 2)) if count > 2 else 0.0
+        overhead_se = math.sqrt(overhead_var / count)
+        spread = float(((steps - steps.mean()) ** 2).sum())
+        step_se = math.sqrt(overhead_var / spread)
     busy_w = idle_w = None
     powers = [o.power_w for o in observations if o.power_w is not None]
     energies = [o.energy_j for o in observations]
@@ -250,7 +321,18 @@ def fit_node(
                 energy.sum() / (compute.sum() + idle_fraction * actual_other.sum())
             )
             idle_w = idle_fraction * busy_w
-    return NodeModel(node_id, max(step_s, 1e-12), overhead_s, busy_w, idle_w)
+    return NodeModel(
+        node_id,
+        max(step_s, 1e-12),
+        overhead_s,
+        busy_w,
+        idle_w,
+        step_var=step_var,
+        overhead_var=overhead_var,
+        step_se=step_se,
+        overhead_se=overhead_se,
+        tasks=count,
+    )
 
 
 def _arrays(
@@ -262,6 +344,46 @@ def _arrays(
     pb = np.array([nan if n.busy_w is None else n.busy_w for n in nodes])
     pi = np.array([nan if n.idle_w is None else n.idle_w for n in nodes])
     return s, c, pb, pi
+
+
+def _variances(nodes: Sequence[NodeModel]) -> tuple[np.ndarray, np.ndarray]:
+    v = np.array([n.step_var for n in nodes])
+    u = np.array([n.overhead_var for n in nodes])
+    return v, u
+
+
+def expected_max(mu: np.ndarray, sd: np.ndarray, masks: np.ndarray) -> np.ndarray:
+    """``E[max_{i in S} t_i]`` for each configuration ``S`` (a row of ``masks``).
+
+    ``t_i ~ Normal(mu_i, sd_i^2)``, independent. The maximum of independent,
+    non-identically distributed variables has CDF ``prod_{i in S} F_i(x)``
+    (David and Nagaraja, "Order Statistics", 3rd ed., Wiley 2003, sec. 5.2), and
+    for a variable that is (up to ``Phi(-6)`` ~ 1e-9) at least ``a``,
+    ``E[X] = a + int_a^inf (1 - F(x)) dx``::
+
+        E[T_round] = a + int_a^b (1 - prod_{i in S} Phi((x - mu_i) / sd_i)) dx
+        a = min_i (mu_i - 6 sd_i),   b = max_i (mu_i + 6 sd_i)
+
+    integrated by the trapezoidal rule on the points ``mu_i + q sd_i``, ``q`` in
+    steps of 1/3 from -6 to 6, for every node used (so each CDF is resolved on its
+    own scale). ``sd_i`` is floored at ``1e-6 mu_i`` so that a deterministic
+    node is a (resolved) step. With every ``sd_i = 0`` this is ``max_i mu_i``.
+    Hand checks: two identical members give ``mu + sd / sqrt(pi)``, three give
+    ``mu + 1.5 sd / sqrt(pi)`` (the expected largest of 2 and 3 standard
+    normals, 0.5642 and 0.8463).
+    """
+    masks = np.asarray(masks, dtype=bool)
+    used = masks.any(axis=0)
+    masks = masks[:, used]
+    mu = np.asarray(mu, dtype=float)[used]
+    sd = np.maximum(np.asarray(sd, dtype=float)[used], 1e-6 * np.abs(mu) + 1e-300)
+    q = np.linspace(-6.0, 6.0, 37)
+    x = np.unique((mu[:, None] + sd[:, None] * q[None, :]).ravel())
+    log_cdf = np.maximum(
+        special.log_ndtr((x[None, :] - mu[:, None]) / sd[:, None]), -1e4
+    )
+    below = 1.0 - np.exp(masks.astype(float) @ log_cdf)
+    return x[0] + np.trapezoid(below, x, axis=1)
 
 
 def estimate_masks(
@@ -280,10 +402,14 @@ def estimate_masks(
         raise ValueError("a configuration needs at least one node")
     w = workload
     if w.mode == "sync":
+        v, u = _variances(nodes)
         steps = np.ceil(w.steps / k)[:, None]
         compute = steps * s[None, :]
-        t = c[None, :] + compute
-        round_s = np.where(masks, t, 0.0).max(axis=1)
+        round_s = np.zeros(len(masks))
+        for size in np.unique(k):
+            rows = k == size
+            n = w.member_steps(int(size))
+            round_s[rows] = expected_max(c + n * s, np.sqrt(u + n * v), masks[rows])
         per_node = pb * compute + pi * (round_s[:, None] - compute)
         energy_round = np.where(masks, per_node, 0.0).sum(axis=1)
         time = w.num_rounds * round_s
@@ -344,6 +470,12 @@ def all_masks(num_nodes: int, min_size: int = 1) -> np.ndarray:
     return masks[masks.sum(axis=1) >= min_size]
 
 
+PREFIX_QUANTILES = (0.0, 1.0, 2.0, 3.0)
+"""Sync polynomial search: for each ``k``, also the ``k`` nodes with the smallest
+``mu_i + z sd_i`` for these ``z`` (exact when task times are stochastically
+ordered as their means; see the module docstring)."""
+
+
 def prefix_masks(
     nodes: Sequence[NodeModel], workload: Workload, min_size: int = 1
 ) -> np.ndarray:
@@ -353,14 +485,17 @@ def prefix_masks(
     evaluate.
     """
     s, c, pb, pi = _arrays(nodes)
+    v, u = _variances(nodes)
     n = len(nodes)
     rows = []
     if workload.mode == "sync":
         for k in range(min_size, n + 1):
             compute = workload.member_steps(k) * s
             t = c + compute
+            sd = np.sqrt(u + workload.member_steps(k) * v)
             energy = np.nan_to_num(pb * compute + pi * c, nan=0.0)
-            for key in (t, energy):
+            quantiles = [t + z * sd for z in PREFIX_QUANTILES]
+            for key in (*quantiles, energy):
                 mask = np.zeros(n, dtype=bool)
                 mask[np.argsort(key, kind="stable")[:k]] = True
                 rows.append(mask)
@@ -374,6 +509,23 @@ def prefix_masks(
                 mask[order[:k]] = True
                 rows.append(mask)
     return np.unique(np.array(rows), axis=0)
+
+
+def search_masks(
+    nodes: Sequence[NodeModel],
+    workload: Workload,
+    min_size: int = 1,
+    search: str = "auto",
+    *,
+    exhaustive_max_nodes: int = EXHAUSTIVE_MAX_NODES,
+) -> np.ndarray:
+    """The configurations ``search`` considers (see :func:`select`)."""
+    exhaustive = search == "exhaustive" or (
+        search == "auto" and len(nodes) <= exhaustive_max_nodes
+    )
+    if exhaustive:
+        return all_masks(len(nodes), min_size)
+    return prefix_masks(nodes, workload, min_size)
 
 
 def select(
@@ -408,13 +560,123 @@ def select(
                 f"{unknown} reported neither power-w nor energy-j; choose "
                 "'time' or 'time-to-accuracy'"
             )
-    exhaustive = search == "exhaustive" or (
-        search == "auto" and len(nodes) <= exhaustive_max_nodes
-    )
-    masks = (
-        all_masks(len(nodes), min_size)
-        if exhaustive
-        else prefix_masks(nodes, workload, min_size)
+    masks = search_masks(
+        nodes, workload, min_size, search, exhaustive_max_nodes=exhaustive_max_nodes
     )
     est = estimate_masks(nodes, masks, workload)
     return _pick(nodes, masks, est, int(np.argmin(est[objective])))
+
+
+CONFIDENCE_DRAWS = 100
+"""Parameter draws behind :func:`confidence`."""
+CONFIDENCE_CANDIDATES = 12
+"""Leading configurations (by point estimate) that :func:`confidence` compares."""
+RIVAL_SHARE = 0.05
+"""A configuration that is best in at least this share of draws is a rival."""
+
+
+@dataclass(frozen=True)
+class Confidence:
+    """How sure the estimate is that its choice beats the other leading ones.
+
+    ``probability``: share of parameter draws in which the chosen configuration
+    has the lowest estimate among the ``candidates`` leading configurations;
+    ``runner_up`` and ``gap`` (``(runner-up - chosen) / chosen``, point
+    estimates) name the closest alternative; ``gap_sd`` is that gap's standard
+    deviation over the draws; ``rivals`` are the other configurations that are
+    best in at least :data:`RIVAL_SHARE` of the draws.
+    """
+
+    probability: float
+    runner_up: tuple[int, ...] | None
+    gap: float
+    gap_sd: float
+    rivals: tuple[tuple[int, ...], ...]
+    candidates: int
+
+    @property
+    def within_uncertainty(self) -> bool:
+        """True when the runner-up is closer than two standard deviations."""
+        return self.runner_up is not None and self.gap < 2 * self.gap_sd
+
+
+def _draw_nodes(
+    nodes: Sequence[NodeModel], rng: np.random.Generator, power_gain_error: float
+) -> list[NodeModel]:
+    out = []
+    for m in nodes:
+        z_s, z_c, z_p = rng.standard_normal(3)
+        gain = max(0.0, 1.0 + power_gain_error * z_p)
+        out.append(
+            NodeModel(
+                m.node_id,
+                max(m.step_s + m.step_se * z_s, 1e-12),
+                max(m.overhead_s + m.overhead_se * z_c, 0.0),
+                None if m.busy_w is None else m.busy_w * gain,
+                None if m.idle_w is None else m.idle_w * gain,
+                step_var=m.step_var,
+                overhead_var=m.overhead_var,
+            )
+        )
+    return out
+
+
+def confidence(
+    nodes: Sequence[NodeModel],
+    workload: Workload,
+    objectives: str | Sequence[str],
+    masks: np.ndarray,
+    *,
+    power_gain_error: float = 0.0,
+    draws: int = CONFIDENCE_DRAWS,
+    candidates: int = CONFIDENCE_CANDIDATES,
+    seed: int = 0,
+) -> dict[str, Confidence]:
+    """Per objective, confidence that the lowest estimate among ``masks`` is best.
+
+    A parametric bootstrap (Efron and Tibshirani, "An Introduction to the
+    Bootstrap", Chapman & Hall 1993, ch. 6): each draw replaces every node's
+    ``s_i`` and ``c_i`` by ``Normal(fit, se^2)`` (standard errors from
+    :func:`fit_node`) and scales its power by ``1 + power_gain_error z``
+    (a sensor's calibration error, which more samples do not shrink; an input,
+    because profiling cannot see it), then re-estimates, for each objective,
+    the ``candidates`` configurations with the lowest point estimates. The
+    draws are seeded (``seed``) and shared by the objectives.
+    """
+    names = [objectives] if isinstance(objectives, str) else list(objectives)
+    for name in names:
+        check_objective(name)
+    masks = np.asarray(masks, dtype=bool)
+    point = estimate_masks(nodes, masks, workload)
+    orders = {o: np.argsort(point[o], kind="stable")[:candidates] for o in names}
+    rows = np.unique(np.concatenate(list(orders.values())))
+    lead = masks[rows]
+    rng = np.random.default_rng(seed)
+    drawn = [
+        estimate_masks(_draw_nodes(nodes, rng, power_gain_error), lead, workload)
+        for _ in range(draws)
+    ]
+    out = {}
+    for o, order in orders.items():
+        if len(order) == 1:
+            out[o] = Confidence(1.0, None, math.inf, 0.0, (), 1)
+            continue
+        cols = np.searchsorted(rows, order)
+        values = np.array([d[o][cols] for d in drawn])
+        wins = np.bincount(values.argmin(axis=1), minlength=len(order)) / draws
+        gaps = values[:, 1] / values[:, 0] - 1.0
+        members = [
+            tuple(n.node_id for n, m in zip(nodes, masks[r], strict=True) if m)
+            for r in order
+        ]
+        out[o] = Confidence(
+            probability=float(wins[0]),
+            runner_up=members[1],
+            gap=float(point[o][order[1]] / point[o][order[0]] - 1.0),
+            gap_sd=float(gaps.std(ddof=1)),
+            rivals=tuple(
+                members[i] for i in range(1, len(order)) if wins[i] >= RIVAL_SHARE
+            ),
+            candidates=len(order),
+        )
+    return out
