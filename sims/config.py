@@ -99,7 +99,7 @@ class Scenario:
                 raise ConfigError(
                     f"unknown {key} {value!r}; valid choices: {', '.join(valid)}"
                 )
-        ranges = [
+        ranges: list[tuple[str, float, bool, str]] = [
             ("num-nodes", self.num_nodes, self.num_nodes >= 1, ">= 1"),
             ("num-rounds", self.num_rounds, self.num_rounds >= 1, ">= 1"),
             ("alpha", self.alpha, self.alpha > 0, "> 0"),
@@ -133,9 +133,9 @@ class Scenario:
             ("deadline-s", self.deadline_s, self.deadline_s >= 0, ">= 0 (0: none)"),
             ("proximal-mu", self.proximal_mu, self.proximal_mu >= 0, ">= 0"),
         ]
-        for key, value, ok, rule in ranges:
+        for key, number, ok, rule in ranges:
             if not ok:
-                raise ConfigError(f"run-config {key!r} must be {rule}, got {value!r}")
+                raise ConfigError(f"run-config {key!r} must be {rule}, got {number!r}")
 
     def to_run_config(self) -> dict[str, object]:
         """The scenario as Flower run config (kebab-case keys)."""

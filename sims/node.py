@@ -8,6 +8,7 @@ the same device, data and random draws on the in-process engine and on Ray.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -100,13 +101,21 @@ def node_setup(
     )
 
 
+def _number(config: Mapping[str, object], key: str, default: float) -> float:
+    """A numeric config value, or ``default`` when the key is absent."""
+    value = config.get(key, default)
+    if not isinstance(value, (int, float)):
+        raise ValueError(f"config {key!r} must be a number, got {value!r}")
+    return float(value)
+
+
 def _identity(context: Context) -> tuple[Scenario, NodeSetup]:
     # Simulated nodes train tiny models: one intra-op thread is fastest, and on a
     # loaded machine more threads spin against each other (10x slower measured here).
     # oneDNN's per-call setup costs more than these convolutions (27% measured).
     if torch.get_num_threads() != 1:
         torch.set_num_threads(1)
-        torch.backends.mkldnn.enabled = False
+        torch.backends.mkldnn.enabled = False  # type: ignore[assignment]
     scenario = Scenario.from_run_config(context.run_config)
     pid = int(context.node_config.get("partition-id", 0))
     n = int(context.node_config.get("num-partitions", scenario.num_nodes))
@@ -148,15 +157,15 @@ def _maybe_drop(
 def train(message: Message, context: Context) -> Message:
     """Train on local data; report the device's virtual time, energy and work."""
     scenario, node = _identity(context)
-    config = message.content.config_records.get(keys.CONFIG, {})
-    server_round = int(config.get(keys.SERVER_ROUND, 0))
-    steps = int(config.get(keys.LOCAL_STEPS, scenario.local_steps))
-    lr = float(config.get(keys.LEARNING_RATE, scenario.learning_rate))
+    config: Mapping[str, object] = message.content.config_records.get(keys.CONFIG, {})
+    server_round = int(_number(config, keys.SERVER_ROUND, 0))
+    steps = int(_number(config, keys.LOCAL_STEPS, scenario.local_steps))
+    lr = _number(config, keys.LEARNING_RATE, scenario.learning_rate)
     batch = min(
-        int(config.get(keys.BATCH_SIZE, scenario.batch_size)), len(node.x_train)
+        int(_number(config, keys.BATCH_SIZE, scenario.batch_size)), len(node.x_train)
     )
-    deadline = float(config.get(keys.DEADLINE_S, 0.0))
-    mu = float(config.get(keys.PROXIMAL_MU, 0.0))
+    deadline = _number(config, keys.DEADLINE_S, 0.0)
+    mu = _number(config, keys.PROXIMAL_MU, 0.0)
 
     dev = node.device
     step_s = vclock.step_seconds(dev, batch, node.cost_factor)
@@ -212,8 +221,8 @@ def train(message: Message, context: Context) -> Message:
 def evaluate_local(message: Message, context: Context) -> Message:
     """Evaluate the received model on this node's share of the test set."""
     scenario, node = _identity(context)
-    config = message.content.config_records.get(keys.CONFIG, {})
-    server_round = int(config.get(keys.SERVER_ROUND, 0))
+    config: Mapping[str, object] = message.content.config_records.get(keys.CONFIG, {})
+    server_round = int(_number(config, keys.SERVER_ROUND, 0))
     dev = node.device
     comm_s = vclock.transfer_seconds(node.model_bytes, dev.downlink_mbps)
     eval_s = len(node.x_test) * dev.seconds_per_sample * node.cost_factor * EVAL_COST
@@ -240,9 +249,9 @@ def profile(message: Message, context: Context) -> Message:
     downloaded (it travels with the query), nothing is uploaded.
     """
     scenario, node = _identity(context)
-    config = message.content.config_records.get(keys.CONFIG, {})
-    steps = int(config.get(keys.PROFILE_STEPS, DEFAULT_PROFILE_STEPS))
-    server_round = int(config.get(keys.SERVER_ROUND, 0))
+    config: Mapping[str, object] = message.content.config_records.get(keys.CONFIG, {})
+    steps = int(_number(config, keys.PROFILE_STEPS, DEFAULT_PROFILE_STEPS))
+    server_round = int(_number(config, keys.SERVER_ROUND, 0))
     dev = node.device
     batch = min(scenario.batch_size, len(node.x_train))
     compute_s = steps * vclock.step_seconds(dev, batch, node.cost_factor)
