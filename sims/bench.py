@@ -25,12 +25,13 @@ from pathlib import Path
 from typing import Any
 
 FULL_NODES = 50
-FULL_ROUNDS = 12
+FULL_ROUNDS = 8
 FULL_LOCAL_STEPS = 10
 QUICK_NODES = 4
 QUICK_ROUNDS = 2
 QUICK_LOCAL_STEPS = 2
-TARGET_ACCURACY = 0.9
+LEARNING_RATE = 0.05
+TARGET_ACCURACY = 0.85
 AGGREGATION_NODES = (10, 50, 138, 200)
 QUICK_AGGREGATION_NODES = (2,)
 QUICK_FLOATS = 100_000
@@ -38,7 +39,7 @@ GATEWAY_PHONES = 100
 ENGINE_SCENARIO = {
     "fleet": "phones-10x",
     "num-nodes": 10,
-    "num-rounds": 4,
+    "num-rounds": 3,
     "strategy": "fedavg",
     "dropout": 0.0,
     "seed": 1,
@@ -59,6 +60,7 @@ class BenchPlan:
     num_nodes: int
     num_rounds: int
     local_steps: int
+    learning_rate: float
     target: float
     jobs: int
     quick: bool
@@ -165,6 +167,7 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
         num_nodes=nodes,
         num_rounds=rounds,
         local_steps=QUICK_LOCAL_STEPS if quick else FULL_LOCAL_STEPS,
+        learning_rate=LEARNING_RATE,
         target=TARGET_ACCURACY,
         jobs=jobs,
         quick=quick,
@@ -226,6 +229,7 @@ def _cell(
     nodes: int,
     rounds: int,
     steps: int,
+    lr: float,
     target: float,
 ) -> dict[str, Any]:
     from flowerbed.sims.bench_suite import run_cell
@@ -240,6 +244,7 @@ def _cell(
             num_nodes=nodes,
             num_rounds=rounds,
             local_steps=steps,
+            learning_rate=lr,
             target=target,
         )
     except Exception as err:  # a crashing strategy is a result, not the end
@@ -258,7 +263,16 @@ def run_suite(
 ) -> list[dict[str, Any]]:
     """Run every cell (``plan.jobs`` processes); ``on_done`` is called per cell."""
     args = [
-        (f, s, seed, plan.num_nodes, plan.num_rounds, plan.local_steps, plan.target)
+        (
+            f,
+            s,
+            seed,
+            plan.num_nodes,
+            plan.num_rounds,
+            plan.local_steps,
+            plan.learning_rate,
+            plan.target,
+        )
         for f, s, seed in plan.cells
     ]
     cells: list[dict[str, Any]] = []

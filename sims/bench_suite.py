@@ -195,14 +195,8 @@ STRATEGIES: dict[str, BenchStrategy] = {
         ),
         BenchStrategy(
             "deadline",
-            "DeadlineFedAvg, adaptive deadline with its defaults (80th percentile "
-            "of recent durations, Oort pacer); late updates off",
-            _flowerbed("DeadlineFedAvg", adaptive_deadline=True, late_updates=False),
-        ),
-        BenchStrategy(
-            "deadline-p60",
             "DeadlineFedAvg, adaptive deadline at the 60th percentile of recent "
-            "durations (Oort pacer); late updates off",
+            "durations (Oort pacer); late updates off (see the note below)",
             _flowerbed(
                 "DeadlineFedAvg",
                 adaptive_deadline=True,
