@@ -23,19 +23,29 @@ from flwr.supercore.run import Run
 
 from .fedbuff import FedBuff
 from .selection_model import (
+    CONFIDENCE_DRAWS,
     EXHAUSTIVE_MAX_NODES,
     MODES,
+    Confidence,
     Estimate,
     NodeModel,
     Observation,
     Workload,
     check_objective,
+    confidence,
     fit_node,
+    search_masks,
     select,
 )
 
 DEFAULT_PROFILE_STEPS = (1, 3)
 """Steps of the two timed profiling tasks (two lengths separate s_i from c_i)."""
+DEFAULT_PROFILE_MAX_TASKS = 32
+"""Most profiling tasks one node runs while slower nodes finish theirs."""
+DEFAULT_POWER_GAIN_ERROR = 0.03
+"""Assumed relative calibration error of a node's power sensor, for the confidence
+figure only (an INA219-class shunt monitor is specified to about 1%, a phone's fuel
+gauge is worse; 3% is an assumption, not a measurement)."""
 DEFAULT_PROFILE_TIMEOUT_S = 600.0
 """Clock seconds a profiling task may take; slower nodes are left out."""
 DEFAULT_DRIFT_TOLERANCE = 0.25
@@ -171,6 +181,7 @@ class _Selector:
         self.batch: _Batch | None = None
         self.windows = 0
         self.latest: dict[int, Observation] = {}
+        self.confidence: Confidence | None = None
         self.choice = self.choose("initial selection")
 
     # --- choosing --------------------------------------------------------------
@@ -190,6 +201,22 @@ class _Selector:
             search=o.search,
             exhaustive_max_nodes=o.exhaustive_max_nodes,
         )
+        masks = search_masks(
+            candidates,
+            self.workload,
+            self.min_size,
+            o.search,
+            exhaustive_max_nodes=o.exhaustive_max_nodes,
+        )
+        sure = confidence(
+            candidates,
+            self.workload,
+            o.objective,
+            masks,
+            power_gain_error=o.power_gain_error,
+            draws=o.confidence_draws,
+        )[o.objective]
+        self.confidence = sure
         log(
             INFO,
             "ClusterSelection (%s): %d of %d nodes %s; estimated round %.3gs, "
@@ -203,6 +230,26 @@ class _Selector:
             choice.energy_j,
             choice.time_to_accuracy_s,
         )
+        if sure.runner_up is None:
+            log(INFO, "ClusterSelection: the only candidate configuration")
+        else:
+            log(
+                INFO if not sure.within_uncertainty else WARNING,
+                "ClusterSelection: confidence %.0f%% that it beats the other %d "
+                "leading configurations (%d draws, power gain error %.0f%%); "
+                "runner-up %s is %.2f%% ± %.2f%% behind%s",
+                100 * sure.probability,
+                sure.candidates - 1,
+                o.confidence_draws,
+                100 * o.power_gain_error,
+                list(sure.runner_up),
+                100 * sure.gap,
+                100 * sure.gap_sd,
+                "; within the estimate's uncertainty: "
+                f"{len(sure.rivals)} rival(s) {[list(r) for r in sure.rivals]}"
+                if sure.within_uncertainty
+                else "",
+            )
         return choice
 
     def reselect(self, reason: str) -> None:
@@ -436,7 +483,15 @@ train_metrics_aggr_fn, evaluate_metrics_aggr_fn
     use_query : bool (default: True)
         Try the board clients' profiling query before training tasks.
     profile_timeout_s : float (default: 600.0)
-        Clock seconds a profiling exchange may take; silent nodes are left out.
+        Clock seconds the profiling phase may take; silent nodes are left out.
+    profile_max_tasks : int (default: 32)
+        Most profiling tasks one node runs: nodes that finish ``profile_steps``
+        early repeat them, up to this many, until the slowest node is done.
+    power_gain_error : float (default: 0.03)
+        Assumed relative calibration error of the power sensors, used only by
+        the confidence figure (it cannot be seen in profiling).
+    confidence_draws : int (default: 100)
+        Parameter draws behind the confidence figure logged with each selection.
     drift_tolerance : float (default: 0.25)
         Relative gap between measured and estimated round time that triggers
         re-selection.
@@ -475,6 +530,9 @@ train_metrics_aggr_fn, evaluate_metrics_aggr_fn
         profile_steps: Sequence[int] = DEFAULT_PROFILE_STEPS,
         use_query: bool = True,
         profile_timeout_s: float = DEFAULT_PROFILE_TIMEOUT_S,
+        profile_max_tasks: int = DEFAULT_PROFILE_MAX_TASKS,
+        power_gain_error: float = DEFAULT_POWER_GAIN_ERROR,
+        confidence_draws: int = CONFIDENCE_DRAWS,
         drift_tolerance: float = DEFAULT_DRIFT_TOLERANCE,
         drop_after_failures: int = DEFAULT_DROP_AFTER_FAILURES,
         search: str = "auto",
@@ -494,6 +552,12 @@ train_metrics_aggr_fn, evaluate_metrics_aggr_fn
                 "profile_steps must be one or more step counts >= 1",
             ),
             (profile_timeout_s > 0, "profile_timeout_s must be > 0"),
+            (
+                profile_max_tasks >= len(profile_steps),
+                "profile_max_tasks must be >= len(profile_steps)",
+            ),
+            (power_gain_error >= 0, "power_gain_error must be >= 0"),
+            (confidence_draws >= 2, "confidence_draws must be >= 2"),
             (drift_tolerance > 0, "drift_tolerance must be > 0"),
             (drop_after_failures >= 1, "drop_after_failures must be >= 1"),
             (min_nodes is None or min_nodes >= 1, "min_nodes must be >= 1"),
@@ -524,6 +588,9 @@ train_metrics_aggr_fn, evaluate_metrics_aggr_fn
         self.profile_steps = tuple(int(s) for s in profile_steps)
         self.use_query = use_query
         self.profile_timeout_s = profile_timeout_s
+        self.profile_max_tasks = profile_max_tasks
+        self.power_gain_error = power_gain_error
+        self.confidence_draws = confidence_draws
         self.drift_tolerance = drift_tolerance
         self.drop_after_failures = drop_after_failures
         self.search = search
@@ -537,6 +604,8 @@ train_metrics_aggr_fn, evaluate_metrics_aggr_fn
         """Estimate against measurement, every round (after ``start``)."""
         self.choice: Estimate | None = None
         """The configuration in use at the end of ``start``."""
+        self.confidence: Confidence | None = None
+        """How sure the last selection was (after ``start``)."""
 
     # --- Strategy API: the wrapped strategy decides ------------------------------
     def summary(self) -> None:
@@ -571,61 +640,139 @@ train_metrics_aggr_fn, evaluate_metrics_aggr_fn
         return self.strategy.aggregate_evaluate(server_round, replies)
 
     # --- profiling -------------------------------------------------------------
+    def _profile_message(
+        self,
+        node: int,
+        query: bool,
+        steps: int,
+        arrays: ArrayRecord,
+        train_config: ConfigRecord,
+    ) -> Message:
+        if query:
+            config = ConfigRecord({keys.PROFILE_STEPS: steps})
+            return Message(
+                RecordDict({keys.ARRAYS: arrays, keys.CONFIG: config}),
+                node,
+                MessageType.QUERY,
+            )
+        config = ConfigRecord(dict(train_config))
+        config.pop(keys.DEADLINE_S, None)
+        config[keys.LOCAL_STEPS] = steps
+        config[keys.SERVER_ROUND] = 0
+        return Message(
+            RecordDict({keys.ARRAYS: arrays, keys.CONFIG: config}),
+            node,
+            MessageType.TRAIN,
+        )
+
+    def _profile_adaptively(
+        self,
+        grid: Grid,
+        clock: Clock,
+        nodes: list[int],
+        observed: dict[int, list[Observation]],
+        arrays: ArrayRecord,
+        train_config: ConfigRecord,
+        deadline: float,
+    ) -> None:
+        """Every node trains ``profile_steps``; early finishers repeat until all have.
+
+        Training tasks, because only they move the model both ways (a query's
+        reply carries no model, so it cannot time the upload). A node that has
+        done its ``len(profile_steps)`` tasks gets another (cycling through
+        ``profile_steps``, at most ``profile_max_tasks`` in all) as long as
+        another node has not; the phase ends when the last task in flight
+        returns, so its length is set by the slowest node. A failed reply, or
+        silence until ``deadline``, ends a node's profiling.
+        """
+        required = len(self.profile_steps)
+        flight: dict[str, tuple[int, int, float]] = {}
+        stopped: set[int] = set()
+        done = dict.fromkeys(nodes, 0)
+
+        def owing() -> bool:
+            return any(done[n] < required for n in nodes if n not in stopped)
+
+        def send(targets: list[int]) -> None:
+            plan = [(n, self.profile_steps[done[n] % required]) for n in targets]
+            messages = [
+                self._profile_message(n, False, steps, arrays, train_config)
+                for n, steps in plan
+            ]
+            now = clock.now()
+            for (n, steps), mid in zip(plan, grid.push_messages(messages), strict=True):
+                flight[mid] = (n, steps, now)
+
+        send(nodes)
+        while flight:
+            for reply in grid.pull_messages(list(flight)):
+                node, steps, sent = flight.pop(reply.metadata.reply_to_message_id)
+                obs = observation_of(reply, clock.now() - sent, steps, 2)
+                if obs is None:
+                    stopped.add(node)
+                    continue
+                observed[node].append(obs)
+                done[node] += 1
+            busy = {n for n, _, _ in flight.values()}
+            idle = [
+                n
+                for n in nodes
+                if n not in busy
+                and n not in stopped
+                and done[n] < self.profile_max_tasks
+                and (done[n] < required or owing())
+            ]
+            if idle and clock.now() < deadline:
+                send(idle)
+            remaining = deadline - clock.now()
+            if not flight or remaining <= 0:
+                break
+            clock.wait(remaining)
+
     def profile(
         self,
         grid: Grid,
         arrays: ArrayRecord,
         train_config: ConfigRecord,
     ) -> dict[int, NodeModel]:
-        """Time every connected node (query, else short training tasks); fit models."""
+        """Time every connected node (query, then training tasks); fit models.
+
+        The query (when ``use_query``) adds a compute and power sample; the
+        adaptive training phase (:meth:`_profile_adaptively`) times every node,
+        the slowest running ``profile_steps`` once while faster nodes repeat
+        them.
+        """
         clock = clock_of(grid)
         started = clock.now()
+        deadline = started + self.profile_timeout_s
         nodes = sorted(grid.get_node_ids())
         observed: dict[int, list[Observation]] = {n: [] for n in nodes}
         if self.use_query:
-            query = RecordDict(
-                {
-                    keys.ARRAYS: arrays,
-                    keys.CONFIG: ConfigRecord(
-                        {keys.PROFILE_STEPS: max(self.profile_steps)}
-                    ),
-                }
-            )
+            steps = max(self.profile_steps)
             replies = timed_exchange(
                 grid,
                 clock,
-                [Message(query, n, MessageType.QUERY) for n in nodes],
+                [
+                    self._profile_message(n, True, steps, arrays, train_config)
+                    for n in nodes
+                ],
                 self.profile_timeout_s,
             )
             for node, (reply, rtt) in replies.items():
-                obs = observation_of(reply, rtt, max(self.profile_steps), 1)
+                obs = observation_of(reply, rtt, steps, 1)
                 if obs is not None and obs.train_time_s is not None:
                     observed[node].append(obs)
-        rest = [n for n in nodes if not observed[n]]
-        if rest:
-            log(
-                INFO,
-                "ClusterSelection: %d node(s) without a profiling query answer; "
-                "timing %s training steps on them",
-                len(rest),
-                list(self.profile_steps),
-            )
-        for steps in self.profile_steps if rest else ():
-            config = ConfigRecord(dict(train_config))
-            config.pop(keys.DEADLINE_S, None)
-            config[keys.LOCAL_STEPS] = steps
-            config[keys.SERVER_ROUND] = 0
-            content = RecordDict({keys.ARRAYS: arrays, keys.CONFIG: config})
-            replies = timed_exchange(
-                grid,
-                clock,
-                [Message(content, n, MessageType.TRAIN) for n in rest],
-                self.profile_timeout_s,
-            )
-            for node, (reply, rtt) in replies.items():
-                obs = observation_of(reply, rtt, steps, 2)
-                if obs is not None:
-                    observed[node].append(obs)
+        log(
+            INFO,
+            "ClusterSelection: %d of %d node(s) answered the profiling query; "
+            "timing %s training steps on every node, repeated by early finishers",
+            sum(1 for n in nodes if observed[n]),
+            len(nodes),
+            list(self.profile_steps),
+        )
+        self._profile_adaptively(
+            grid, clock, nodes, observed, arrays, train_config, deadline
+        )
         models: dict[int, NodeModel] = {}
         for node, observations in observed.items():
             if not observations:
@@ -639,15 +786,26 @@ train_metrics_aggr_fn, evaluate_metrics_aggr_fn
         for m in models.values():
             log(
                 INFO,
-                "ClusterSelection: node %s: %.4gs/step, %.3gs overhead, busy %s W, "
+                "ClusterSelection: node %s: %d tasks, %.4g ± %.2g s/step, "
+                "%.3g ± %.2g s overhead (task sd %.2g s at 1 step), busy %s W, "
                 "idle %s W",
                 m.node_id,
+                m.tasks,
                 m.step_s,
+                m.step_se,
                 m.overhead_s,
+                m.overhead_se,
+                float(m.task_mean_sd(1)[1]),
                 "?" if m.busy_w is None else f"{m.busy_w:.3g}",
                 "?" if m.idle_w is None else f"{m.idle_w:.3g}",
             )
-        log(INFO, "ClusterSelection: profiling took %.3gs", self.profile_s)
+        log(
+            INFO,
+            "ClusterSelection: profiling took %.3gs (%d tasks on %d nodes)",
+            self.profile_s,
+            sum(m.tasks for m in models.values()),
+            len(models),
+        )
         return models
 
     def workload(
@@ -710,6 +868,7 @@ train_metrics_aggr_fn, evaluate_metrics_aggr_fn
         )
         selector.close_batch()
         self.choice = selector.choice
+        self.confidence = selector.confidence
         if workload.mode == "sync":
             for record in selector.records:
                 metrics = result.train_metrics_clientapp.get(record.round)

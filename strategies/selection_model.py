@@ -237,7 +237,10 @@ def fit_node(
         m = sum o_j / sum r_j,     w = sum (o_j - r_j m)^2 / r_j / (J - 1)
         c = 2 m,   u = 2 w,        se(c) = 2 sqrt(w / sum r_j)
 
-    With one task the variances are unknown and set to 0. ``x_j`` is
+    When there are training tasks, ``c``, ``u`` and ``se(c)`` come from them
+    alone: a query's one transfer (the download) says nothing about the upload,
+    which on a phone is the slower link. With one task the variances are
+    unknown and set to 0. ``x_j`` is
     ``train-time-s``; without it (a plain Flower client) ``s`` and ``c`` are
     the ordinary least-squares slope and intercept of round trip against steps
     (needs tasks of at least two lengths), all of the residual variance
@@ -286,6 +289,9 @@ def fit_node(
             for o, r, c in zip(observations, rtt, compute, strict=True)
         ]
     )
+    if timed and transfers.max() == 2 and transfers.min() < 2:
+        both = transfers == 2
+        other, transfers, count = other[both], transfers[both], int(both.sum())
     per_transfer = float(other.sum() / transfers.sum())
     overhead_s = max(0.0, 2 * per_transfer)
     if timed:
@@ -331,7 +337,7 @@ def fit_node(
         overhead_var=overhead_var,
         step_se=step_se,
         overhead_se=overhead_se,
-        tasks=count,
+        tasks=len(observations),
     )
 
 
