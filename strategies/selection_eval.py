@@ -386,7 +386,14 @@ def evaluate_selection(
             kappa=kappa,
         )
         models, profile_s, done = _profile(
-            rng, fleet, step_s, down_s, up_s, profile_steps, profile_max_tasks, noise
+            np.random.default_rng([seed, f, 1]),
+            fleet,
+            step_s,
+            down_s,
+            up_s,
+            profile_steps,
+            profile_max_tasks,
+            noise,
         )
         tasks.extend(done)
         slowest_tasks.append(min(done))
@@ -394,7 +401,15 @@ def evaluate_selection(
         oracle = _oracle_models(fleet, step_s, down_s, up_s, noise)
         masks = all_masks(len(fleet))
         truth = _truth(
-            rng, fleet, step_s, down_s, up_s, masks, workload, truth_rounds, noise
+            np.random.default_rng([seed, f, 2]),
+            fleet,
+            step_s,
+            down_s,
+            up_s,
+            masks,
+            workload,
+            truth_rounds,
+            noise,
         )
         estimated = estimate_masks(models, masks, workload)
         perfect = estimate_masks(oracle, masks, workload)
