@@ -17,10 +17,9 @@ together with every descendant it spawned (Flower's SuperExec and its
 ``flwr-serverapp``/``flwr-clientapp`` processes, which Flower detaches into their
 own sessions). :class:`Federation` does this on exit, also when the test fails.
 
-Typical use (a pytest test; ``tmp_path`` is pytest's; the test suite runs with
-``--import-mode=importlib``, so put this folder on ``sys.path`` first)::
+Typical use (a pytest test; ``tmp_path`` is pytest's; pyproject.toml puts
+``tests/`` on pytest's ``pythonpath``, so ``procs`` imports as a module)::
 
-    sys.path.insert(0, str(Path(__file__).parent))
     from procs import Federation
 
     def test_something(tmp_path):

@@ -12,14 +12,11 @@ mid-round and restarted.
 from __future__ import annotations
 
 import json
-import sys
 import textwrap
 from pathlib import Path
 
 import numpy as np
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
 from flowerbed.data import load_dataset, partition
 from procs import Federation, SuperNode, alive, descendants
 

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
 from procs import Federation, alive, descendants, format_user_config
 
 SUPEREXEC_STARTED = "Starting Flower SuperExec"
