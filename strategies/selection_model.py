@@ -371,24 +371,25 @@ def expected_max(mu: np.ndarray, sd: np.ndarray, masks: np.ndarray) -> np.ndarra
         a = min_i (mu_i - 6 sd_i),   b = max_i (mu_i + 6 sd_i)
 
     integrated by the trapezoidal rule on the points ``mu_i + q sd_i``, ``q`` in
-    steps of 1/3 from -6 to 6, for every node used (so each CDF is resolved on its
-    own scale). ``sd_i`` is floored at ``1e-6 mu_i`` so that a deterministic
+    steps of 1/3 from -6 to 6, for every node (so each CDF is resolved on its
+    own scale, and a configuration's figure does not depend on the others
+    estimated with it). ``sd_i`` is floored at ``1e-6 mu_i`` so that a deterministic
     node is a (resolved) step. With every ``sd_i = 0`` this is ``max_i mu_i``.
+    The rule's error is below 5e-4 of the members' ``sd`` in the tests, far
+    below what profiling can resolve.
     Hand checks: two identical members give ``mu + sd / sqrt(pi)``, three give
     ``mu + 1.5 sd / sqrt(pi)`` (the expected largest of 2 and 3 standard
     normals, 0.5642 and 0.8463).
     """
     masks = np.asarray(masks, dtype=bool)
-    used = masks.any(axis=0)
-    masks = masks[:, used]
-    mu = np.asarray(mu, dtype=float)[used]
-    sd = np.maximum(np.asarray(sd, dtype=float)[used], 1e-6 * np.abs(mu) + 1e-300)
+    mu = np.asarray(mu, dtype=float)
+    sd = np.maximum(np.asarray(sd, dtype=float), 1e-6 * np.abs(mu) + 1e-300)
     q = np.linspace(-6.0, 6.0, 37)
     x = np.unique((mu[:, None] + sd[:, None] * q[None, :]).ravel())
-    log_cdf = np.maximum(
-        special.log_ndtr((x[None, :] - mu[:, None]) / sd[:, None]), -1e4
-    )
-    below = 1.0 - np.exp(masks.astype(float) @ log_cdf)
+    used = masks.any(axis=0)
+    z = (x[None, :] - mu[used, None]) / sd[used, None]
+    log_cdf = np.maximum(special.log_ndtr(z), -1e4)
+    below = 1.0 - np.exp(masks[:, used].astype(float) @ log_cdf)
     return x[0] + np.trapezoid(below, x, axis=1)
 
 
