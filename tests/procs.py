@@ -15,7 +15,9 @@ update checks are off.
 Every process is stopped by its pid: SIGTERM, then SIGKILL after a grace period,
 together with every descendant it spawned (Flower's SuperExec and its
 ``flwr-serverapp``/``flwr-clientapp`` processes, which Flower detaches into their
-own sessions). :class:`Federation` does this on exit, also when the test fails.
+own sessions). Descendants are found by a variable each start puts into the
+environment (:data:`TAG_VARIABLE`), which children inherit and keep when they are
+orphaned. :class:`Federation` does this on exit, also when the test fails.
 
 Typical use (a pytest test; ``tmp_path`` is pytest's; pyproject.toml puts
 ``tests/`` on pytest's ``pythonpath``, so ``procs`` imports as a module)::
@@ -59,6 +61,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,6 +74,8 @@ CONNECTION = "flowerbed-test"
 """Name of the SuperLink connection written into the temporary config.toml."""
 STOP_GRACE_S = 5.0
 """Seconds a process gets to exit after SIGTERM before SIGKILL."""
+TAG_VARIABLE = "FLOWERBED_TEST_PROCESS"
+"""Environment variable that marks each started process and all its descendants."""
 NODE_ID_PATTERN = re.compile(r"SuperNode ID: (\d+)")
 RUN_ID_PATTERN = re.compile(r"Successfully started run (\d+)")
 
@@ -128,30 +133,6 @@ def _stat(pid: int) -> tuple[int, int] | None:
     return int(fields[1]), int(fields[19])
 
 
-def _children() -> dict[int, list[int]]:
-    tree: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            stat = _stat(int(entry.name))
-            if stat is not None:
-                tree.setdefault(stat[0], []).append(int(entry.name))
-    return tree
-
-
-def descendants(pid: int) -> dict[int, int]:
-    """Live descendants of ``pid``: ``{pid: start time}`` (start time guards reuse)."""
-    tree = _children()
-    found: dict[int, int] = {}
-    todo = list(tree.get(pid, []))
-    while todo:
-        child = todo.pop()
-        stat = _stat(child)
-        if stat is not None and child not in found:
-            found[child] = stat[1]
-            todo.extend(tree.get(child, []))
-    return found
-
-
 def alive(pid: int) -> bool:
     """Whether a process with this pid exists and is not a zombie."""
     return _stat(pid) is not None
@@ -168,44 +149,81 @@ def _signal(pid: int, start: int, sig: int) -> None:
             os.kill(pid, sig)
 
 
-def stop_tree(root: subprocess.Popen[bytes], grace_s: float = STOP_GRACE_S) -> None:
-    """Stop ``root`` and all its descendants by pid: SIGTERM, then SIGKILL.
+def tagged(tag: str) -> dict[int, int]:
+    """Live processes whose environment holds ``FLOWERBED_TEST_PROCESS=<tag>``.
 
-    Descendants are collected before the root is signalled (orphans are re-parented
-    and would be lost otherwise) and again while waiting, so processes spawned
-    during shutdown are caught as well.
+    Returns ``{pid: start time}``. Children inherit the environment, and keep it
+    when their parent dies and they are re-parented, so this finds every process a
+    start spawned, orphans included.
     """
-    known = descendants(root.pid)
+    marker = f"{TAG_VARIABLE}={tag}".encode()
+    found: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if marker in environ.split(b"\0"):
+            stat = _stat(int(entry.name))
+            if stat is not None:
+                found[int(entry.name)] = stat[1]
+    return found
+
+
+def _signal_tagged(tag: str, sig: int) -> dict[int, int]:
+    found = tagged(tag)
+    for pid, start in found.items():
+        _signal(pid, start, sig)
+    return found
+
+
+def _wait_gone(tag: str, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while tagged(tag):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def stop_tree(
+    root: subprocess.Popen[bytes], tag: str, grace_s: float = STOP_GRACE_S
+) -> None:
+    """Stop ``root`` and every process it spawned, by pid: SIGTERM, then SIGKILL.
+
+    The root gets SIGTERM first (a SuperNode then deregisters, a SuperLink stops its
+    SuperExec); whatever still carries the root's tag afterwards gets SIGTERM, and
+    after ``grace_s`` SIGKILL.
+    """
     if root.poll() is None:
         root.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        if root.poll() is not None:
+    try:
+        root.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        root.kill()
+        root.wait()
+    if _signal_tagged(tag, signal.SIGTERM) and not _wait_gone(tag, grace_s):
+        kill_tree(root, tag)
+
+
+def kill_tree(root: subprocess.Popen[bytes], tag: str, timeout: float = 10.0) -> None:
+    """SIGKILL ``root`` and every process it spawned: a board losing power.
+
+    Returns once none of them is alive; raises ``RuntimeError`` if one survives
+    ``timeout`` seconds of SIGKILLs.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        if root.poll() is None:
+            root.kill()
+        left = _signal_tagged(tag, signal.SIGKILL)
+        if not left and root.poll() is not None:
             break
-        known.update(descendants(root.pid))
-        for pid, start in list(known.items()):
-            if _alive(pid, start):
-                known.update(descendants(pid))
-        time.sleep(0.1)
-    if root.poll() is None:
-        root.kill()
-    root.wait()
-    for pid, start in known.items():
-        _signal(pid, start, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(_alive(p, s) for p, s in known.items()):
-        time.sleep(0.1)
-    for pid, start in known.items():
-        _signal(pid, start, signal.SIGKILL)
-
-
-def kill_tree(root: subprocess.Popen[bytes]) -> None:
-    """SIGKILL ``root`` and its descendants at once: a board losing power."""
-    known = descendants(root.pid)
-    if root.poll() is None:
-        root.kill()
-    for pid, start in known.items():
-        _signal(pid, start, signal.SIGKILL)
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"processes {sorted(left)} survived SIGKILL")
+        time.sleep(0.05)
     root.wait()
 
 
@@ -223,16 +241,19 @@ class Process:
     log_path: Path
     env: dict[str, str]
     popen: subprocess.Popen[bytes] | None = None
+    tag: str = ""
+    """Value of :data:`TAG_VARIABLE` in this launch's environment (new per start)."""
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.tag = f"{self.name}-{uuid.uuid4().hex}"
         with open(self.log_path, "ab") as log:
             self.popen = subprocess.Popen(
                 self.args,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env=self.env,
+                env={**self.env, TAG_VARIABLE: self.tag},
                 start_new_session=True,
             )
 
@@ -249,12 +270,12 @@ class Process:
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         """SIGTERM, then SIGKILL, this process and its descendants."""
         if self.popen is not None:
-            stop_tree(self.popen, grace_s)
+            stop_tree(self.popen, self.tag, grace_s)
 
     def kill(self) -> None:
         """SIGKILL this process and its descendants (a crash, no goodbye)."""
         if self.popen is not None:
-            kill_tree(self.popen)
+            kill_tree(self.popen, self.tag)
 
     def log(self) -> str:
         """Everything the process wrote so far (stdout and stderr)."""
@@ -311,14 +332,14 @@ class RunResult:
 class RunHandle:
     """A run submitted with ``flwr run --stream``, still streaming its log."""
 
-    def __init__(self, fed: Federation, popen: subprocess.Popen[bytes], log: Path):
+    def __init__(self, fed: Federation, cli: Process) -> None:
         self._fed = fed
-        self._popen = popen
-        self.log_path = log
+        self._cli = cli
+        self.log_path = cli.log_path
         self.started = time.monotonic()
 
     def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
+        return self._cli.log()
 
     @property
     def run_id(self) -> int | None:
@@ -327,12 +348,13 @@ class RunHandle:
 
     def wait(self, timeout: float) -> RunResult:
         """Wait for the run to end; on timeout stop it and raise ``TimeoutError``."""
+        assert self._cli.popen is not None
         try:
-            self._popen.wait(
+            self._cli.popen.wait(
                 timeout=max(0.0, self.started + timeout - time.monotonic())
             )
         except subprocess.TimeoutExpired:
-            stop_tree(self._popen)
+            self._cli.stop()
             if self.run_id is not None:
                 self._fed.flwr("stop", str(self.run_id), CONNECTION, check=False)
             tail = self.log()[-4000:]
@@ -391,7 +413,7 @@ class Federation:
         self.port: int | None = None
         self.supernodes: list[SuperNode] = []
         self._everything: list[Process] = []
-        self._runs: list[subprocess.Popen[bytes]] = []
+        self._runs: list[Process] = []
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> Federation:
@@ -407,8 +429,8 @@ class Federation:
 
     def close(self) -> None:
         """Stop every process this federation started, SuperNodes first."""
-        for popen in self._runs:
-            stop_tree(popen)
+        for cli in self._runs:
+            cli.stop()
         for proc in reversed(self._everything):
             proc.stop()
 
@@ -562,19 +584,15 @@ class Federation:
         args = [program("flwr"), "run", str(app_dir), CONNECTION, "--stream"]
         if run_config:
             args += ["--run-config", format_user_config(run_config)]
-        log = self.logs / f"run-{len(self._runs)}.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
-        with open(log, "wb") as out:
-            popen = subprocess.Popen(
-                args,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=self.env,
-                start_new_session=True,
-            )
-        self._runs.append(popen)
-        return RunHandle(self, popen, log)
+        cli = Process(
+            f"run-{len(self._runs)}",
+            args,
+            self.logs / f"run-{len(self._runs)}.log",
+            self.env,
+        )
+        cli.start()
+        self._runs.append(cli)
+        return RunHandle(self, cli)
 
     def run(
         self,

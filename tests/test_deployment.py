@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from flowerbed.data import load_dataset, partition
-from procs import Federation, SuperNode, alive, descendants
+from procs import Federation, SuperNode, alive, tagged
 
 pytestmark = pytest.mark.slow
 
@@ -301,7 +301,7 @@ def test_run_survives_a_killed_supernode_and_uses_it_again_after_restart(
         started = "Start `flwr-clientapp` process"
         first = victim.wait_for_log(started, timeout=180)
         victim.wait_for_log(started, timeout=180, start=first.end())
-        board = {victim.pid, *descendants(victim.pid)}
+        board = set(tagged(victim.tag))
         victim.kill()
         assert not [pid for pid in board if alive(pid)]
         fed.restart_supernode(victim)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from procs import Federation, alive, descendants, format_user_config
+from procs import Federation, alive, format_user_config, tagged
 
 SUPEREXEC_STARTED = "Starting Flower SuperExec"
 
@@ -33,9 +33,10 @@ def test_every_process_is_stopped_when_the_test_body_fails(tmp_path: Path) -> No
         link.wait_for_log(SUPEREXEC_STARTED, timeout=60)
         node.wait_for_log(SUPEREXEC_STARTED, timeout=60)
         for proc in (link, node):
-            children = descendants(proc.pid)
-            assert children, f"{proc.name} should have started a SuperExec"
-            tree |= {proc.pid, *children}
+            family = set(tagged(proc.tag))
+            assert proc.pid in family
+            assert len(family) >= 2, f"{proc.name} should have started a SuperExec"
+            tree |= family
         raise RuntimeError("test body failed")
     assert len(tree) >= 4
     assert not [pid for pid in tree if alive(pid)]
