@@ -322,7 +322,9 @@ def test_reselects_when_a_chosen_node_goes_offline() -> None:
 
 
 def test_evaluate_selection_returns_the_benchs_structure() -> None:
-    result = evaluate_selection(num_fleets=3, seed=1, truth_rounds=5)
+    result = evaluate_selection(
+        num_fleets=3, seed=1, truth_rounds=5, confidence_draws=10
+    )
     assert result["num_fleets"] == 3
     assert len(result["fleet_sizes"]) == 3
     assert all(2 <= n <= 12 for n in result["fleet_sizes"])
@@ -347,6 +349,7 @@ def test_evaluation_without_noise_always_finds_the_best() -> None:
         power_gain_error=0.0,
         power_noise=0.0,
         truth_rounds=2,
+        confidence_draws=10,
     )
     for figures in result["objectives"].values():
         assert figures["best_fraction"] == 1.0
