@@ -33,7 +33,9 @@ from .selection_model import (
     Workload,
     check_objective,
     confidence,
+    expected_round_trip,
     fit_node,
+    profiling_end,
     search_masks,
     select,
 )
@@ -681,17 +683,39 @@ train_metrics_aggr_fn, evaluate_metrics_aggr_fn
         reply carries no model, so it cannot time the upload). A node that has
         done its ``len(profile_steps)`` tasks gets another (cycling through
         ``profile_steps``, at most ``profile_max_tasks`` in all) as long as
-        another node has not; the phase ends when the last task in flight
-        returns, so its length is set by the slowest node. A failed reply, or
-        silence until ``deadline``, ends a node's profiling.
+        another node has not, and only if it expects to finish before the
+        nodes still owing tasks do
+        (:func:`~flowerbed.strategies.selection_model.profiling_end`, from the
+        replies so far; a node that would not is done). The phase ends when the
+        last task in flight returns, so its length is set by the slowest node.
+        A failed reply, or silence until ``deadline``, ends a node's profiling.
         """
         required = len(self.profile_steps)
         flight: dict[str, tuple[int, int, float]] = {}
         stopped: set[int] = set()
         done = dict.fromkeys(nodes, 0)
 
-        def owing() -> bool:
-            return any(done[n] < required for n in nodes if n not in stopped)
+        def trained(n: int) -> list[Observation]:
+            return [o for o in observed[n] if o.transfers == 2]
+
+        def fits(n: int, busy: dict[int, tuple[int, float]]) -> bool:
+            """Another task on ``n`` ends before the nodes still owing tasks."""
+            owing = [m for m in nodes if m not in stopped and done[m] < required]
+            if not owing:
+                return False
+            now = clock.now()
+            projected = profiling_end(
+                [
+                    (
+                        busy[m][1] if m in busy else now,
+                        self.profile_steps[done[m] : required],
+                        trained(m),
+                    )
+                    for m in owing
+                ]
+            )
+            steps = self.profile_steps[done[n] % required]
+            return now + expected_round_trip(trained(n), steps) <= projected
 
         def send(targets: list[int]) -> None:
             plan = [(n, self.profile_steps[done[n] % required]) for n in targets]
@@ -713,15 +737,17 @@ train_metrics_aggr_fn, evaluate_metrics_aggr_fn
                     continue
                 observed[node].append(obs)
                 done[node] += 1
-            busy = {n for n, _, _ in flight.values()}
-            idle = [
-                n
-                for n in nodes
-                if n not in busy
-                and n not in stopped
-                and done[n] < self.profile_max_tasks
-                and (done[n] < required or owing())
-            ]
+            busy = {n: (steps, sent) for n, steps, sent in flight.values()}
+            idle = []
+            for n in nodes:
+                if n in busy or n in stopped:
+                    continue
+                if done[n] < required or (
+                    done[n] < self.profile_max_tasks and fits(n, busy)
+                ):
+                    idle.append(n)
+                else:
+                    stopped.add(n)
             if idle and clock.now() < deadline:
                 send(idle)
             remaining = deadline - clock.now()

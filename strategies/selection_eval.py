@@ -38,6 +38,7 @@ tasks of the slowest node's round trip (nodes are profiled in parallel).
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import Counter
 from collections.abc import Sequence
@@ -58,7 +59,9 @@ from .selection_model import (
     all_masks,
     confidence,
     estimate_masks,
+    expected_round_trip,
     fit_node,
+    profiling_end,
     select,
 )
 
@@ -112,19 +115,20 @@ def _profile(
     """Models fitted from simulated adaptive profiling; its duration; tasks per node.
 
     As :meth:`ClusterSelection.profile`: every node runs the tasks of
-    ``profile_steps`` back to back; a node that has done them starts another
-    (cycling through ``profile_steps``, at most ``max_tasks`` in all) while some
-    node has not; profiling ends when the last task in flight returns.
+    ``profile_steps`` back to back. A node that has done them starts another
+    (cycling through ``profile_steps``, at most ``max_tasks`` in all) while
+    some node has not, if it expects to finish before the nodes still owing
+    tasks do (:func:`~flowerbed.strategies.selection_model.profiling_end`, from
+    the replies seen so far); profiling ends when the last task returns.
     """
     n = len(fleet)
     observed: list[list[Observation]] = [[] for _ in fleet]
+    ends: list[list[float]] = [[] for _ in fleet]
     gain = 1 + noise["power_gain_error"] * rng.standard_normal(n)
     required = len(profile_steps)
-    free_at = np.zeros(n)
-    done = np.zeros(n, dtype=int)
 
-    def run(i: int) -> None:
-        steps = profile_steps[done[i] % required]
+    def run(i: int, now: float) -> float:
+        steps = profile_steps[len(observed[i]) % required]
         train = float((step_s[i] * _lognormal(rng, noise["step_jitter"], steps)).sum())
         comm = float(
             (
@@ -143,25 +147,37 @@ def _profile(
                 energy_j=energy,
             )
         )
-        free_at[i] += train + comm
-        done[i] += 1
+        ends[i].append(now + train + comm)
+        return ends[i][-1]
 
-    for _ in range(required):
-        for i in range(n):
-            run(i)
-    last_required = float(free_at.max())
-    while True:
-        starts = [
-            i for i in range(n) if free_at[i] < last_required and done[i] < max_tasks
-        ]
-        if not starts:
-            break
-        for i in starts:
-            run(i)
+    def seen(i: int, now: float) -> list[Observation]:
+        return [o for o, e in zip(observed[i], ends[i], strict=True) if e <= now]
+
+    events = [(0.0, i) for i in range(n)]
+    while events:
+        now, i = heapq.heappop(events)
+        if len(observed[i]) >= required:
+            owing = [m for m in range(n) if len(seen(m, now)) < required]
+            if not owing or len(observed[i]) >= max_tasks:
+                continue
+            projected = profiling_end(
+                [
+                    (
+                        ends[m][len(seen(m, now)) - 1] if seen(m, now) else 0.0,
+                        profile_steps[len(seen(m, now)) : required],
+                        seen(m, now),
+                    )
+                    for m in owing
+                ]
+            )
+            steps = profile_steps[len(observed[i]) % required]
+            if now + expected_round_trip(seen(i, now), steps) > projected:
+                continue
+        heapq.heappush(events, (run(i, now), i))
     return (
         [fit_node(i, obs) for i, obs in enumerate(observed)],
-        float(free_at.max()),
-        done.tolist(),
+        float(max(e[-1] for e in ends)),
+        [len(obs) for obs in observed],
     )
 
 

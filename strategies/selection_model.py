@@ -687,3 +687,42 @@ def confidence(
             candidates=len(order),
         )
     return out
+
+
+def expected_round_trip(observations: Sequence[Observation], steps: int) -> float:
+    """Expected round trip of a task of ``steps`` steps from a node's tasks so far.
+
+    ``s`` = sum of ``train-time-s`` / sum of steps (as :func:`fit_node`; the
+    round trip stands in for a task without ``train-time-s``), then the mean
+    round trip outside compute plus ``steps x s``. Adaptive profiling uses it
+    to project when the slowest node will be done; no observation gives inf.
+    """
+    if not observations:
+        return math.inf
+    total = sum(o.steps for o in observations)
+    compute = sum(
+        o.train_time_s if o.train_time_s is not None else o.round_trip_s
+        for o in observations
+    )
+    step_s = compute / total
+    other = sum(o.round_trip_s - o.steps * step_s for o in observations)
+    return max(0.0, other / len(observations)) + steps * step_s
+
+
+def profiling_end(
+    owing: Sequence[tuple[float, Sequence[int], Sequence[Observation]]],
+) -> float:
+    """When the nodes that still owe profiling tasks should be done.
+
+    Each entry is (dispatch time of the node's task in flight, steps of that
+    task and of the tasks it still owes after it, the node's finished tasks).
+    A node's end is its dispatch time plus the expected round trips
+    (:func:`expected_round_trip`); infinite while a node has finished none.
+    """
+    return max(
+        (
+            started + sum(expected_round_trip(done, n) for n in steps)
+            for started, steps, done in owing
+        ),
+        default=-math.inf,
+    )

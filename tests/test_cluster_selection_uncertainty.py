@@ -21,8 +21,10 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import torch
-from flowerbed.models import build_model
+from flowerbed.models import build_model, model_num_bytes
+from flowerbed.sims.devices import DEVICES as CATALOGUE
 from flowerbed.sims.scenario import build_fleet_grid
+from flowerbed.sims.vclock import transfer_seconds
 from flowerbed.strategies.cluster_selection import ClusterSelection
 from flowerbed.strategies.selection_eval import evaluate_selection
 from flowerbed.strategies.selection_model import (
@@ -33,7 +35,9 @@ from flowerbed.strategies.selection_model import (
     confidence,
     estimate,
     expected_max,
+    expected_round_trip,
     fit_node,
+    profiling_end,
     select,
 )
 from flwr.app import ArrayRecord, ConfigRecord
@@ -257,6 +261,36 @@ def test_fast_nodes_keep_profiling_while_the_slowest_finishes() -> None:
     # The Jetson (1.5 ms of transfers) repeats them up to the cap.
     assert models[1003].tasks == 1 + 6
     assert all(m.tasks >= 3 for m in models.values())
+
+
+def test_profiling_lasts_as_long_as_the_slowest_nodes_own_tasks() -> None:
+    # The low-end phone: its query (download + 3 steps), then its tasks of 1
+    # and 3 steps (each c = download + upload, plus compute); nobody else's
+    # repeats may outlast it.
+    strategy = ClusterSelection()
+    phone = _profile(strategy)[1000]
+    down = transfer_seconds(
+        model_num_bytes(build_model("lenet", 1, 8, 10)),
+        CATALOGUE["low-end-phone"].downlink_mbps,
+    )
+    slowest = (down + 3 * phone.step_s) + 2 * phone.overhead_s + 4 * phone.step_s
+    assert strategy.profile_s == pytest.approx(slowest, rel=1e-9)
+
+
+def test_expected_round_trip_and_projected_end_by_hand() -> None:
+    # Tasks of 1 and 3 steps: round trips 0.62 and 0.98 s, train 0.12 and 0.28 s:
+    # s = 0.1, outside compute (0.52 + 0.68) / 2 = 0.6; 2 steps -> 0.8 s.
+    seen = [
+        Observation(steps=1, round_trip_s=0.62, train_time_s=0.12),
+        Observation(steps=3, round_trip_s=0.98, train_time_s=0.28),
+    ]
+    assert expected_round_trip(seen, 2) == pytest.approx(0.8)
+    assert expected_round_trip([], 2) == math.inf
+    # X: started at 1.0, owes a 3-step task: 1.0 + 0.9 = 1.9. Y: started at
+    # 0.5, owes 1 and 3 steps: 0.5 + 0.7 + 0.9 = 2.1. Z has no reply yet.
+    x, y = (1.0, [3], seen), (0.5, [1, 3], seen)
+    assert profiling_end([x, y]) == pytest.approx(2.1)
+    assert profiling_end([x, (0.0, [1], [])]) == math.inf
 
 
 def test_profile_max_tasks_caps_the_repeats() -> None:
