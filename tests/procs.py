@@ -172,16 +172,21 @@ def tagged(tag: str) -> dict[int, int]:
     return found
 
 
-def _signal_tagged(tag: str, sig: int) -> dict[int, int]:
-    found = tagged(tag)
-    for pid, start in found.items():
+def _signal_tagged(tag: str, sig: int, seen: dict[int, int]) -> bool:
+    """Signal the tag's live processes; add them to ``seen``; True if any is left.
+
+    A process stays "left" until it is gone from ``/proc`` or a zombie: a dying
+    process has already lost its environment, so the tag alone would miss it.
+    """
+    for pid, start in tagged(tag).items():
+        seen[pid] = start
         _signal(pid, start, sig)
-    return found
+    return any(_alive(pid, start) for pid, start in seen.items())
 
 
-def _wait_gone(tag: str, timeout: float) -> bool:
+def _wait_gone(tag: str, seen: dict[int, int], timeout: float) -> bool:
     deadline = time.monotonic() + timeout
-    while tagged(tag):
+    while _signal_tagged(tag, 0, seen):
         if time.monotonic() > deadline:
             return False
         time.sleep(0.1)
@@ -197,6 +202,7 @@ def stop_tree(
     SuperExec); whatever still carries the root's tag afterwards gets SIGTERM, and
     after ``grace_s`` SIGKILL.
     """
+    seen = tagged(tag)
     if root.poll() is None:
         root.send_signal(signal.SIGTERM)
     try:
@@ -204,7 +210,7 @@ def stop_tree(
     except subprocess.TimeoutExpired:
         root.kill()
         root.wait()
-    if _signal_tagged(tag, signal.SIGTERM) and not _wait_gone(tag, grace_s):
+    if _signal_tagged(tag, signal.SIGTERM, seen) and not _wait_gone(tag, seen, grace_s):
         kill_tree(root, tag)
 
 
@@ -214,15 +220,16 @@ def kill_tree(root: subprocess.Popen[bytes], tag: str, timeout: float = 10.0) ->
     Returns once none of them is alive; raises ``RuntimeError`` if one survives
     ``timeout`` seconds of SIGKILLs.
     """
+    seen: dict[int, int] = {}
     deadline = time.monotonic() + timeout
     while True:
         if root.poll() is None:
             root.kill()
-        left = _signal_tagged(tag, signal.SIGKILL)
-        if not left and root.poll() is not None:
+        if not _signal_tagged(tag, signal.SIGKILL, seen) and root.poll() is not None:
             break
         if time.monotonic() > deadline:
-            raise RuntimeError(f"processes {sorted(left)} survived SIGKILL")
+            left = [pid for pid, start in seen.items() if _alive(pid, start)]
+            raise RuntimeError(f"processes {left} survived SIGKILL")
         time.sleep(0.05)
     root.wait()
 
