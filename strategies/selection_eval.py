@@ -16,10 +16,10 @@ Truth and estimate differ as a real deployment's would:
   (``network_jitter``). The same draws serve every configuration (common random
   numbers), and the figure is the mean over the rounds, scaled to the job.
 - **Estimate** sees only what the nodes report during profiling, as the
-  strategy does: for each of ``profile_steps`` tasks, ``num-steps``,
-  ``train-time-s`` (the sum of that many jittered steps: a few steps are far
-  noisier than a round's average), ``energy-j`` with a relative sensor error
-  ``power_noise``, and the round trip (compute plus the task's own jittered
+  strategy does: for each profiling task, ``num-steps``, ``train-time-s``
+  (the sum of that many jittered steps: a few steps are far noisier than a
+  round's average), ``energy-j`` with a per-node sensor gain error
+  ``power_gain_error`` and reading noise ``power_noise``, and the round trip (compute plus the task's own jittered
   transfers). :func:`flowerbed.strategies.selection_model.fit_node` turns that
   into per-node models, never seeing the devices' catalogue numbers.
 - Every node is its own unit: speed and power are the catalogue's times a
@@ -31,9 +31,11 @@ in truth and estimate (rounds = R (1 + kappa / k), Li et al., ICLR 2020,
 Theorem 3; see :mod:`flowerbed.strategies.selection_model`): the evaluation tests
 the systems half of that objective, not the statistical model.
 
-Profiling overhead = profiling time / (profiling time + the chosen
-configuration's true job time), profiling time being the sum over profiling
-tasks of the slowest node's round trip (nodes are profiled in parallel).
+Profiling is adaptive, as the strategy's: every node runs ``profile_steps``
+back to back and nodes that finish early repeat them while they expect to be
+done before the slowest. Profiling overhead = profiling time (until the last
+profiling task returns) / (profiling time + the chosen configuration's true job
+time). Fleet, profiling and truth draw from separate random streams.
 """
 
 from __future__ import annotations
@@ -333,7 +335,7 @@ def evaluate_selection(
     fleets where the runner-up's estimate is within two standard deviations;
     ``confident_fraction``: fleets with confidence >= 0.95, and
     ``confident_best_fraction`` the share of those that picked the true best
-    (NaN when there are none).
+    (None when there are none).
     """
     if num_fleets < 1:
         raise ValueError(f"num_fleets must be >= 1, got {num_fleets}")
@@ -517,7 +519,7 @@ def evaluate_selection(
                 "confident_fraction": float(np.mean(v["confident"])),
                 "confident_best_fraction": float(np.mean(v["confident_best"]))
                 if v["confident_best"]
-                else float("nan"),
+                else None,
             }
             for o, v in per.items()
         },

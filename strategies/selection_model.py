@@ -19,8 +19,8 @@ a fixed training job across the configuration's devices), and the slowest member
 sets the pace (FedScale, ``client_metadata.py``: time = compute + bytes/bandwidth)::
 
     n_k       = ceil(W / k)                                   steps per member
-    t_i       = c_i + n_k s_i                                 member i's task
-    T_round   = max_{i in S} t_i
+    t_i       ~ Normal(c_i + n_k s_i, u_i + n_k v_i)          member i's task
+    T_round   = E[max_{i in S} t_i]                           (:func:`expected_max`)
     E_round   = sum_{i in S} [ Pb_i n_k s_i + Pi_i (T_round - n_k s_i) ]
     time      = R T_round,    energy = R E_round,    EDP = time x energy
 
@@ -45,15 +45,20 @@ runs at two fleet sizes)::
     time_to_accuracy = time x (1 + kappa / k)
 
 Search (:func:`select`): exhaustive over all subsets up to
-:data:`EXHAUSTIVE_MAX_NODES` nodes; beyond that :func:`polynomial_search`. For
-synchronous rounds it sorts the nodes by ``t_i(k)`` for each ``k`` and keeps the
-``k`` fastest: exact for ``time`` and ``time-to-accuracy`` (both depend on the
-members only through ``max t_i(k)`` and ``k``). For asynchronous rounds it scans
-the prefixes of the nodes sorted by throughput ``1/t_i``: exact for ``time`` and
+:data:`EXHAUSTIVE_MAX_NODES` nodes; beyond that :func:`prefix_masks`. For
+synchronous rounds it keeps, for each ``k``, the ``k`` nodes with the smallest
+``mu_i + z sd_i`` (``z`` in :data:`PREFIX_QUANTILES`). This is exact for
+``time`` and ``time-to-accuracy`` when the members' task times for that ``k``
+are stochastically ordered as their means (no jitter, or equal ``sd_i``): the
+maximum is increasing in each member, so swapping in a stochastically smaller
+node never raises its expectation (Shaked and Shanthikumar, "Stochastic
+Orders", Springer 2007, Theorem 1.A.3). With unequal ``sd_i`` it is a
+heuristic. For asynchronous rounds it scans the prefixes of the nodes sorted by
+throughput ``1/t_i`` (mean task times): exact for ``time`` and
 ``time-to-accuracy``, which depend on the members only through ``k`` and the
 summed rate, and for each ``k`` the ``k`` fastest have the largest rate. For
-``energy`` and ``edp`` (sums over members, not a max) the prefixes of two orders
-(by ``t_i(k)`` and by energy per task) are a heuristic.
+``energy`` and ``edp`` (sums over members, not a max) the prefixes of these
+orders and of energy per task are a heuristic.
 """
 
 from __future__ import annotations
