@@ -19,9 +19,10 @@ Truth and estimate differ as a real deployment's would:
   strategy does: for each profiling task, ``num-steps``, ``train-time-s``
   (the sum of that many jittered steps: a few steps are far noisier than a
   round's average), ``energy-j`` with a per-node sensor gain error
-  ``power_gain_error`` and reading noise ``power_noise``, and the round trip (compute plus the task's own jittered
-  transfers). :func:`flowerbed.strategies.selection_model.fit_node` turns that
-  into per-node models, never seeing the devices' catalogue numbers.
+  ``power_gain_error`` and reading noise ``power_noise``, and the round trip
+  (compute plus the task's own jittered transfers).
+  :func:`flowerbed.strategies.selection_model.fit_node` turns that into
+  per-node models, never seeing the devices' catalogue numbers.
 - Every node is its own unit: speed and power are the catalogue's times a
   lognormal unit factor (``unit_spread``), so two boards of one class differ.
 
