@@ -7,7 +7,8 @@ from dataclasses import dataclass, field, replace
 from logging import INFO, WARNING
 
 from flowerbed import keys
-from flowerbed.clock import Clock, clock_of, collect_replies
+from flowerbed.clock import Clock, clock_of
+from flowerbed.grid import GridWrapper
 from flwr.app import (
     ArrayRecord,
     ConfigRecord,
@@ -19,7 +20,6 @@ from flwr.app import (
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result, Strategy
 from flwr.supercore import log
-from flwr.supercore.run import Run
 
 from .fedbuff import FedBuff
 from .selection_model import (
@@ -360,7 +360,7 @@ class _Selector:
             )
 
 
-class SelectedGrid(Grid):
+class SelectedGrid(GridWrapper):
     """A Grid that shows the wrapped strategy only the chosen nodes.
 
     It passes everything to the inner grid; ``get_node_ids`` returns the chosen
@@ -370,30 +370,8 @@ class SelectedGrid(Grid):
     """
 
     def __init__(self, inner: Grid, selector: _Selector) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.selector = selector
-        clock = getattr(inner, "clock", None)
-        if clock is not None:
-            self.clock = clock
-
-    def set_run(self, run: Run) -> None:
-        self.inner.set_run(run)
-
-    @property
-    def run(self) -> Run:
-        return self.inner.run
-
-    def create_message(
-        self,
-        content: RecordDict,
-        message_type: str,
-        dst_node_id: int,
-        group_id: str,
-        ttl: float | None = None,
-    ) -> Message:
-        return self.inner.create_message(
-            content, message_type, dst_node_id, group_id, ttl
-        )
 
     def get_node_ids(self) -> Iterable[int]:
         return self.selector.members(set(self.inner.get_node_ids()))
@@ -419,11 +397,6 @@ class SelectedGrid(Grid):
         for reply in replies:
             self.selector.received(reply)
         return replies
-
-    def send_and_receive(
-        self, messages: Iterable[Message], *, timeout: float | None = None
-    ) -> Iterable[Message]:
-        return collect_replies(self, self.push_messages(messages), timeout)
 
 
 class ClusterSelection(Strategy):
