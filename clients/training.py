@@ -50,7 +50,7 @@ def train_steps(
     if len(x) == 0:
         raise ValueError("no training samples")
     rng = np.random.default_rng(seed)
-    optimiser = torch.optim.SGD(model.parameters(), lr=lr)
+    params = [p for p in model.parameters() if p.requires_grad]
     loss_fn = nn.CrossEntropyLoss()
     xt = torch.from_numpy(np.ascontiguousarray(x))
     yt = torch.from_numpy(np.ascontiguousarray(y))
@@ -66,7 +66,7 @@ def train_steps(
             order, cursor = rng.permutation(len(x)), 0
         idx = torch.from_numpy(order[cursor : cursor + batch])
         cursor += batch
-        optimiser.zero_grad()
+        model.zero_grad(set_to_none=True)
         loss = loss_fn(model(xt[idx]), yt[idx])
         objective = loss
         if anchor:
@@ -76,11 +76,24 @@ def train_steps(
             )
             objective = loss + 0.5 * proximal_mu * drift
         objective.backward()
-        optimiser.step()
+        _sgd_step(params, lr)
         loss_sum += float(loss.detach())
         done += 1
         examples += len(idx)
     return TrainStats(done, examples, loss_sum / done if done else float("nan"))
+
+
+def _sgd_step(params: list[torch.Tensor], lr: float) -> None:
+    """Plain SGD, w <- w - lr * grad.
+
+    Written out rather than ``torch.optim.SGD``: building the first torch optimiser
+    imports torch's compiler stack (~2 s), paid by every fresh Flower ClientApp
+    process, i.e. on every message a SuperNode runs.
+    """
+    with torch.no_grad():
+        for p in params:
+            if p.grad is not None:
+                p.add_(p.grad, alpha=-lr)
 
 
 def evaluate(model: nn.Module, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
