@@ -36,6 +36,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from flowerbed import keys
+from flowerbed.grid import GridWrapper
 from flowerbed.models import build_model, cost_factor, model_num_bytes
 from flowerbed.sims import vclock
 from flowerbed.sims.config import Scenario
@@ -43,10 +44,9 @@ from flowerbed.sims.fleet import assign_devices
 from flowerbed.sims.node import cached_dataset
 from flowerbed.sims.recorder import RoundRecord
 from flowerbed.sims.scenario import build_fleet_grid, run_server
-from flwr.app import Message, RecordDict
+from flwr.app import Message
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, FedProx, Result, Strategy
-from flwr.supercore.run import Run
 
 REFERENCE = "flwr-fedavg"
 """The baseline every speed-up is measured against: Flower's FedAvg, waiting for all."""
@@ -227,44 +227,15 @@ def resolve(
     return out
 
 
-class CountingGrid(Grid):
-    """Transparent ``Grid`` wrapper: counts train tasks and samples trained.
-
-    Keeps the inner grid's virtual clock visible (strategies and the recorder
-    look for ``grid.clock``).
-    """
+class CountingGrid(GridWrapper):
+    """Transparent ``Grid`` wrapper: counts train tasks and samples trained."""
 
     def __init__(self, inner: Grid) -> None:
-        self.inner = inner
-        clock = getattr(inner, "clock", None)
-        if clock is not None:
-            self.clock = clock
+        super().__init__(inner)
         self.dispatched = 0
         """Train messages pushed."""
         self.samples = 0
         """``num-examples`` summed over successful train replies pulled."""
-
-    def set_run(self, run: Run) -> None:
-        self.inner.set_run(run)
-
-    @property
-    def run(self) -> Run:
-        return self.inner.run
-
-    def create_message(
-        self,
-        content: RecordDict,
-        message_type: str,
-        dst_node_id: int,
-        group_id: str,
-        ttl: float | None = None,
-    ) -> Message:
-        return self.inner.create_message(
-            content, message_type, dst_node_id, group_id, ttl
-        )
-
-    def get_node_ids(self) -> Iterable[int]:
-        return self.inner.get_node_ids()
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         messages = list(messages)
@@ -284,13 +255,6 @@ class CountingGrid(Grid):
                     self.samples += int(value)
         return replies
 
-    def send_and_receive(
-        self, messages: Iterable[Message], *, timeout: float | None = None
-    ) -> Iterable[Message]:
-        from flowerbed.clock import collect_replies
-
-        return collect_replies(self, self.push_messages(messages), timeout)
-
 
 def _folded(result: Result | None, records: Sequence[RoundRecord]) -> int:
     """Updates folded into a global model over the run.
@@ -303,12 +267,12 @@ def _folded(result: Result | None, records: Sequence[RoundRecord]) -> int:
 
     history = result.train_metrics_clientapp if result is not None else {}
     if history and all(ROUND_PARTICIPANTS in m for m in history.values()):
-        return int(
-            sum(
-                float(m[ROUND_PARTICIPANTS]) + float(m.get(ROUND_LATE_UPDATES, 0.0))  # type: ignore[arg-type]
-                for m in history.values()
-            )
-        )
+        total = 0.0
+        for m in history.values():
+            for key in (ROUND_PARTICIPANTS, ROUND_LATE_UPDATES):
+                value = m.get(key, 0.0)
+                total += float(value) if isinstance(value, int | float) else 0.0
+        return int(total)
     return sum(len(r.participants) for r in records)
 
 
@@ -343,13 +307,13 @@ def run_cell(
     samples_at: list[int] = []
     kept: dict[str, Result] = {}
     impl = bs.factory(scenario)
-    start = impl.start
+    start = impl.start  # run_server drops the Result; keep it for the counts
 
     def start_and_keep(**kwargs: Any) -> Result:
         kept["result"] = start(**kwargs)
         return kept["result"]
 
-    impl.start = start_and_keep  # type: ignore[method-assign]
+    impl.start = start_and_keep  # type: ignore[method-assign,assignment]
     outcome = run_server(
         grid,
         scenario,
