@@ -273,8 +273,12 @@ def _definitions(results: Mapping[str, Any]) -> list[str]:
         "- Cells show the median over seeds and [min–max]. Speed-up and accuracy "
         f"difference pair each seed's run with {s['reference']} on the same seed.",
         "- Energy: what the nodes reported (busy power x compute + idle power x "
-        "transfer). EDP: energy x virtual duration of the run (Gonzalez and "
-        "Horowitz, IEEE JSSC 1996).",
+        "transfer) for every train task they finished, used or discarded (after "
+        "the run the engine's clock runs on to collect replies still in flight; "
+        "replies dropped when their message's TTL expired and failed tasks report "
+        "nothing). `results.json` also holds `energy_used_updates_j`, the part in "
+        "replies received in time. EDP: energy x virtual duration of the run "
+        "(Gonzalez and Horowitz, IEEE JSSC 1996).",
         "- Updates discarded: train tasks dispatched minus updates folded into a "
         "global model (failures, vanished nodes, replies after the round closed or "
         "too stale, work in flight when the run ended).",

@@ -9,8 +9,10 @@ the strategy's returned ``Result``. Metrics of one run:
 - ``time_to_target_s``: virtual time of the first round whose central test accuracy
   reaches the target (None if never).
 - ``final_accuracy``: central test accuracy after the last round.
-- ``energy_j``: energy the nodes reported for their tasks (busy power x compute time
-  + idle power x transfer time, :func:`flowerbed.sims.vclock.energy_joules`).
+- ``energy_j``: energy the nodes reported for every train task they finished,
+  used or not (busy power x compute time + idle power x transfer time,
+  :func:`flowerbed.sims.vclock.energy_joules`); tasks that failed report none.
+  ``energy_used_updates_j``: the part in replies the strategy received in time.
 - ``edp_js``: energy-delay product ``E x T`` of the whole run, ``T`` its virtual
   duration (Gonzalez and Horowitz, "Energy dissipation in general purpose
   microprocessors", IEEE JSSC 31(9), 1996, Sec. III).
@@ -228,7 +230,13 @@ def resolve(
 
 
 class CountingGrid(GridWrapper):
-    """Transparent ``Grid`` wrapper: counts train tasks and samples trained."""
+    """Transparent ``Grid`` wrapper: counts train tasks, samples and energy.
+
+    :meth:`drain`, called once the run is over, lets the virtual clock run on and
+    pulls every train reply still in flight, so the energy of work that was
+    never used (stragglers, replies after the round closed) is counted too: the
+    devices spent it.
+    """
 
     def __init__(self, inner: Grid) -> None:
         super().__init__(inner)
@@ -236,24 +244,45 @@ class CountingGrid(GridWrapper):
         """Train messages pushed."""
         self.samples = 0
         """``num-examples`` summed over successful train replies pulled."""
+        self.energy_j = 0.0
+        """``energy-j`` summed over successful train replies pulled."""
+        self._open: set[str] = set()
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         messages = list(messages)
-        self.dispatched += sum(
-            m.metadata.message_type.startswith("train") for m in messages
-        )
-        return self.inner.push_messages(messages)
+        ids = list(self.inner.push_messages(messages))
+        for message, message_id in zip(messages, ids, strict=True):
+            if message.metadata.message_type.startswith("train"):
+                self.dispatched += 1
+                self._open.add(message_id)
+        return ids
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
         replies = list(self.inner.pull_messages(message_ids))
         for reply in replies:
+            if reply.metadata.reply_to_message_id not in self._open:
+                continue
+            self._open.discard(reply.metadata.reply_to_message_id)
             if reply.has_error():
                 continue
             for record in reply.content.metric_records.values():
-                value = record.get(keys.NUM_EXAMPLES)
-                if isinstance(value, int | float):
-                    self.samples += int(value)
+                examples = record.get(keys.NUM_EXAMPLES)
+                if isinstance(examples, int | float):
+                    self.samples += int(examples)
+                energy = record.get(keys.ENERGY_J)
+                if isinstance(energy, int | float):
+                    self.energy_j += float(energy)
         return replies
+
+    def drain(self) -> None:
+        """Advance the virtual clock until nothing is in flight; pull it all."""
+        clock = getattr(self, "clock", None)
+        upcoming = getattr(self.inner, "next_arrival_after", None)
+        if clock is None or upcoming is None:
+            return
+        while (t := upcoming(clock.now())) is not None and math.isfinite(t):
+            clock.wait(t - clock.now())
+        self.pull_messages(list(self._open))
 
 
 def _folded(result: Result | None, records: Sequence[RoundRecord]) -> int:
@@ -324,6 +353,7 @@ def run_cell(
     )
     records = outcome.records
     res = outcome.results
+    grid.drain()
     folded = _folded(kept.get("result"), records)
     ttt = res["time_to_target_s"]
     rounds_to_target = next((r.round for r in records if r.accuracy >= target), None)
@@ -331,7 +361,7 @@ def run_cell(
         samples_at[rounds_to_target - 1] if rounds_to_target is not None else None
     )
     total_t = float(res["total_virtual_time_s"])
-    energy = float(res["total_energy_j"])
+    energy = grid.energy_j
     return {
         "fleet": fleet,
         "strategy": strategy,
@@ -340,6 +370,7 @@ def run_cell(
         "time_to_target_s": ttt,
         "final_accuracy": res["final_accuracy"],
         "energy_j": energy,
+        "energy_used_updates_j": float(res["total_energy_j"]),
         "edp_js": energy * total_t,
         "virtual_time_s": total_t,
         "rounds": len(records),
