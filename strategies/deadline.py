@@ -406,8 +406,9 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
                 lambda t: t.kind == MessageType.TRAIN and t.server_round < oldest
             )
         )
-        alive = {t.server_round for t in self._inflight.tickets.values()}
-        self._bases = {r: b for r, b in self._bases.items() if r in alive}
+        # Keep every base a late reply may still need: replies already pulled into
+        # the backlog have no ticket any more but are folded against their base.
+        self._bases = {r: b for r, b in self._bases.items() if r >= oldest}
 
     # -------------------------------------------------------------------- pacer
     def _after_round(self, server_round: int, result: Result) -> None:
