@@ -291,15 +291,7 @@ def _definitions(results: Mapping[str, Any]) -> list[str]:
     ]
     for name, desc in s["strategy_descriptions"].items():
         lines.append(f"- `{name}`: {desc}")
-    lines += [
-        "",
-        "Note on `deadline`: with late updates on, this build's `DeadlineFedAvg` "
-        "can raise `KeyError` when a late reply waits in the pull backlog after "
-        "its round's base model was forgotten (`DeadlineFedAvg._expire` keeps "
-        "bases only for rounds with tickets still in flight); the bench runs it "
-        "with late updates off until that is fixed.",
-        "",
-    ]
+    lines.append("")
     return lines
 
 

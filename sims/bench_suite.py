@@ -198,12 +198,12 @@ STRATEGIES: dict[str, BenchStrategy] = {
         BenchStrategy(
             "deadline",
             "DeadlineFedAvg, adaptive deadline at the 60th percentile of recent "
-            "durations (Oort pacer); late updates off (see the note below)",
+            "durations (Oort pacer); replies that miss their round are folded into "
+            "the next two with a 1/sqrt(1+s) discount",
             _flowerbed(
                 "DeadlineFedAvg",
                 adaptive_deadline=True,
                 deadline_percentile=60.0,
-                late_updates=False,
             ),
         ),
         BenchStrategy(
