@@ -6,7 +6,7 @@ Every flowerbed node (simulated, board, phone gateway) trains through
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -83,7 +83,7 @@ def train_steps(
     return TrainStats(done, examples, loss_sum / done if done else float("nan"))
 
 
-def _sgd_step(params: list[torch.Tensor], lr: float) -> None:
+def _sgd_step(params: Sequence[torch.Tensor], lr: float) -> None:
     """Plain SGD, w <- w - lr * grad.
 
     Written out rather than ``torch.optim.SGD``: building the first torch optimiser
