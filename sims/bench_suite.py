@@ -45,7 +45,12 @@ from flowerbed.sims.config import Scenario
 from flowerbed.sims.fleet import assign_devices
 from flowerbed.sims.node import cached_dataset
 from flowerbed.sims.recorder import RoundRecord
-from flowerbed.sims.scenario import build_fleet_grid, run_server
+from flowerbed.sims.scenario import (
+    build_fleet_grid,
+    flower_args,
+    flowerbed_strategy,
+    run_server,
+)
 from flwr.app import Message
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, FedProx, Result, Strategy
@@ -109,16 +114,6 @@ class BenchStrategy:
     """``start(timeout=...)`` in virtual seconds; None keeps the scenario's."""
 
 
-def _flower_args(s: Scenario) -> dict[str, Any]:
-    """FedAvg's arguments: every node trains, central evaluation only."""
-    return {
-        "fraction_train": s.fraction_train,
-        "fraction_evaluate": 0.0,
-        "min_train_nodes": 1,
-        "min_available_nodes": 1,
-    }
-
-
 def task_seconds(scenario: Scenario, num_nodes: int) -> list[float]:
     """Virtual seconds of one full training task (download, local steps, upload)
     for every node of the scenario's fleet, by the virtual clock's formulas."""
@@ -151,41 +146,31 @@ def _median_task_timeout(s: Scenario) -> float:
     return TIMEOUT_FACTOR * statistics.median(task_seconds(s, s.num_nodes))
 
 
-def _flowerbed(name: str, **kwargs: Any) -> Callable[[Scenario], Strategy]:
-    def factory(s: Scenario) -> Strategy:
-        from flowerbed import strategies
-
-        cls = getattr(strategies, name)
-        return cls(**_flower_args(s), seed=s.seed, **kwargs)  # type: ignore[no-any-return]
-
-    return factory
-
-
 STRATEGIES: dict[str, BenchStrategy] = {
     b.name: b
     for b in (
         BenchStrategy(
             REFERENCE,
             "Flower FedAvg, waits for every sampled node (start timeout 3600 s)",
-            lambda s: FedAvg(**_flower_args(s)),
+            lambda s: FedAvg(**flower_args(s)),
         ),
         BenchStrategy(
             "flwr-fedavg-timeout",
             f"Flower FedAvg, start(timeout={TIMEOUT_FACTOR} x median node's task "
             "time); later replies are dropped",
-            lambda s: FedAvg(**_flower_args(s)),
+            lambda s: FedAvg(**flower_args(s)),
             timeout=_median_task_timeout,
         ),
         BenchStrategy(
             "flwr-fedprox",
             "Flower FedProx (proximal-mu 0.01; nodes add the proximal term)",
-            lambda s: FedProx(proximal_mu=s.proximal_mu, **_flower_args(s)),
+            lambda s: FedProx(proximal_mu=s.proximal_mu, **flower_args(s)),
         ),
         *(
             BenchStrategy(
                 f"rw-{w}",
                 f"RuntimeWeightedFedAvg, weighting={w!r}",
-                _flowerbed("RuntimeWeightedFedAvg", weighting=w),
+                flowerbed_strategy("RuntimeWeightedFedAvg", weighting=w),
             )
             for w in ("runtime", "throughput", "fednova", "examples")
         ),
@@ -193,14 +178,16 @@ STRATEGIES: dict[str, BenchStrategy] = {
             "rw-fednova-balanced",
             "RuntimeWeightedFedAvg, weighting='fednova', balance_work=True "
             "(local steps proportional to speed)",
-            _flowerbed("RuntimeWeightedFedAvg", weighting="fednova", balance_work=True),
+            flowerbed_strategy(
+                "RuntimeWeightedFedAvg", weighting="fednova", balance_work=True
+            ),
         ),
         BenchStrategy(
             "deadline",
             "DeadlineFedAvg, adaptive deadline at the 60th percentile of recent "
             "durations (Oort pacer); replies that miss their round are folded into "
             "the next two with a 1/sqrt(1+s) discount",
-            _flowerbed(
+            flowerbed_strategy(
                 "DeadlineFedAvg",
                 adaptive_deadline=True,
                 deadline_percentile=60.0,
@@ -209,7 +196,7 @@ STRATEGIES: dict[str, BenchStrategy] = {
         BenchStrategy(
             "fedbuff",
             "FedBuff, concurrency = all nodes, K = half of them, 2 versions per round",
-            _flowerbed("FedBuff"),
+            flowerbed_strategy("FedBuff"),
             versions_per_round=2,
         ),
     )

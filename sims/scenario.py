@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 StrategyFactory = Callable[[Scenario], Strategy]
 
 
-def _flower_args(s: Scenario) -> dict[str, Any]:
+def flower_args(s: Scenario) -> dict[str, Any]:
     """FedAvg's arguments for a scenario: central evaluation only, no waiting room."""
     return {
         "fraction_train": s.fraction_train,
@@ -41,7 +41,7 @@ def _flower_args(s: Scenario) -> dict[str, Any]:
     }
 
 
-def _flowerbed(name: str, **options: Any) -> StrategyFactory:
+def flowerbed_strategy(name: str, **options: Any) -> StrategyFactory:
     """Factory for a flowerbed strategy; ``options`` map scenario fields to kwargs."""
 
     def factory(s: Scenario) -> Strategy:
@@ -49,23 +49,23 @@ def _flowerbed(name: str, **options: Any) -> StrategyFactory:
 
         cls = getattr(strategies, name)
         kwargs = {k: (v(s) if callable(v) else v) for k, v in options.items()}
-        return cls(**_flower_args(s), seed=s.seed, **kwargs)  # type: ignore[no-any-return]
+        return cls(**flower_args(s), seed=s.seed, **kwargs)  # type: ignore[no-any-return]
 
     return factory
 
 
 STRATEGIES: dict[str, StrategyFactory] = {
-    "fedavg": lambda s: FedAvg(**_flower_args(s)),
-    "fedprox": lambda s: FedProx(proximal_mu=s.proximal_mu, **_flower_args(s)),
-    "runtime-weighted": _flowerbed("RuntimeWeightedFedAvg"),
+    "fedavg": lambda s: FedAvg(**flower_args(s)),
+    "fedprox": lambda s: FedProx(proximal_mu=s.proximal_mu, **flower_args(s)),
+    "runtime-weighted": flowerbed_strategy("RuntimeWeightedFedAvg"),
     # deadline-s > 0: that fixed deadline; 0: an adaptive one (DeadlineFedAvg docs)
-    "deadline": _flowerbed(
+    "deadline": flowerbed_strategy(
         "DeadlineFedAvg",
         deadline_s=lambda s: s.deadline_s or None,
         adaptive_deadline=lambda s: s.deadline_s == 0,
         partial_work=True,
     ),
-    "fedbuff": _flowerbed("FedBuff"),
+    "fedbuff": flowerbed_strategy("FedBuff"),
 }
 """Strategy of each run-config ``strategy`` name, built from the scenario."""
 
