@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from logging import INFO, WARNING
 
+import numpy as np
 from flowerbed import keys
 from flowerbed.clock import Clock, clock_of
 from flowerbed.grid import GridWrapper
@@ -24,6 +25,9 @@ from flwr.supercore import log
 from .fedbuff import FedBuff
 from .selection_model import (
     CONFIDENCE_DRAWS,
+    DEFAULT_INDIFFERENCE,
+    DEFAULT_PROFILE_BUDGET,
+    DEFAULT_TARGET_CONFIDENCE,
     EXHAUSTIVE_MAX_NODES,
     MODES,
     Confidence,
@@ -33,9 +37,13 @@ from .selection_model import (
     Workload,
     check_objective,
     confidence,
+    estimate_masks,
     expected_round_trip,
     fit_node,
+    informative_nodes,
+    pool_variances,
     profiling_end,
+    rehearsal_steps,
     search_masks,
     select,
 )
@@ -462,6 +470,16 @@ train_metrics_aggr_fn, evaluate_metrics_aggr_fn
     profile_max_tasks : int (default: 32)
         Most profiling tasks one node runs: nodes that finish ``profile_steps``
         early repeat them, up to this many, until the slowest node is done.
+    target_confidence : float (default: 0.99)
+        Refinement (:meth:`refine`) stops once the choice is this likely to
+        beat its rivals, by the fits' standard errors.
+    profile_budget : float (default: 0.05)
+        Refinement stops before profiling would take more than this share of
+        the chosen configuration's estimated job; 0 turns refinement off.
+    indifference : float (default: 0.002)
+        Configurations within this share of each other's estimate count as
+        equally good for ``target_confidence`` (Bechhofer's indifference zone):
+        refinement does not spend the budget telling twins apart.
     power_gain_error : float (default: 0.03)
         Assumed relative calibration error of the power sensors, used only by
         the confidence figure (it cannot be seen in profiling).
@@ -506,6 +524,9 @@ train_metrics_aggr_fn, evaluate_metrics_aggr_fn
         use_query: bool = True,
         profile_timeout_s: float = DEFAULT_PROFILE_TIMEOUT_S,
         profile_max_tasks: int = DEFAULT_PROFILE_MAX_TASKS,
+        target_confidence: float = DEFAULT_TARGET_CONFIDENCE,
+        profile_budget: float = DEFAULT_PROFILE_BUDGET,
+        indifference: float = DEFAULT_INDIFFERENCE,
         power_gain_error: float = DEFAULT_POWER_GAIN_ERROR,
         confidence_draws: int = CONFIDENCE_DRAWS,
         drift_tolerance: float = DEFAULT_DRIFT_TOLERANCE,
@@ -531,6 +552,12 @@ train_metrics_aggr_fn, evaluate_metrics_aggr_fn
                 profile_max_tasks >= len(profile_steps),
                 "profile_max_tasks must be >= len(profile_steps)",
             ),
+            (
+                0 <= target_confidence <= 1,
+                "target_confidence must be between 0 and 1",
+            ),
+            (profile_budget >= 0, "profile_budget must be >= 0"),
+            (indifference >= 0, "indifference must be >= 0"),
             (power_gain_error >= 0, "power_gain_error must be >= 0"),
             (confidence_draws >= 2, "confidence_draws must be >= 2"),
             (drift_tolerance > 0, "drift_tolerance must be > 0"),
@@ -564,6 +591,9 @@ train_metrics_aggr_fn, evaluate_metrics_aggr_fn
         self.use_query = use_query
         self.profile_timeout_s = profile_timeout_s
         self.profile_max_tasks = profile_max_tasks
+        self.target_confidence = target_confidence
+        self.indifference = indifference
+        self.profile_budget = profile_budget
         self.power_gain_error = power_gain_error
         self.confidence_draws = confidence_draws
         self.drift_tolerance = drift_tolerance
@@ -573,6 +603,10 @@ train_metrics_aggr_fn, evaluate_metrics_aggr_fn
         self.min_nodes = min_nodes
         self.node_models: dict[int, NodeModel] = {}
         """Fitted per-node models (after ``start``)."""
+        self.observations: dict[int, list[Observation]] = {}
+        """Every node's profiling observations (after ``start``)."""
+        self.refine_batches = 0
+        """Rehearsal batches the refinement ran (after ``start``)."""
         self.profile_s = 0.0
         """Clock seconds the profiling phase took."""
         self.selection_log: list[SelectionRecord] = []
@@ -772,16 +806,26 @@ train_metrics_aggr_fn, evaluate_metrics_aggr_fn
         self._profile_adaptively(
             grid, clock, nodes, observed, arrays, train_config, deadline
         )
-        models: dict[int, NodeModel] = {}
-        for node, observations in observed.items():
+        self.observations = observed
+        models = self._fit(observed)
+        self.profile_s = clock.now() - started
+        self._log_models(models)
+        return models
+
+    def _fit(self, observed: dict[int, list[Observation]]) -> dict[int, NodeModel]:
+        """Fit every node that answered, then pool variances over the fleet."""
+        fitted: list[NodeModel] = []
+        for node, observations in sorted(observed.items()):
             if not observations:
                 log(WARNING, "ClusterSelection: node %s never answered; left out", node)
                 continue
             try:
-                models[node] = fit_node(node, observations)
+                fitted.append(fit_node(node, observations))
             except ValueError as err:
                 log(WARNING, "ClusterSelection: %s; left out", err)
-        self.profile_s = clock.now() - started
+        return {m.node_id: m for m in pool_variances(fitted)}
+
+    def _log_models(self, models: dict[int, NodeModel]) -> None:
         for m in models.values():
             log(
                 INFO,
@@ -800,10 +844,146 @@ train_metrics_aggr_fn, evaluate_metrics_aggr_fn
             )
         log(
             INFO,
-            "ClusterSelection: profiling took %.3gs (%d tasks on %d nodes)",
+            "ClusterSelection: profiling took %.3gs so far (%d tasks on %d nodes)",
             self.profile_s,
             sum(m.tasks for m in models.values()),
             len(models),
+        )
+
+    def refine(
+        self,
+        grid: Grid,
+        arrays: ArrayRecord,
+        train_config: ConfigRecord,
+        workload: Workload,
+        min_size: int,
+    ) -> dict[int, NodeModel]:
+        """Rehearse the nodes the choice hinges on until it is sure enough.
+
+        While the probability, from what more profiling can shrink (the fits'
+        standard errors; the sensor calibration error is left out, no number of
+        samples removes it), that the choice is within ``indifference`` of the
+        best is below ``target_confidence``, and the
+        profiling phase would still end within ``profile_budget`` x the
+        choice's estimated job, the nodes behind most of the uncertainty of the
+        choice against its rivals
+        (:func:`~flowerbed.strategies.selection_model.informative_nodes`) each
+        run one rehearsal: a training task of the length a member would run
+        (:func:`~flowerbed.strategies.selection_model.rehearsal_steps`), in
+        parallel. Returns the refitted models (also ``node_models``).
+        """
+        clock = clock_of(grid)
+        started = clock.now() - self.profile_s
+        models = self.node_models
+        batches = 0
+        while len(models) >= min_size:
+            candidates = [models[n] for n in sorted(models)]
+            masks = search_masks(
+                candidates,
+                workload,
+                min_size,
+                self.search,
+                exhaustive_max_nodes=self.exhaustive_max_nodes,
+            )
+            est = estimate_masks(candidates, masks, workload)
+            row = int(np.argmin(est[self.objective]))
+            tta = self.objective == "time-to-accuracy"
+            job_s = float(est["time-to-accuracy" if tta else "time"][row])
+            sure = confidence(
+                candidates,
+                workload,
+                self.objective,
+                masks,
+                draws=self.confidence_draws,
+                seed=batches,
+                indifference=self.indifference,
+            )[self.objective]
+            if sure.near_probability >= self.target_confidence:
+                log(
+                    INFO,
+                    "ClusterSelection: choice settled after %d rehearsal batch(es): "
+                    "%.1f%% sure, from the fits' errors, that it is within %.2g%% "
+                    "of the best (target %.0f%%)",
+                    batches,
+                    100 * sure.near_probability,
+                    100 * self.indifference,
+                    100 * self.target_confidence,
+                )
+                break
+            chosen = int(masks[row].sum())
+            targets = informative_nodes(
+                candidates, workload, self.objective, masks, sure
+            )
+            plan = {n: rehearsal_steps(models[n], workload, chosen) for n in targets}
+            expected = max(
+                (
+                    expected_round_trip(
+                        [o for o in self.observations[n] if o.transfers == 2], steps
+                    )
+                    for n, steps in plan.items()
+                ),
+                default=0.0,
+            )
+            spent = clock.now() - started
+            if not plan or spent + expected > self.profile_budget * job_s:
+                log(
+                    INFO,
+                    "ClusterSelection: refinement stopped at %.1f%% sure after %d "
+                    "batch(es): %s",
+                    100 * sure.near_probability,
+                    batches,
+                    "no node to measure"
+                    if not plan
+                    else f"another batch (~{expected:.3g}s) would take profiling "
+                    f"past {100 * self.profile_budget:.0f}% of the estimated job "
+                    f"({job_s:.4g}s)",
+                )
+                break
+            log(
+                INFO,
+                "ClusterSelection: %.1f%% sure; rehearsing nodes %s (%s steps)",
+                100 * sure.near_probability,
+                list(plan),
+                sorted(set(plan.values())),
+            )
+            replies = timed_exchange(
+                grid,
+                clock,
+                [
+                    self._profile_message(n, False, steps, arrays, train_config)
+                    for n, steps in plan.items()
+                ],
+                self.profile_timeout_s,
+            )
+            for node, steps in plan.items():
+                answer = replies.get(node)
+                obs = (
+                    None
+                    if answer is None
+                    else observation_of(answer[0], answer[1], steps, 2)
+                )
+                if obs is None:
+                    log(
+                        WARNING,
+                        "ClusterSelection: node %s failed its rehearsal; left out",
+                        node,
+                    )
+                    self.observations[node] = []
+                else:
+                    self.observations[node].append(obs)
+            batches += 1
+            models = self._fit(self.observations)
+        self.node_models = models
+        self.profile_s = clock.now() - started
+        self.refine_batches = batches
+        log(
+            INFO,
+            "ClusterSelection: profiling took %.3gs in all (%d tasks on %d nodes, "
+            "%d rehearsal batch(es))",
+            self.profile_s,
+            sum(m.tasks for m in models.values()),
+            len(models),
+            batches,
         )
         return models
 
@@ -854,6 +1034,7 @@ train_metrics_aggr_fn, evaluate_metrics_aggr_fn
             int(getattr(self.strategy, "min_train_nodes", 1)),
             int(getattr(self.strategy, "min_available_nodes", 1)),
         )
+        self.refine(grid, initial_arrays, train_config, workload, min_size)
         selector = _Selector(self, self.node_models, workload, min_size, clock_of(grid))
         self.selection_log = selector.records
         result = self.strategy.start(

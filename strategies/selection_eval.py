@@ -14,7 +14,13 @@ Truth and estimate differ as a real deployment's would:
   lognormal factor (per-step jitter ``step_jitter``, averaged over the round's
   steps: sigma / sqrt(steps)) and each transfer by its own lognormal factor
   (``network_jitter``). The same draws serve every configuration (common random
-  numbers), and the figure is the mean over the rounds, scaled to the job.
+  numbers), and the figure is the mean over the rounds, scaled to the job: the
+  configuration's *expected* cost. ``truth_rounds`` rounds rank every
+  configuration; the leading ones (:data:`TRUTH_SHORTLIST` per objective) are
+  simulated again for ``truth_fine_rounds`` rounds, so that the true best is
+  resolved to well under 0.1% (with a few thousand rounds, configurations
+  within about 0.1% of each other swap places between random streams, and any
+  one job's own luck is not something a selection can predict).
 - **Estimate** sees only what the nodes report during profiling, as the
   strategy does: for each profiling task, ``num-steps``, ``train-time-s``
   (the sum of that many jittered steps: a few steps are far noisier than a
@@ -34,9 +40,13 @@ the systems half of that objective, not the statistical model.
 
 Profiling is adaptive, as the strategy's: every node runs ``profile_steps``
 back to back and nodes that finish early repeat them while they expect to be
-done before the slowest. Profiling overhead = profiling time (until the last
-profiling task returns) / (profiling time + the chosen configuration's true job
-time). Fleet, profiling and truth draw from separate random streams.
+done before the slowest (the probe); then, per objective, refinement rehearses
+the nodes the choice hinges on until it is ``target_confidence`` sure or
+``profile_budget`` of the estimated job is spent (:func:`_refine`, as
+:meth:`ClusterSelection.refine`). Profiling overhead = profiling time (until the
+last profiling task returns) / (profiling time + the chosen configuration's
+true job time). Fleet, profiling, refinement and truth draw from separate
+random streams.
 """
 
 from __future__ import annotations
@@ -55,6 +65,9 @@ from flowerbed.sims.devices import DEVICES, DeviceProfile
 
 from .selection_model import (
     CONFIDENCE_DRAWS,
+    DEFAULT_INDIFFERENCE,
+    DEFAULT_PROFILE_BUDGET,
+    DEFAULT_TARGET_CONFIDENCE,
     OBJECTIVES,
     NodeModel,
     Observation,
@@ -64,7 +77,10 @@ from .selection_model import (
     estimate_masks,
     expected_round_trip,
     fit_node,
+    informative_nodes,
+    pool_variances,
     profiling_end,
+    rehearsal_steps,
     select,
 )
 
@@ -113,9 +129,10 @@ def _profile(
     up_s: np.ndarray,
     profile_steps: Sequence[int],
     max_tasks: int,
+    gain: np.ndarray,
     noise: dict[str, float],
-) -> tuple[list[NodeModel], float, list[int]]:
-    """Models fitted from simulated adaptive profiling; its duration; tasks per node.
+) -> tuple[list[list[Observation]], float]:
+    """Simulated adaptive profiling: each node's observations; its duration.
 
     As :meth:`ClusterSelection.profile`: every node runs the tasks of
     ``profile_steps`` back to back. A node that has done them starts another
@@ -127,30 +144,13 @@ def _profile(
     n = len(fleet)
     observed: list[list[Observation]] = [[] for _ in fleet]
     ends: list[list[float]] = [[] for _ in fleet]
-    gain = 1 + noise["power_gain_error"] * rng.standard_normal(n)
     required = len(profile_steps)
 
     def run(i: int, now: float) -> float:
         steps = profile_steps[len(observed[i]) % required]
-        train = float((step_s[i] * _lognormal(rng, noise["step_jitter"], steps)).sum())
-        comm = float(
-            (
-                np.array([down_s[i], up_s[i]])
-                * _lognormal(rng, noise["network_jitter"], 2)
-            ).sum()
-        )
-        energy = vclock.energy_joules(fleet[i], train, comm) * (
-            gain[i] + noise["power_noise"] * rng.standard_normal()
-        )
-        observed[i].append(
-            Observation(
-                steps=steps,
-                round_trip_s=train + comm,
-                train_time_s=train,
-                energy_j=energy,
-            )
-        )
-        ends[i].append(now + train + comm)
+        obs = _task(rng, fleet[i], step_s[i], down_s[i], up_s[i], steps, gain[i], noise)
+        observed[i].append(obs)
+        ends[i].append(now + obs.round_trip_s)
         return ends[i][-1]
 
     def seen(i: int, now: float) -> list[Observation]:
@@ -177,11 +177,105 @@ def _profile(
             if now + expected_round_trip(seen(i, now), steps) > projected:
                 continue
         heapq.heappush(events, (run(i, now), i))
-    return (
-        [fit_node(i, obs) for i, obs in enumerate(observed)],
-        float(max(e[-1] for e in ends)),
-        [len(obs) for obs in observed],
+    return observed, float(max(e[-1] for e in ends))
+
+
+def _task(
+    rng: np.random.Generator,
+    device: DeviceProfile,
+    step_s: float,
+    down_s: float,
+    up_s: float,
+    steps: int,
+    gain: float,
+    noise: dict[str, float],
+) -> Observation:
+    """One simulated timed training task as the node would report it."""
+    train = float((step_s * _lognormal(rng, noise["step_jitter"], steps)).sum())
+    comm = float(
+        (np.array([down_s, up_s]) * _lognormal(rng, noise["network_jitter"], 2)).sum()
     )
+    energy = vclock.energy_joules(device, train, comm) * (
+        gain + noise["power_noise"] * rng.standard_normal()
+    )
+    return Observation(
+        steps=steps, round_trip_s=train + comm, train_time_s=train, energy_j=energy
+    )
+
+
+def _refine(
+    rng: np.random.Generator,
+    fleet: Sequence[DeviceProfile],
+    step_s: np.ndarray,
+    down_s: np.ndarray,
+    up_s: np.ndarray,
+    gain: np.ndarray,
+    observed: list[list[Observation]],
+    started: float,
+    masks: np.ndarray,
+    workload: Workload,
+    objective: str,
+    noise: dict[str, float],
+    target: float,
+    budget: float,
+    draws: int,
+    indifference: float,
+) -> tuple[list[NodeModel], float, int]:
+    """As :meth:`ClusterSelection.refine`: rehearse the contested nodes.
+
+    While the probability, from what profiling can still shrink (the fits'
+    standard errors, no sensor calibration error), that the choice is within
+    ``indifference`` of the best is below ``target``,
+    and the next batch is expected to end within ``budget`` x the choice's
+    estimated job, the contested nodes
+    (:func:`~flowerbed.strategies.selection_model.contested`) each run one
+    rehearsal task (:func:`~flowerbed.strategies.selection_model.rehearsal_steps`)
+    in parallel. Returns the models, when profiling ended, and the batches run.
+    """
+    observed = [list(o) for o in observed]
+    models = pool_variances([fit_node(i, o) for i, o in enumerate(observed)])
+    now = started
+    batches = 0
+    while True:
+        est = estimate_masks(models, masks, workload)
+        row = int(np.argmin(est[objective]))
+        job = est["time-to-accuracy" if objective == "time-to-accuracy" else "time"]
+        chosen = [int(i) for i in np.flatnonzero(masks[row])]
+        sure = confidence(
+            models,
+            workload,
+            objective,
+            masks,
+            draws=draws,
+            seed=batches,
+            indifference=indifference,
+        )[objective]
+        if sure.near_probability >= target:
+            break
+        nodes = informative_nodes(models, workload, objective, masks, sure)
+        plan = {i: rehearsal_steps(models[i], workload, len(chosen)) for i in nodes}
+        expected = max(
+            (expected_round_trip(observed[i], n) for i, n in plan.items()), default=0
+        )
+        if not plan or now + expected > budget * float(job[row]):
+            break
+        took = []
+        for i, n in plan.items():
+            obs = _task(rng, fleet[i], step_s[i], down_s[i], up_s[i], n, gain[i], noise)
+            observed[i].append(obs)
+            took.append(obs.round_trip_s)
+        now += max(took)
+        batches += 1
+        models = pool_variances([fit_node(i, o) for i, o in enumerate(observed)])
+    return models, now, batches
+
+
+TRUTH_SHORTLIST = 16
+"""Leading configurations per objective whose truth is simulated again, longer."""
+TRUTH_FINE_FACTOR = 25
+"""Default ``truth_fine_rounds`` as a multiple of ``truth_rounds``."""
+TRUTH_CHUNK = 100
+"""Rounds of the truth simulated at once (bounds its memory)."""
 
 
 def _truth(
@@ -195,40 +289,59 @@ def _truth(
     truth_rounds: int,
     noise: dict[str, float],
 ) -> dict[str, np.ndarray]:
-    """Each configuration's cost on the virtual clock with run-time noise."""
+    """Each configuration's expected cost on the virtual clock with run-time noise.
+
+    The mean over ``truth_rounds`` simulated rounds (common random numbers for
+    every configuration), scaled to the job's ``num_rounds``.
+    """
     n = len(fleet)
     k = masks.sum(axis=1)
-    z = rng.standard_normal((truth_rounds, n))
-    comm = down_s * _lognormal(rng, noise["network_jitter"], (truth_rounds, n))
-    comm = comm + up_s * _lognormal(rng, noise["network_jitter"], (truth_rounds, n))
     w = workload
-    if w.mode == "sync":
-        steps = np.ceil(w.steps / k)
-        sigma = noise["step_jitter"] / np.sqrt(steps)
-        jitter = np.exp(sigma[:, None, None] * z[None] - sigma[:, None, None] ** 2 / 2)
-        compute = steps[:, None, None] * step_s[None, None, :] * jitter
-        task = comm[None] + compute
-        round_s = np.where(masks[:, None, :], task, 0.0).max(axis=2)
-        energy_round = np.zeros_like(round_s)
-        for i, device in enumerate(fleet):
-            e = vclock.energy_joules(
-                device, compute[:, :, i], round_s - compute[:, :, i]
+    round_sum = np.zeros(len(masks))
+    energy_sum = np.zeros(len(masks))
+    task_total = np.zeros(n)
+    energy_total = np.zeros(n)
+    done = 0
+    while done < truth_rounds:
+        rounds = min(TRUTH_CHUNK, truth_rounds - done)
+        done += rounds
+        z = rng.standard_normal((rounds, n))
+        comm = down_s * _lognormal(rng, noise["network_jitter"], (rounds, n))
+        comm = comm + up_s * _lognormal(rng, noise["network_jitter"], (rounds, n))
+        if w.mode == "sync":
+            steps = np.ceil(w.steps / k)
+            sigma = noise["step_jitter"] / np.sqrt(steps)
+            jitter = np.exp(
+                sigma[:, None, None] * z[None] - sigma[:, None, None] ** 2 / 2
             )
-            energy_round += np.where(masks[:, i : i + 1], e, 0.0)
-        time = w.num_rounds * round_s.mean(axis=1)
-        energy = w.num_rounds * energy_round.mean(axis=1)
+            compute = steps[:, None, None] * step_s[None, None, :] * jitter
+            task = comm[None] + compute
+            round_s = np.where(masks[:, None, :], task, 0.0).max(axis=2)
+            energy_round = np.zeros_like(round_s)
+            for i, device in enumerate(fleet):
+                e = vclock.energy_joules(
+                    device, compute[:, :, i], round_s - compute[:, :, i]
+                )
+                energy_round += np.where(masks[:, i : i + 1], e, 0.0)
+            round_sum += round_s.sum(axis=1)
+            energy_sum += energy_round.sum(axis=1)
+        else:
+            sigma = noise["step_jitter"] / np.sqrt(w.steps)
+            compute = w.steps * step_s * np.exp(sigma * z - sigma**2 / 2)
+            # per node: summed task seconds and energy, for rates and powers
+            task_total += (comm + compute).sum(axis=0)
+            energy_total += np.array(
+                [
+                    vclock.energy_joules(d, compute[:, i], comm[:, i]).sum()
+                    for i, d in enumerate(fleet)
+                ]
+            )
+    if w.mode == "sync":
+        time = w.num_rounds * round_sum / truth_rounds
+        energy = w.num_rounds * energy_sum / truth_rounds
     else:
-        sigma = noise["step_jitter"] / np.sqrt(w.steps)
-        compute = w.steps * step_s * np.exp(sigma * z - sigma**2 / 2)
-        task = comm + compute
-        rate = 1.0 / task.mean(axis=0)
-        power = np.array(
-            [
-                vclock.energy_joules(d, compute[:, i], comm[:, i]).sum()
-                / task[:, i].sum()
-                for i, d in enumerate(fleet)
-            ]
-        )
+        rate = truth_rounds / task_total
+        power = energy_total / task_total
         buffer = w.buffer_size if w.buffer_size else np.maximum(1, k // 2)
         time = w.num_rounds * buffer / (masks * rate).sum(axis=1)
         energy = time * (masks * power).sum(axis=1)
@@ -297,7 +410,11 @@ def evaluate_selection(
     power_gain_error: float = 0.03,
     power_noise: float = 0.01,
     unit_spread: float = 0.05,
-    truth_rounds: int = 20,
+    truth_rounds: int = 2000,
+    truth_fine_rounds: int | None = None,
+    target_confidence: float = DEFAULT_TARGET_CONFIDENCE,
+    profile_budget: float = DEFAULT_PROFILE_BUDGET,
+    indifference: float = DEFAULT_INDIFFERENCE,
     objectives: Sequence[str] = OBJECTIVES,
     confidence_draws: int = CONFIDENCE_DRAWS,
 ) -> dict[str, Any]:
@@ -321,7 +438,8 @@ def evaluate_selection(
              "polynomial_mean_regret_pct", "oracle_best_fraction",
              "oracle_mean_regret_pct", "mean_confidence",
              "within_uncertainty_fraction", "confident_fraction",
-             "confident_best_fraction"}}}
+             "confident_best_fraction", "profiling_mean_seconds",
+             "profiling_mean_tasks_per_node", "refinement_mean_batches"}}}
 
     ``best_fraction``: share of fleets where the chosen configuration is the true
     best; ``near_best_fraction``: within 1% of it; regret: % the chosen
@@ -336,7 +454,9 @@ def evaluate_selection(
     fleets where the runner-up's estimate is within two standard deviations;
     ``confident_fraction``: fleets with confidence >= 0.95, and
     ``confident_best_fraction`` the share of those that picked the true best
-    (None when there are none).
+    (None when there are none). ``profiling`` describes the probe shared by the
+    objectives; each objective's ``profiling_*`` and ``refinement_mean_batches``
+    include its own refinement.
     """
     if num_fleets < 1:
         raise ValueError(f"num_fleets must be >= 1, got {num_fleets}")
@@ -355,6 +475,8 @@ def evaluate_selection(
             raise ValueError(
                 f"unknown objective {name!r}; valid choices: {', '.join(OBJECTIVES)}"
             )
+    if truth_fine_rounds is None:
+        truth_fine_rounds = TRUTH_FINE_FACTOR * truth_rounds
     noise = {
         "step_jitter": step_jitter,
         "network_jitter": network_jitter,
@@ -379,14 +501,17 @@ def evaluate_selection(
         "within",
         "confident",
         "confident_best",
+        "tasks",
+        "batches",
+        "profile_s",
     ]
     per: dict[str, dict[str, list[float]]] = {
         o: {name: [] for name in fields} for o in objectives
     }
     sizes: list[int] = []
-    tasks: list[int] = []
+    probe_tasks: list[int] = []
     slowest_tasks: list[int] = []
-    profile_times: list[float] = []
+    probe_times: list[float] = []
     devices: Counter[str] = Counter()
     for f in range(num_fleets):
         rng = np.random.default_rng([seed, f])
@@ -404,7 +529,10 @@ def evaluate_selection(
             num_rounds=num_rounds,
             kappa=kappa,
         )
-        models, profile_s, done = _profile(
+        gain = 1 + noise["power_gain_error"] * np.random.default_rng(
+            [seed, f, 3]
+        ).standard_normal(len(fleet))
+        observed, probe_s = _profile(
             np.random.default_rng([seed, f, 1]),
             fleet,
             step_s,
@@ -412,11 +540,13 @@ def evaluate_selection(
             up_s,
             profile_steps,
             profile_max_tasks,
+            gain,
             noise,
         )
-        tasks.extend(done)
+        done = [len(o) for o in observed]
+        probe_tasks.extend(done)
         slowest_tasks.append(min(done))
-        profile_times.append(profile_s)
+        probe_times.append(probe_s)
         oracle = _oracle_models(fleet, step_s, down_s, up_s, noise)
         masks = all_masks(len(fleet))
         truth = _truth(
@@ -430,21 +560,63 @@ def evaluate_selection(
             truth_rounds,
             noise,
         )
-        estimated = estimate_masks(models, masks, workload)
-        perfect = estimate_masks(oracle, masks, workload)
-        sure = confidence(
-            models,
-            workload,
-            objectives,
-            masks,
-            power_gain_error=power_gain_error,
-            draws=confidence_draws,
-            seed=f,
+        shortlist = np.unique(
+            np.concatenate(
+                [
+                    np.argsort(truth[o], kind="stable")[:TRUTH_SHORTLIST]
+                    for o in OBJECTIVES
+                ]
+            )
         )
-        for objective in objectives:
+        fine = _truth(
+            np.random.default_rng([seed, f, 5]),
+            fleet,
+            step_s,
+            down_s,
+            up_s,
+            masks[shortlist],
+            workload,
+            truth_fine_rounds,
+            noise,
+        )
+        for o in OBJECTIVES:
+            truth[o][shortlist] = fine[o]
+        perfect = estimate_masks(oracle, masks, workload)
+        for index, objective in enumerate(objectives):
+            models, profile_s, batches = _refine(
+                np.random.default_rng([seed, f, 4, index]),
+                fleet,
+                step_s,
+                down_s,
+                up_s,
+                gain,
+                observed,
+                probe_s,
+                masks,
+                workload,
+                objective,
+                noise,
+                target_confidence,
+                profile_budget,
+                confidence_draws,
+                indifference,
+            )
+            acc = per[objective]
+            acc["tasks"].append(float(np.mean([m.tasks for m in models])))
+            acc["batches"].append(batches)
+            acc["profile_s"].append(profile_s)
+            estimated = estimate_masks(models, masks, workload)
+            sure = confidence(
+                models,
+                workload,
+                objective,
+                masks,
+                power_gain_error=power_gain_error,
+                draws=confidence_draws,
+                seed=f,
+            )[objective]
             cost = truth[objective]
             best = float(cost.min())
-            acc = per[objective]
             poly = select(models, workload, objective, search="polynomial")
             for row, best_key, regret_key in (
                 (int(np.argmin(estimated[objective])), "best", "regret"),
@@ -462,11 +634,10 @@ def evaluate_selection(
             job = "time-to-accuracy" if objective == "time-to-accuracy" else "time"
             job_s = float(truth[job][row])
             acc["overhead"].append(100 * profile_s / (profile_s + job_s))
-            probability = sure[objective].probability
-            acc["confidence"].append(probability)
-            acc["within"].append(float(sure[objective].within_uncertainty))
-            acc["confident"].append(float(probability >= 0.95))
-            if probability >= 0.95:
+            acc["confidence"].append(sure.probability)
+            acc["within"].append(float(sure.within_uncertainty))
+            acc["confident"].append(float(sure.probability >= 0.95))
+            if sure.probability >= 0.95:
                 acc["confident_best"].append(acc["best"][-1])
     return {
         "num_fleets": num_fleets,
@@ -486,6 +657,11 @@ def evaluate_selection(
             "profile_steps": list(profile_steps),
             "profile_max_tasks": profile_max_tasks,
             "truth_rounds": truth_rounds,
+            "truth_fine_rounds": truth_fine_rounds,
+            "truth_shortlist": TRUTH_SHORTLIST,
+            "target_confidence": target_confidence,
+            "profile_budget": profile_budget,
+            "indifference": indifference,
             "confidence_draws": confidence_draws,
         },
         "noise": noise,
@@ -496,11 +672,11 @@ def evaluate_selection(
         "energy-j); round time as the expected maximum of the members' task times",
         "paper_best_fraction": PAPER_BEST_FRACTION,
         "profiling": {
-            "mean_seconds": float(np.mean(profile_times)),
-            "mean_tasks_per_node": float(np.mean(tasks)),
-            "min_tasks_per_node": int(np.min(tasks)),
-            "max_tasks_per_node": int(np.max(tasks)),
-            "mean_tasks_of_slowest_node": float(np.mean(slowest_tasks)),
+            "probe_mean_seconds": float(np.mean(probe_times)),
+            "probe_mean_tasks_per_node": float(np.mean(probe_tasks)),
+            "probe_min_tasks_per_node": int(np.min(probe_tasks)),
+            "probe_max_tasks_per_node": int(np.max(probe_tasks)),
+            "probe_mean_tasks_of_slowest_node": float(np.mean(slowest_tasks)),
         },
         "objectives": {
             o: {
@@ -509,6 +685,9 @@ def evaluate_selection(
                 "mean_regret_pct": float(np.mean(v["regret"])),
                 "max_regret_pct": float(np.max(v["regret"])),
                 "profiling_overhead_pct": float(np.mean(v["overhead"])),
+                "profiling_mean_seconds": float(np.mean(v["profile_s"])),
+                "profiling_mean_tasks_per_node": float(np.mean(v["tasks"])),
+                "refinement_mean_batches": float(np.mean(v["batches"])),
                 "mean_nodes_chosen": float(np.mean(v["chosen"])),
                 "mean_nodes_best": float(np.mean(v["best_k"])),
                 "polynomial_best_fraction": float(np.mean(v["poly_best"])),

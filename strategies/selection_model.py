@@ -65,7 +65,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -109,6 +109,23 @@ class NodeModel:
     """Standard error of ``c_i`` (seconds)."""
     tasks: int = 0
     """Profiling tasks the fit used."""
+    steps: int = 0
+    """Steps timed by ``train-time-s`` over those tasks (``sum n_j``)."""
+    step_dof: int = 0
+    """Degrees of freedom of ``v_i`` (``J - 1``; 0 when unknown)."""
+    transfers: int = 0
+    """Model transfers behind ``c_i`` (``sum r_j``)."""
+    overhead_dof: int = 0
+    """Degrees of freedom of ``u_i``."""
+    power_cov: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    """Covariance of the fitted (``Pb_i``, ``Pi_i``): var Pb, cov, var Pi (W^2)."""
+    power_shape: tuple[float, float, float] | None = None
+    """``(A^T A)^-1`` of the relative least-squares power fit (var, cov, var
+    entries): ``power_cov`` is it times the relative reading variance."""
+    power_rel_var: float = 0.0
+    """Relative variance of one ``energy-j`` reading about the fit."""
+    power_dof: int = 0
+    """Degrees of freedom of ``power_rel_var`` (``J - 2``)."""
 
     def task_mean_sd(self, steps: int | np.ndarray) -> tuple[Any, Any]:
         """Mean and standard deviation of a task of ``steps`` steps.
@@ -315,6 +332,9 @@ def fit_node(
         spread = float(((steps - steps.mean()) ** 2).sum())
         step_se = math.sqrt(overhead_var / spread)
     busy_w = idle_w = None
+    power_shape = None
+    power_rel_var = 0.0
+    power_dof = 0
     powers = [o.power_w for o in observations if o.power_w is not None]
     energies = [o.energy_j for o in observations]
     if powers:
@@ -323,10 +343,19 @@ def fit_node(
     elif all(e is not None for e in energies):
         energy = np.array(energies, dtype=float)
         actual_other = np.maximum(rtt - compute, 0.0)
-        if len(set(steps)) >= 2:
-            a = np.column_stack([compute, actual_other])
-            (busy_w, idle_w), *_ = np.linalg.lstsq(a, energy, rcond=None)
+        if len(set(steps)) >= 2 and np.all(energy > 0):
+            a = np.column_stack([compute, actual_other]) / energy[:, None]
+            ones = np.ones(len(energy))
+            (busy_w, idle_w), *_ = np.linalg.lstsq(a, ones, rcond=None)
             busy_w, idle_w = float(max(busy_w, 0.0)), float(max(idle_w, 0.0))
+            gram = a.T @ a
+            if np.linalg.cond(gram) < 1e12:
+                inv = np.linalg.inv(gram)
+                power_shape = (float(inv[0, 0]), float(inv[0, 1]), float(inv[1, 1]))
+            power_dof = len(energy) - 2
+            if power_dof > 0:
+                residual = ones - a @ np.array([busy_w, idle_w])
+                power_rel_var = float((residual**2).sum() / power_dof)
         else:
             busy_w = float(
                 energy.sum() / (compute.sum() + idle_fraction * actual_other.sum())
@@ -343,7 +372,106 @@ def fit_node(
         step_se=step_se,
         overhead_se=overhead_se,
         tasks=len(observations),
+        steps=int(steps.sum()) if timed else 0,
+        step_dof=len(observations) - 1 if timed else 0,
+        transfers=int(transfers.sum()),
+        overhead_dof=count - 1 if timed else max(count - 2, 0),
+        power_cov=_scaled(power_shape, power_rel_var),
+        power_shape=power_shape,
+        power_rel_var=power_rel_var,
+        power_dof=power_dof,
     )
+
+
+def _scaled(
+    shape: tuple[float, float, float] | None, factor: float
+) -> tuple[float, float, float]:
+    if shape is None:
+        return (0.0, 0.0, 0.0)
+    return (shape[0] * factor, shape[1] * factor, shape[2] * factor)
+
+
+PRIOR_DOF = 4.0
+"""Weight, in degrees of freedom, of the fleet's pooled variance in
+:func:`pool_variances`."""
+
+
+def pool_variances(
+    nodes: Sequence[NodeModel], prior_dof: float = PRIOR_DOF
+) -> list[NodeModel]:
+    """Steady each node's variances with the fleet's, and their standard errors.
+
+    A node profiled with two tasks has a step-time variance of one degree of
+    freedom: its standard errors, and the confidence built on them, can be far
+    too small by chance. Smyth's moderated variance (Smyth, "Linear Models and
+    Empirical Bayes Methods for Assessing Differential Expression in
+    Microarray Experiments", Statistical Applications in Genetics and Molecular
+    Biology 3(1), 2004, sec. 3) shrinks each node's variance towards a prior
+    pooled over all nodes::
+
+        var~_i = (d0 var_0 + d_i var_i) / (d0 + d_i)
+
+    with ``d_i`` the node's degrees of freedom, ``d0`` = ``prior_dof`` and
+    ``var_0`` the dof-weighted mean over the fleet. Variances are pooled
+    relative to the node's own scale (``v_i / s_i^2`` per step,
+    ``u_i / c_i^2`` per task overhead, the relative ``energy-j`` reading
+    variance), because devices differ in speed by orders of magnitude while
+    their jitter, as a share, is alike. Then ``step_var``, ``step_se``,
+    ``overhead_var``, ``overhead_se`` and ``power_cov`` are recomputed from the
+    moderated variances (formulas: :func:`fit_node`). Nodes fitted without a
+    variance of their own (``d_i = 0``) take the prior; with no node having
+    one, the models are returned unchanged.
+    """
+
+    def prior(pairs: list[tuple[float, int]]) -> float | None:
+        dof = sum(d for _, d in pairs if d > 0)
+        if dof == 0:
+            return None
+        return sum(v * d for v, d in pairs if d > 0) / dof
+
+    def moderated(own: float, dof: int, pooled: float | None) -> float:
+        if pooled is None:
+            return own
+        return (prior_dof * pooled + dof * own) / (prior_dof + dof)
+
+    step0 = prior(
+        [(n.step_var / n.step_s**2, n.step_dof) for n in nodes if n.step_s > 0]
+    )
+    over0 = prior(
+        [
+            (n.overhead_var / n.overhead_s**2, n.overhead_dof)
+            for n in nodes
+            if n.overhead_s > 0
+        ]
+    )
+    power0 = prior([(n.power_rel_var, n.power_dof) for n in nodes])
+    out = []
+    for n in nodes:
+        step_rel = moderated(n.step_var / n.step_s**2, n.step_dof, step0)
+        step_var = step_rel * n.step_s**2 if n.steps else n.step_var
+        over_rel = (
+            moderated(n.overhead_var / n.overhead_s**2, n.overhead_dof, over0)
+            if n.overhead_s > 0
+            else 0.0
+        )
+        timed = n.steps > 0 and n.transfers > 0
+        overhead_var = over_rel * n.overhead_s**2 if timed else n.overhead_var
+        power_rel = moderated(n.power_rel_var, n.power_dof, power0)
+        out.append(
+            replace(
+                n,
+                step_var=step_var,
+                step_se=math.sqrt(step_var / n.steps) if n.steps else n.step_se,
+                overhead_var=overhead_var,
+                # c = 2 m; u = 2 w; se(c) = 2 sqrt(w / sum r) = sqrt(2 u / sum r)
+                overhead_se=math.sqrt(2 * overhead_var / n.transfers)
+                if timed
+                else n.overhead_se,
+                power_cov=_scaled(n.power_shape, power_rel),
+                power_rel_var=power_rel,
+            )
+        )
+    return out
 
 
 def _arrays(
@@ -605,6 +733,9 @@ class Confidence:
     gap_sd: float
     rivals: tuple[tuple[int, ...], ...]
     candidates: int
+    near_probability: float = 1.0
+    """Share of draws in which the choice is within ``indifference`` of the
+    lowest (equal to ``probability`` when ``indifference`` is 0)."""
 
     @property
     def within_uncertainty(self) -> bool:
@@ -617,15 +748,23 @@ def _draw_nodes(
 ) -> list[NodeModel]:
     out = []
     for m in nodes:
-        z_s, z_c, z_p = rng.standard_normal(3)
+        z_s, z_c, z_p, z_b, z_i = rng.standard_normal(5)
         gain = max(0.0, 1.0 + power_gain_error * z_p)
+        busy, idle = m.busy_w, m.idle_w
+        var_b, cov, var_i = m.power_cov
+        if busy is not None and idle is not None and var_b > 0:
+            # (z_b, z_i) -> correlated (busy, idle) errors by Cholesky factors
+            sd_b = math.sqrt(var_b)
+            rest = max(var_i - cov**2 / var_b, 0.0)
+            busy = max(busy + sd_b * z_b, 0.0)
+            idle = max(idle + cov / sd_b * z_b + math.sqrt(rest) * z_i, 0.0)
         out.append(
             NodeModel(
                 m.node_id,
                 max(m.step_s + m.step_se * z_s, 1e-12),
                 max(m.overhead_s + m.overhead_se * z_c, 0.0),
-                None if m.busy_w is None else m.busy_w * gain,
-                None if m.idle_w is None else m.idle_w * gain,
+                None if busy is None else busy * gain,
+                None if idle is None else idle * gain,
                 step_var=m.step_var,
                 overhead_var=m.overhead_var,
             )
@@ -643,6 +782,7 @@ def confidence(
     draws: int = CONFIDENCE_DRAWS,
     candidates: int = CONFIDENCE_CANDIDATES,
     seed: int = 0,
+    indifference: float = 0.0,
 ) -> dict[str, Confidence]:
     """Per objective, confidence that the lowest estimate among ``masks`` is best.
 
@@ -654,6 +794,13 @@ def confidence(
     because profiling cannot see it), then re-estimates, for each objective,
     the ``candidates`` configurations with the lowest point estimates. The
     draws are seeded (``seed``) and shared by the objectives.
+
+    ``near_probability`` is the share of draws in which the choice is within
+    ``indifference`` (relative) of the lowest: Bechhofer's indifference zone
+    (Bechhofer, "A Single-Sample Multiple Decision Procedure for Ranking Means
+    of Normal Populations with known Variances", Annals of Mathematical
+    Statistics 25(1), 1954): configurations closer than that are equally good
+    for the job, and no amount of profiling need tell them apart.
     """
     names = [objectives] if isinstance(objectives, str) else list(objectives)
     for name in names:
@@ -690,8 +837,110 @@ def confidence(
                 members[i] for i in range(1, len(order)) if wins[i] >= RIVAL_SHARE
             ),
             candidates=len(order),
+            near_probability=float(
+                np.mean(values[:, 0] <= (1.0 + indifference) * values.min(axis=1))
+            ),
         )
     return out
+
+
+DEFAULT_TARGET_CONFIDENCE = 0.99
+"""Refinement stops once the choice is this likely to be the best."""
+DEFAULT_INDIFFERENCE = 0.002
+"""Configurations within this share of each other count as equally good when
+refinement decides whether it is sure (:func:`confidence`)."""
+DEFAULT_PROFILE_BUDGET = 0.05
+"""Most profiling time, as a share of the chosen configuration's estimated job
+(each rehearsal batch costs about one round, 1/R of an R-round job)."""
+
+
+def rehearsal_steps(node: NodeModel, workload: Workload, k: int) -> int:
+    """Steps of a refinement task on ``node`` when ``k`` nodes train.
+
+    The task a member of a ``k``-node configuration runs in the job
+    (``workload.member_steps(k)``), and at least as many steps as fit in the
+    node's transfer time (``ceil(c_i / s_i)``), so that compute is at least half
+    of the task: that separates busy from idle power, and on a node whose
+    transfers dominate (a phone on a slow uplink) a step costs little next to
+    the transfer that carries it.
+    """
+    floor = math.ceil(node.overhead_s / node.step_s) if node.step_s > 0 else 1
+    return max(1, workload.member_steps(k), min(floor, 10 * workload.steps))
+
+
+SENSITIVITY_SHARE = 0.9
+"""Refinement measures the nodes behind this share of the gap's variance."""
+
+
+def informative_nodes(
+    nodes: Sequence[NodeModel],
+    workload: Workload,
+    objective: str,
+    masks: np.ndarray,
+    sure: Confidence,
+    share: float = SENSITIVITY_SHARE,
+) -> list[int]:
+    """The nodes whose fits most blur the choice against its rivals.
+
+    For the choice ``S`` and each rival ``S'`` (those best in at least
+    :data:`RIVAL_SHARE` of the confidence draws, else the runner-up) the
+    decision rests on the relative gap ``g = f(S') / f(S) - 1`` of the
+    objective ``f``. To first order (the delta method; Casella and Berger,
+    "Statistical Inference", 2nd ed., 2002, sec. 5.5.4) its variance is a sum
+    over nodes and their fitted parameters ``theta`` (``s_i``, ``c_i``, and
+    ``Pb_i``, ``Pi_i`` for energy and EDP)::
+
+        Var g ~ sum_i sum_theta (dg / dtheta_i)^2 se(theta_i)^2
+
+    with each derivative taken by a finite difference of one standard error.
+    A node that shares both configurations still counts when it moves the
+    gap (in synchronous rounds it may set the pace of one and not the other).
+    Returns the nodes with the largest terms that together make up ``share``
+    of the variance, over all rivals, largest first. Node ids are those of
+    ``nodes``.
+    """
+    rivals = sure.rivals or ((sure.runner_up,) if sure.runner_up is not None else ())
+    if not rivals:
+        return []
+    point = estimate_masks(nodes, masks, workload)[objective]
+    ids = [n.node_id for n in nodes]
+    chosen = masks[int(np.argmin(point))]
+    rows = np.array([chosen] + [[i in set(r) for i in ids] for r in rivals])
+    base = estimate_masks(nodes, rows, workload)[objective]
+    gap0 = base[1:] / base[0] - 1.0
+    power = objective in ("energy", "edp")
+    terms = np.zeros((len(nodes), len(rivals)))
+    for i, m in enumerate(nodes):
+        if not rows[:, i].any():
+            continue
+        moves = [
+            replace(m, step_s=m.step_s + m.step_se),
+            replace(m, overhead_s=m.overhead_s + m.overhead_se),
+        ]
+        var_b, _, var_i = m.power_cov
+        if power and m.busy_w is not None and m.idle_w is not None:
+            moves += [
+                replace(m, busy_w=m.busy_w + math.sqrt(var_b)),
+                replace(m, idle_w=m.idle_w + math.sqrt(var_i)),
+            ]
+        for moved in moves:
+            trial = list(nodes)
+            trial[i] = moved
+            values = estimate_masks(trial, rows, workload)[objective]
+            terms[i] += (values[1:] / values[0] - 1.0 - gap0) ** 2
+    order: list[int] = []
+    for r in range(len(rivals)):
+        total = terms[:, r].sum()
+        if total <= 0:
+            continue
+        covered = 0.0
+        for i in np.argsort(-terms[:, r], kind="stable"):
+            if covered >= share * total or terms[i, r] <= 0:
+                break
+            covered += terms[i, r]
+            if ids[i] not in order:
+                order.append(ids[i])
+    return order
 
 
 def expected_round_trip(observations: Sequence[Observation], steps: int) -> float:

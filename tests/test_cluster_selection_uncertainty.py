@@ -328,8 +328,8 @@ def test_evaluation_reports_oracle_confidence_and_profiling() -> None:
         num_fleets=2, seed=4, truth_rounds=3, confidence_draws=10
     )
     profiling = result["profiling"]
-    assert profiling["min_tasks_per_node"] == 2  # the slowest runs (1, 3) once
-    assert profiling["max_tasks_per_node"] <= 32
+    assert profiling["probe_min_tasks_per_node"] == 2  # the slowest runs (1, 3) once
+    assert profiling["probe_max_tasks_per_node"] <= 32
     assert result["setup"]["profile_max_tasks"] == 32
     assert result["noise"]["network_jitter"] == 0.20
     for figures in result["objectives"].values():
