@@ -324,7 +324,7 @@ def run_machinery(plan: BenchPlan, part: str, app_dir: Path) -> dict[str, Any]:
             out = m.selection(
                 QUICK_SELECTION_FLEETS if plan.quick else SELECTION_FLEETS,
                 seed=0,
-                truth_rounds=2 if plan.quick else 20,
+                truth_rounds=2 if plan.quick else 2000,
             )
         else:
             raise ValueError(f"unknown machinery part {part!r}")

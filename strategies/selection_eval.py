@@ -221,14 +221,14 @@ def _refine(
     draws: int,
     indifference: float,
 ) -> tuple[list[NodeModel], float, int]:
-    """As :meth:`ClusterSelection.refine`: rehearse the contested nodes.
+    """As :meth:`ClusterSelection.refine`: rehearse the nodes the choice hinges on.
 
     While the probability, from what profiling can still shrink (the fits'
     standard errors, no sensor calibration error), that the choice is within
     ``indifference`` of the best is below ``target``,
     and the next batch is expected to end within ``budget`` x the choice's
-    estimated job, the contested nodes
-    (:func:`~flowerbed.strategies.selection_model.contested`) each run one
+    estimated job, the informative nodes
+    (:func:`~flowerbed.strategies.selection_model.informative_nodes`) each run one
     rehearsal task (:func:`~flowerbed.strategies.selection_model.rehearsal_steps`)
     in parallel. Returns the models, when profiling ended, and the batches run.
     """

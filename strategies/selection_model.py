@@ -271,9 +271,15 @@ def fit_node(
 
     Power: the mean ``power-w`` as ``Pb_i`` when reported (``Pi_i`` =
     ``idle_fraction`` x ``Pb_i``, see :data:`IDLE_FRACTION`); else from
-    ``energy-j`` = Pb compute + Pi other, by least squares over the tasks (two
-    unknowns: needs tasks of two lengths; with one length, ``Pi`` =
-    ``idle_fraction`` x ``Pb``).
+    ``energy-j`` = Pb compute + Pi other over the tasks (two unknowns: needs
+    tasks of two lengths; with one length, ``Pi`` = ``idle_fraction`` x ``Pb``).
+    A meter's error is relative (a gain), so each task's equation is divided
+    by its reading ``e_j`` and the fit is ordinary least squares of ones on
+    ``A = [x_j / e_j, o_j / e_j]`` (weighted least squares with weights
+    ``1 / e_j^2``; Seber and Lee, ch. 3). Its residual variance ``rho^2`` over
+    ``J - 2`` degrees of freedom is the relative reading variance, and
+    ``Cov(Pb, Pi) = rho^2 (A^T A)^-1`` (``power_cov``; ``power_shape`` keeps
+    ``(A^T A)^-1`` for :func:`pool_variances`).
     """
     if not observations:
         raise ValueError(f"node {node_id}: no profiling observation to fit")
