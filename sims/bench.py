@@ -325,6 +325,7 @@ def run_machinery(plan: BenchPlan, part: str, app_dir: Path) -> dict[str, Any]:
                 QUICK_SELECTION_FLEETS if plan.quick else SELECTION_FLEETS,
                 seed=0,
                 truth_rounds=2 if plan.quick else 2000,
+                num_rounds=10 if plan.quick else 100,
             )
         else:
             raise ValueError(f"unknown machinery part {part!r}")

@@ -252,15 +252,21 @@ def _selection_lines(sel: Mapping[str, Any]) -> list[str]:
         f"choice hinges on until it is {target:.0f}% "
         f"sure to be within {100 * float(setup.get('indifference', 0)):.1f}% of the "
         f"best or {100 * float(setup.get('profile_budget', 0)):.0f}% of the "
-        "estimated job is spent. Noise: "
+        "estimated job is spent; then the job's rounds are simulated with "
+        "racing (every other round on the leading rival while unsure, at most "
+        f"{100 * float(setup.get('race_share', 0)):.0f}% of the rounds). "
+        '"Chose the true best" and regret judge the configuration in use at '
+        'the end of the job; "before training" the choice after profiling; '
+        "job regret the rounds as run, rivals' included. Noise: "
         + ", ".join(f"{k} {v:g}" for k, v in noise.items())
         + f". The paper's figure (Gu et al. 2019) is "
         f"{100 * float(sel.get('paper_best_fraction', 0)):.2f}%.",
         "",
         "| objective | chose the true best | within 1% of best | mean regret (%) "
-        "| max regret (%) | profiling overhead (% of total) | rehearsal batches "
+        "| max regret (%) | before training: chose the best | job regret (%) "
+        "| profiling overhead (% of total) | rehearsal batches | rounds on rivals "
         "| oracle chose the best |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, f in sel["objectives"].items():
         lines.append(
@@ -268,10 +274,30 @@ def _selection_lines(sel: Mapping[str, Any]) -> list[str]:
             f"| {100 * f.get('near_best_fraction', float('nan')):.1f}% "
             f"| {f['mean_regret_pct']:.2f} "
             f"| {f.get('max_regret_pct', float('nan')):.2f} "
+            f"| {100 * f.get('before_training_best_fraction', float('nan')):.1f}% "
+            f"| {f.get('job_mean_regret_pct', float('nan')):.2f} "
             f"| {f['profiling_overhead_pct']:.2f} "
             f"| {f.get('refinement_mean_batches', float('nan')):.1f} "
+            f"| {f.get('race_mean_rounds', float('nan')):.1f} "
             f"| {100 * f.get('oracle_best_fraction', float('nan')):.1f}% |"
         )
+    sens = sel.get("sensitivity")
+    if sens and "objectives" in sens:
+        lines += [
+            "",
+            f"With power meters calibrated to {sens['power_gain_error']:g} "
+            "(same fleets and noise otherwise):",
+            "",
+            "| objective | chose the true best | within 1% of best | mean regret (%) "
+            "| max regret (%) |",
+            "|---|---|---|---|---|",
+        ]
+        for name, f in sens["objectives"].items():
+            lines.append(
+                f"| {name} | {100 * f['best_fraction']:.1f}% "
+                f"| {100 * f['near_best_fraction']:.1f}% "
+                f"| {f['mean_regret_pct']:.2f} | {f['max_regret_pct']:.2f} |"
+            )
     lines += [
         "",
         "Oracle: the same formulas fed the true devices and jitter (perfect "

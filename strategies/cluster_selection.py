@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from logging import INFO, WARNING
@@ -27,6 +28,7 @@ from .selection_model import (
     CONFIDENCE_DRAWS,
     DEFAULT_INDIFFERENCE,
     DEFAULT_PROFILE_BUDGET,
+    DEFAULT_RACE_SHARE,
     DEFAULT_TARGET_CONFIDENCE,
     EXHAUSTIVE_MAX_NODES,
     MODES,
@@ -34,18 +36,22 @@ from .selection_model import (
     Estimate,
     NodeModel,
     Observation,
+    RaceState,
     Workload,
     check_objective,
     confidence,
+    estimate,
     estimate_masks,
     expected_round_trip,
     fit_node,
     informative_nodes,
     pool_variances,
     profiling_end,
+    race_next,
     rehearsal_steps,
     search_masks,
     select,
+    settled_confidence,
 )
 
 DEFAULT_PROFILE_STEPS = (1, 3)
@@ -193,6 +199,17 @@ class _Selector:
         self.latest: dict[int, Observation] = {}
         self.confidence: Confidence | None = None
         self.choice = self.choose("initial selection")
+        self.explore: Estimate | None = None
+        """A rival the next round runs on instead of the choice (racing)."""
+        self.race = RaceState(
+            budget=math.floor(owner.race_share * workload.num_rounds),
+            settled=workload.mode != "sync" or owner.race_share <= 0,
+        )
+
+    @property
+    def current(self) -> Estimate:
+        """The configuration the round in progress runs on."""
+        return self.explore if self.explore is not None else self.choice
 
     # --- choosing --------------------------------------------------------------
     def choose(self, reason: str) -> Estimate:
@@ -268,13 +285,15 @@ class _Selector:
         self.choice = self.choose(reason)
 
     def members(self, connected: set[int]) -> list[int]:
-        vanished = [n for n in self.choice.members if n not in connected]
+        vanished = [n for n in self.current.members if n not in connected]
         if vanished:
             self.gone.update(vanished)
-            self.reselect(f"nodes {vanished} disconnected")
+            self.explore = None
+            if any(n in self.choice.members for n in vanished):
+                self.reselect(f"nodes {vanished} disconnected")
         if self.workload.mode == "sync" and self.batch is not None:
             self.close_batch()
-        return sorted(n for n in self.choice.members if n in connected)
+        return sorted(n for n in self.current.members if n in connected)
 
     # --- watching train messages -----------------------------------------------
     def sent(self, message_id: str, message: Message) -> None:
@@ -303,14 +322,15 @@ class _Selector:
             self.close_batch()
 
     def _observe(self, node: int, reply: Message, round_trip_s: float) -> None:
-        obs = observation_of(
-            reply, round_trip_s, self.workload.member_steps(len(self.choice.members)), 2
-        )
+        steps = self.workload.member_steps(len(self.current.members))
+        obs = observation_of(reply, round_trip_s, steps, 2)
         if obs is None:
             self.failures[node] = self.failures.get(node, 0) + 1
             return
         self.failures[node] = 0
         self.latest[node] = obs
+        if not self.race.settled:
+            self.owner.observations.setdefault(node, []).append(obs)
 
     def close_batch(self) -> None:
         batch, self.batch = self.batch, None
@@ -321,13 +341,14 @@ class _Selector:
             if node not in answered:
                 self.failures[node] = self.failures.get(node, 0) + 1
         ok = [t for r, t in batch.replies.values() if r is not None]
-        estimated = self.choice.round_s
+        current = self.current
+        estimated = current.round_s
         if self.workload.mode == "sync":
             measured = max(ok) - batch.started if ok else None
         else:
             self.windows += 1
             measured = (max(ok) - batch.started) / len(ok) if ok else None
-        record = SelectionRecord(batch.round, self.choice.members, estimated, measured)
+        record = SelectionRecord(batch.round, current.members, estimated, measured)
         self.records.append(record)
         log(
             INFO,
@@ -342,9 +363,12 @@ class _Selector:
         )
         lost = [
             n
-            for n in self.choice.members
+            for n in current.members
             if self.failures.get(n, 0) >= self.owner.drop_after_failures
         ]
+        if self.explore is not None:
+            record.event = "racing: a round on a rival"
+            self.explore = None
         if lost:
             self.gone.update(lost)
             self.reselect(
@@ -357,6 +381,66 @@ class _Selector:
             self.reselect(
                 f"measurement {100 * record.drift:+.1f}% off the estimate (tolerance "
                 f"{100 * self.owner.drift_tolerance:.0f}%): models refitted"
+            )
+        if self.race.tick():
+            self._race_step()
+
+    def _race_step(self) -> None:
+        """Refit from every reply so far; pick the choice and the next round's set.
+
+        See :func:`~flowerbed.strategies.selection_model.race_next`.
+        """
+        o = self.owner
+        usable = {
+            n: obs for n, obs in o.observations.items() if obs and n not in self.gone
+        }
+        self.models = o._fit(usable)
+        o.node_models = self.models
+        candidates = [m for _, m in sorted(self.models.items())]
+        if len(candidates) < self.min_size:
+            return
+        masks = search_masks(
+            candidates,
+            self.workload,
+            self.min_size,
+            o.search,
+            exhaustive_max_nodes=o.exhaustive_max_nodes,
+        )
+        choice, run = race_next(
+            candidates,
+            self.workload,
+            o.objective,
+            masks,
+            self.race,
+            target=o.target_confidence,
+            indifference=o.indifference,
+            draws=o.confidence_draws,
+        )
+        if choice != self.choice.members:
+            log(
+                INFO,
+                "ClusterSelection racing: with the rounds' replies, %s now leads "
+                "(was %s)",
+                list(choice),
+                list(self.choice.members),
+            )
+            self.choice = estimate(candidates, choice, self.workload)
+        if run != choice:
+            self.explore = estimate(candidates, run, self.workload)
+            log(
+                INFO,
+                "ClusterSelection racing: the next round runs on rival %s "
+                "(%d of at most %d rounds on rivals)",
+                list(run),
+                self.race.explored,
+                self.race.budget,
+            )
+        if self.race.settled:
+            log(
+                INFO,
+                "ClusterSelection racing: settled on %s after %d round(s) on rivals",
+                list(self.choice.members),
+                self.race.explored,
             )
 
     def _refit(self) -> None:
@@ -389,7 +473,7 @@ class SelectedGrid(GridWrapper):
         selector = self.selector
         train = [m for m in messages if m.metadata.message_type == MessageType.TRAIN]
         if selector.workload.mode == "sync":
-            steps = selector.workload.member_steps(len(selector.choice.members))
+            steps = selector.workload.member_steps(len(selector.current.members))
             for message in train:
                 config = message.content.config_records.get(keys.CONFIG)
                 if config is not None:
@@ -480,6 +564,15 @@ train_metrics_aggr_fn, evaluate_metrics_aggr_fn
         Configurations within this share of each other's estimate count as
         equally good for ``target_confidence`` (Bechhofer's indifference zone):
         refinement does not spend the budget telling twins apart.
+    race_share : float (default: 0.1)
+        Synchronous mode: while the choice is not ``target_confidence`` sure,
+        training rounds keep refining it (racing, see
+        :func:`~flowerbed.strategies.selection_model.race_next`): every reply
+        refits its node, the choice follows the lowest estimate, and every
+        other round, at most ``race_share`` x ``num_rounds`` in all, runs on
+        the leading rival; after that the choice is refitted every
+        :data:`~flowerbed.strategies.selection_model.RACE_GREEDY_EVERY`
+        rounds until sure. 0 turns racing off.
     power_gain_error : float (default: 0.03)
         Assumed relative calibration error of the power sensors, used only by
         the confidence figure (it cannot be seen in profiling).
@@ -527,6 +620,7 @@ train_metrics_aggr_fn, evaluate_metrics_aggr_fn
         target_confidence: float = DEFAULT_TARGET_CONFIDENCE,
         profile_budget: float = DEFAULT_PROFILE_BUDGET,
         indifference: float = DEFAULT_INDIFFERENCE,
+        race_share: float = DEFAULT_RACE_SHARE,
         power_gain_error: float = DEFAULT_POWER_GAIN_ERROR,
         confidence_draws: int = CONFIDENCE_DRAWS,
         drift_tolerance: float = DEFAULT_DRIFT_TOLERANCE,
@@ -558,6 +652,7 @@ train_metrics_aggr_fn, evaluate_metrics_aggr_fn
             ),
             (profile_budget >= 0, "profile_budget must be >= 0"),
             (indifference >= 0, "indifference must be >= 0"),
+            (0 <= race_share <= 1, "race_share must be between 0 and 1"),
             (power_gain_error >= 0, "power_gain_error must be >= 0"),
             (confidence_draws >= 2, "confidence_draws must be >= 2"),
             (drift_tolerance > 0, "drift_tolerance must be > 0"),
@@ -593,6 +688,7 @@ train_metrics_aggr_fn, evaluate_metrics_aggr_fn
         self.profile_max_tasks = profile_max_tasks
         self.target_confidence = target_confidence
         self.indifference = indifference
+        self.race_share = race_share
         self.profile_budget = profile_budget
         self.power_gain_error = power_gain_error
         self.confidence_draws = confidence_draws
@@ -889,15 +985,16 @@ train_metrics_aggr_fn, evaluate_metrics_aggr_fn
             row = int(np.argmin(est[self.objective]))
             tta = self.objective == "time-to-accuracy"
             job_s = float(est["time-to-accuracy" if tta else "time"][row])
-            sure = confidence(
+            sure = settled_confidence(
                 candidates,
                 workload,
                 self.objective,
                 masks,
+                target=self.target_confidence,
+                indifference=self.indifference,
                 draws=self.confidence_draws,
                 seed=batches,
-                indifference=self.indifference,
-            )[self.objective]
+            )
             if sure.near_probability >= self.target_confidence:
                 log(
                     INFO,

@@ -67,10 +67,12 @@ from .selection_model import (
     CONFIDENCE_DRAWS,
     DEFAULT_INDIFFERENCE,
     DEFAULT_PROFILE_BUDGET,
+    DEFAULT_RACE_SHARE,
     DEFAULT_TARGET_CONFIDENCE,
     OBJECTIVES,
     NodeModel,
     Observation,
+    RaceState,
     Workload,
     all_masks,
     confidence,
@@ -80,8 +82,10 @@ from .selection_model import (
     informative_nodes,
     pool_variances,
     profiling_end,
+    race_next,
     rehearsal_steps,
     select,
+    settled_confidence,
 )
 
 PAPER_BEST_FRACTION = 0.7667
@@ -220,7 +224,7 @@ def _refine(
     budget: float,
     draws: int,
     indifference: float,
-) -> tuple[list[NodeModel], float, int]:
+) -> tuple[list[NodeModel], float, int, list[list[Observation]]]:
     """As :meth:`ClusterSelection.refine`: rehearse the nodes the choice hinges on.
 
     While the probability, from what profiling can still shrink (the fits'
@@ -230,7 +234,8 @@ def _refine(
     estimated job, the informative nodes
     (:func:`~flowerbed.strategies.selection_model.informative_nodes`) each run one
     rehearsal task (:func:`~flowerbed.strategies.selection_model.rehearsal_steps`)
-    in parallel. Returns the models, when profiling ended, and the batches run.
+    in parallel. Returns the models, when profiling ended, the batches run and
+    the observations.
     """
     observed = [list(o) for o in observed]
     models = pool_variances([fit_node(i, o) for i, o in enumerate(observed)])
@@ -241,15 +246,16 @@ def _refine(
         row = int(np.argmin(est[objective]))
         job = est["time-to-accuracy" if objective == "time-to-accuracy" else "time"]
         chosen = [int(i) for i in np.flatnonzero(masks[row])]
-        sure = confidence(
+        sure = settled_confidence(
             models,
             workload,
             objective,
             masks,
+            target=target,
+            indifference=indifference,
             draws=draws,
             seed=batches,
-            indifference=indifference,
-        )[objective]
+        )
         if sure.near_probability >= target:
             break
         nodes = informative_nodes(models, workload, objective, masks, sure)
@@ -267,7 +273,73 @@ def _refine(
         now += max(took)
         batches += 1
         models = pool_variances([fit_node(i, o) for i, o in enumerate(observed)])
-    return models, now, batches
+    return models, now, batches, observed
+
+
+def _race(
+    rng: np.random.Generator,
+    fleet: Sequence[DeviceProfile],
+    step_s: np.ndarray,
+    down_s: np.ndarray,
+    up_s: np.ndarray,
+    gain: np.ndarray,
+    observed: list[list[Observation]],
+    masks: np.ndarray,
+    workload: Workload,
+    objective: str,
+    noise: dict[str, float],
+    target: float,
+    indifference: float,
+    draws: int,
+    race_share: float,
+) -> tuple[int, list[int], int]:
+    """As the strategy's racing: train, learn from every reply, try the rival.
+
+    Every round of the job is simulated on the configuration in use; each
+    member's reply (a task of the member's steps, jittered as in profiling)
+    joins its observations. Until the choice is ``target`` sure (within
+    ``indifference``) the models are refitted (after every round while fewer
+    than ``race_share`` x ``num_rounds`` rounds have gone to rivals, then
+    every :data:`~flowerbed.strategies.selection_model.RACE_GREEDY_EVERY`),
+    the choice follows the lowest estimate, and every other round may run on
+    the leading rival instead
+    (:func:`~flowerbed.strategies.selection_model.race_next`). Returns the
+    configuration in use at the end of the job, the row of every round, and the
+    rounds spent on rivals.
+    """
+    observed = [list(o) for o in observed]
+    models = pool_variances([fit_node(i, o) for i, o in enumerate(observed)])
+    state = RaceState(budget=math.floor(race_share * workload.num_rounds))
+    ids = [m.node_id for m in models]
+    rows: list[int] = []
+    choice = int(np.argmin(estimate_masks(models, masks, workload)[objective]))
+    due = False  # the first round runs on the choice, as in the strategy
+    for _ in range(workload.num_rounds):
+        row = choice
+        if due:
+            models = pool_variances([fit_node(i, o) for i, o in enumerate(observed)])
+            choice_members, run_members = race_next(
+                models,
+                workload,
+                objective,
+                masks,
+                state,
+                target=target,
+                indifference=indifference,
+                draws=draws,
+            )
+            choice = _row(masks, [ids.index(n) for n in choice_members])
+            row = _row(masks, [ids.index(n) for n in run_members])
+        rows.append(row)
+        members = [int(i) for i in np.flatnonzero(masks[row])]
+        steps = workload.member_steps(len(members))
+        for i in members:
+            obs = _task(
+                rng, fleet[i], step_s[i], down_s[i], up_s[i], steps, gain[i], noise
+            )
+            observed[i].append(obs)
+        due = state.tick()
+    return choice, rows, state.explored
 
 
 TRUTH_SHORTLIST = 16
@@ -415,6 +487,7 @@ def evaluate_selection(
     target_confidence: float = DEFAULT_TARGET_CONFIDENCE,
     profile_budget: float = DEFAULT_PROFILE_BUDGET,
     indifference: float = DEFAULT_INDIFFERENCE,
+    race_share: float = DEFAULT_RACE_SHARE,
     objectives: Sequence[str] = OBJECTIVES,
     confidence_draws: int = CONFIDENCE_DRAWS,
 ) -> dict[str, Any]:
@@ -453,10 +526,11 @@ def evaluate_selection(
     draws, power gain error ``power_gain_error``); ``within_uncertainty_fraction``:
     fleets where the runner-up's estimate is within two standard deviations;
     ``confident_fraction``: fleets with confidence >= 0.95, and
-    ``confident_best_fraction`` the share of those that picked the true best
-    (None when there are none). ``profiling`` describes the probe shared by the
-    objectives; each objective's ``profiling_*`` and ``refinement_mean_batches``
-    include its own refinement.
+    ``confident_best_fraction`` the share of those whose choice before
+    training was the true best (None when there are none); the confidence
+    figures describe the choice before training. ``profiling`` describes the
+    probe shared by the objectives; each objective's ``profiling_*`` and
+    ``refinement_mean_batches`` include its own refinement.
     """
     if num_fleets < 1:
         raise ValueError(f"num_fleets must be >= 1, got {num_fleets}")
@@ -504,6 +578,10 @@ def evaluate_selection(
         "tasks",
         "batches",
         "profile_s",
+        "raced",
+        "job_regret",
+        "before_best",
+        "before_regret",
     ]
     per: dict[str, dict[str, list[float]]] = {
         o: {name: [] for name in fields} for o in objectives
@@ -583,7 +661,7 @@ def evaluate_selection(
             truth[o][shortlist] = fine[o]
         perfect = estimate_masks(oracle, masks, workload)
         for index, objective in enumerate(objectives):
-            models, profile_s, batches = _refine(
+            models, profile_s, batches, seen = _refine(
                 np.random.default_rng([seed, f, 4, index]),
                 fleet,
                 step_s,
@@ -618,15 +696,39 @@ def evaluate_selection(
             cost = truth[objective]
             best = float(cost.min())
             poly = select(models, workload, objective, search="polynomial")
+            before = int(np.argmin(estimated[objective]))
+            if mode == "sync" and race_share > 0:
+                final, rows, raced = _race(
+                    np.random.default_rng([seed, f, 6, index]),
+                    fleet,
+                    step_s,
+                    down_s,
+                    up_s,
+                    gain,
+                    seen,
+                    masks,
+                    workload,
+                    objective,
+                    noise,
+                    target_confidence,
+                    indifference,
+                    confidence_draws,
+                    race_share,
+                )
+            else:
+                final, rows, raced = before, [before], 0
+            acc["raced"].append(raced)
+            acc["job_regret"].append(100 * (float(np.mean(cost[rows])) / best - 1.0))
             for row, best_key, regret_key in (
-                (int(np.argmin(estimated[objective])), "best", "regret"),
+                (final, "best", "regret"),
+                (before, "before_best", "before_regret"),
                 (_row(masks, poly.members), "poly_best", "poly_regret"),
                 (int(np.argmin(perfect[objective])), "oracle_best", "oracle_regret"),
             ):
                 regret = float(cost[row] / best - 1.0)
                 acc[best_key].append(float(regret <= 1e-12))
                 acc[regret_key].append(100 * regret)
-            row = int(np.argmin(estimated[objective]))
+            row = final
             regret = float(cost[row] / best - 1.0)
             acc["near"].append(float(regret <= NEAR_BEST))
             acc["chosen"].append(int(masks[row].sum()))
@@ -638,7 +740,7 @@ def evaluate_selection(
             acc["within"].append(float(sure.within_uncertainty))
             acc["confident"].append(float(sure.probability >= 0.95))
             if sure.probability >= 0.95:
-                acc["confident_best"].append(acc["best"][-1])
+                acc["confident_best"].append(acc["before_best"][-1])
     return {
         "num_fleets": num_fleets,
         "seed": seed,
@@ -662,6 +764,7 @@ def evaluate_selection(
             "target_confidence": target_confidence,
             "profile_budget": profile_budget,
             "indifference": indifference,
+            "race_share": race_share,
             "confidence_draws": confidence_draws,
         },
         "noise": noise,
@@ -688,6 +791,10 @@ def evaluate_selection(
                 "profiling_mean_seconds": float(np.mean(v["profile_s"])),
                 "profiling_mean_tasks_per_node": float(np.mean(v["tasks"])),
                 "refinement_mean_batches": float(np.mean(v["batches"])),
+                "before_training_best_fraction": float(np.mean(v["before_best"])),
+                "before_training_mean_regret_pct": float(np.mean(v["before_regret"])),
+                "race_mean_rounds": float(np.mean(v["raced"])),
+                "job_mean_regret_pct": float(np.mean(v["job_regret"])),
                 "mean_nodes_chosen": float(np.mean(v["chosen"])),
                 "mean_nodes_best": float(np.mean(v["best_k"])),
                 "polynomial_best_fraction": float(np.mean(v["poly_best"])),

@@ -855,6 +855,10 @@ DEFAULT_TARGET_CONFIDENCE = 0.99
 DEFAULT_INDIFFERENCE = 0.002
 """Configurations within this share of each other count as equally good when
 refinement decides whether it is sure (:func:`confidence`)."""
+DEFAULT_RACE_SHARE = 0.1
+"""Most training rounds racing may give to a rival, as a share of the job."""
+RACE_GREEDY_EVERY = 5
+"""Once no round may go to a rival, racing refits every this many rounds."""
 DEFAULT_PROFILE_BUDGET = 0.05
 """Most profiling time, as a share of the chosen configuration's estimated job
 (each rehearsal batch costs about one round, 1/R of an R-round job)."""
@@ -947,6 +951,146 @@ def informative_nodes(
             if ids[i] not in order:
                 order.append(ids[i])
     return order
+
+
+CONFIRM_FACTOR = 10
+"""A confidence that reaches the target is confirmed with this many times the
+draws (:func:`settled_confidence`)."""
+
+
+def settled_confidence(
+    nodes: Sequence[NodeModel],
+    workload: Workload,
+    objective: str,
+    masks: np.ndarray,
+    *,
+    target: float,
+    indifference: float,
+    draws: int,
+    seed: int,
+) -> Confidence:
+    """The confidence refinement and racing stop on, confirmed before it counts.
+
+    :func:`confidence` from the fits' errors only (no sensor calibration
+    error, which more samples cannot shrink). A loop that stops the first
+    time a figure estimated from ``draws`` random draws crosses ``target``
+    stops early by chance: with 100 draws a true 95% reads 99% or more about
+    4% of the time, and the loops look again after every batch or round.
+    So a figure at or above ``target`` is estimated again from
+    ``CONFIRM_FACTOR`` x ``draws`` fresh draws, and that one is returned.
+    """
+    sure = confidence(
+        nodes,
+        workload,
+        objective,
+        masks,
+        draws=draws,
+        seed=seed,
+        indifference=indifference,
+    )[objective]
+    if sure.near_probability < target:
+        return sure
+    return confidence(
+        nodes,
+        workload,
+        objective,
+        masks,
+        draws=CONFIRM_FACTOR * draws,
+        seed=seed + 1_000_003,
+        indifference=indifference,
+    )[objective]
+
+
+@dataclass
+class RaceState:
+    """Where racing stands (:func:`race_next`)."""
+
+    budget: int
+    """Rounds that may still go to a rival."""
+    explored: int = 0
+    """Rounds given to rivals so far."""
+    settled: bool = False
+    """The choice reached the target confidence; racing is over."""
+    last_explored: bool = False
+    """The previous round ran on a rival."""
+    rounds: int = 0
+    """Training rounds finished."""
+    choice: tuple[int, ...] | None = None
+    """The choice in use (kept while within ``indifference`` of the lowest)."""
+
+    def tick(self) -> bool:
+        """Count a finished round; True when racing should look again now.
+
+        Every round while rounds may still go to rivals; after that, every
+        :data:`RACE_GREEDY_EVERY` rounds (the choice still follows the members'
+        refitted estimates, without rivals' rounds), until settled.
+        """
+        self.rounds += 1
+        if self.settled:
+            return False
+        return self.explored < self.budget or self.rounds % RACE_GREEDY_EVERY == 0
+
+
+def race_next(
+    nodes: Sequence[NodeModel],
+    workload: Workload,
+    objective: str,
+    masks: np.ndarray,
+    state: RaceState,
+    *,
+    target: float = DEFAULT_TARGET_CONFIDENCE,
+    indifference: float = DEFAULT_INDIFFERENCE,
+    draws: int = CONFIDENCE_DRAWS,
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The choice and the configuration the next training round runs on.
+
+    Racing (Maron and Moore, "Hoeffding Races: Accelerating Model Selection
+    Search for Classification and Function Approximation", NIPS 1993): while
+    the job trains, the leading configurations are compared on real rounds
+    instead of in profiling, whose time is pure overhead. A round on a rival
+    is a training round all the same; it costs only the gap between the two.
+    After every round the caller refits the nodes with the members' replies;
+    this returns the lowest estimate as the choice (the choice in use stays
+    while it is within ``indifference`` of the lowest, so twins do not take
+    turns) and, while the choice is
+    less than ``target`` sure to be within ``indifference`` of the best
+    (:func:`settled_confidence`), every other round the leading
+    rival (the first of ``rivals``, else the runner-up) as the round to run,
+    while fewer than ``state.budget`` rounds have gone to rivals. Callers ask
+    when :meth:`RaceState.tick` says so. Once sure, ``state`` is settled and
+    the choice is final (re-selection on disappearance or drift still
+    applies). Updates ``state``.
+    """
+    est = estimate_masks(nodes, masks, workload)[objective]
+    ids = [n.node_id for n in nodes]
+    row = int(np.argmin(est))
+    if state.choice is not None and set(state.choice) <= set(ids):
+        kept = np.array([i in set(state.choice) for i in ids])
+        rows = np.flatnonzero((masks == kept).all(axis=1))
+        if len(rows) and est[rows[0]] <= (1.0 + indifference) * est[row]:
+            row = int(rows[0])
+    choice = tuple(ids[i] for i in np.flatnonzero(masks[row]))
+    state.choice = choice
+    sure = settled_confidence(
+        nodes,
+        workload,
+        objective,
+        masks,
+        target=target,
+        indifference=indifference,
+        draws=draws,
+        seed=state.rounds,
+    )
+    if sure.near_probability >= target:
+        state.settled = True
+        return choice, choice
+    rival = sure.rivals[0] if sure.rivals else sure.runner_up
+    if rival is None or state.explored >= state.budget or state.last_explored:
+        state.last_explored = False
+        return choice, choice
+    state.explored += 1
+    state.last_explored = True
+    return choice, tuple(rival)
 
 
 def expected_round_trip(observations: Sequence[Observation], steps: int) -> float:

@@ -13,6 +13,7 @@ Hand-computed expectations:
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from collections.abc import Iterable, Iterator
@@ -27,15 +28,19 @@ from flowerbed.sims.scenario import build_fleet_grid
 from flowerbed.strategies.cluster_selection import ClusterSelection
 from flowerbed.strategies.selection_eval import evaluate_selection
 from flowerbed.strategies.selection_model import (
+    RACE_GREEDY_EVERY,
     NodeModel,
     Observation,
+    RaceState,
     Workload,
     all_masks,
     confidence,
     fit_node,
     informative_nodes,
     pool_variances,
+    race_next,
     rehearsal_steps,
+    settled_confidence,
 )
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType
 
@@ -115,6 +120,58 @@ def test_twins_are_settled_by_the_indifference_zone() -> None:
     assert loose["time"].near_probability == 1.0
 
 
+def test_race_next_alternates_within_its_budget_and_settles_when_sure() -> None:
+    twins = [NodeModel(i, 0.1, 0.1, step_se=0.01, overhead_se=0.01) for i in (0, 1)]
+    masks = np.array([[True, False], [False, True]])
+    state = RaceState(budget=2)
+    runs = []
+    for _ in range(6):
+        choice, run = race_next(twins, SYNC, "time", masks, state, draws=50)
+        runs.append(run != choice)
+        state.tick()
+    # rival, choice, rival, then the budget is spent: the choice only
+    assert runs == [True, False, True, False, False, False]
+    assert state.explored == 2 and not state.settled
+    clear = [NodeModel(0, 0.1, 0.1), NodeModel(1, 0.5, 0.1)]
+    state = RaceState(budget=5)
+    choice, run = race_next(clear, SYNC, "time", masks, state, draws=50)
+    assert choice == run == (0,)
+    assert state.settled and not state.tick()
+
+
+def test_after_its_budget_racing_looks_again_every_few_rounds() -> None:
+    state = RaceState(budget=0)
+    due = [state.tick() for _ in range(10)]
+    assert due == [i % RACE_GREEDY_EVERY == 0 for i in range(1, 11)]
+
+
+def test_a_confidence_at_the_target_is_confirmed_with_more_draws() -> None:
+    # A near tie: 100 draws may read >= 90%, the confirmation uses 1,000.
+    nodes = [
+        NodeModel(0, 0.100, 0.1, step_se=0.004, overhead_se=0.001),
+        NodeModel(1, 0.103, 0.1, step_se=0.004, overhead_se=0.001),
+    ]
+    masks = np.array([[True, False], [False, True]])
+    quick = confidence(nodes, SYNC, "time", masks, draws=100)["time"]
+    sure = settled_confidence(
+        nodes,
+        SYNC,
+        "time",
+        masks,
+        target=0.5,
+        indifference=0.0,
+        draws=100,
+        seed=0,
+    )
+    assert quick.probability >= 0.5
+    assert sure.near_probability != quick.near_probability  # re-estimated
+    assert abs(sure.near_probability - quick.near_probability) < 0.1
+    below = settled_confidence(
+        nodes, SYNC, "time", masks, target=0.999, indifference=0.0, draws=100, seed=0
+    )
+    assert below.near_probability == quick.near_probability  # not confirmed
+
+
 # --- refinement on the engine, with jittered reports ---------------------------------
 
 RUN = {
@@ -166,12 +223,12 @@ class JitteredReports(GridWrapper):
         return replies
 
 
-def _run(strategy: ClusterSelection) -> JitteredReports:
+def _run(strategy: ClusterSelection, num_rounds: int = 2) -> JitteredReports:
     grid = JitteredReports(build_fleet_grid(RUN, DEVICES))
     strategy.start(
         grid=grid,
         initial_arrays=ArrayRecord(build_model("lenet", 1, 8, 10).state_dict()),
-        num_rounds=2,
+        num_rounds=num_rounds,
         train_config=ConfigRecord({"local-steps": 4, "batch-size": 16}),
     )
     return grid
@@ -217,6 +274,41 @@ def test_refinement_respects_its_budget() -> None:
     assert strategy.profile_s <= 0.05 * job or strategy.refine_batches == 0
 
 
+def test_racing_trains_rounds_on_the_rival_and_learns_from_them() -> None:
+    strategy = ClusterSelection(
+        objective="energy",
+        profile_budget=0.0,
+        target_confidence=0.999,
+        race_share=0.5,
+        confidence_draws=50,
+    )
+    _run(strategy, num_rounds=6)
+    log = strategy.selection_log
+    raced = [r for r in log if r.event == "racing: a round on a rival"]
+    assert raced, "no round went to a rival"
+    assert len(raced) <= 3  # race_share 0.5 of 6 rounds
+    # every other round at most: no two rival rounds in a row
+    flags = [r.event == "racing: a round on a rival" for r in log]
+    assert not any(a and b for a, b in itertools.pairwise(flags))
+    # the rounds' replies joined the fits: more samples than profiling alone took
+    still = ClusterSelection(
+        objective="energy", profile_budget=0.0, race_share=0.0, confidence_draws=50
+    )
+    _run(still, num_rounds=6)
+    total = sum(m.tasks for m in strategy.node_models.values())
+    assert total > sum(m.tasks for m in still.node_models.values())
+
+
+def test_without_racing_every_round_runs_on_the_choice() -> None:
+    strategy = ClusterSelection(
+        objective="energy", profile_budget=0.0, race_share=0.0, confidence_draws=50
+    )
+    _run(strategy, num_rounds=4)
+    members = {r.members for r in strategy.selection_log}
+    assert len(members) == 1
+    assert all(r.event == "" for r in strategy.selection_log)
+
+
 def test_bad_refinement_settings_are_named() -> None:
     with pytest.raises(ValueError, match="target_confidence must be between 0 and 1"):
         ClusterSelection(target_confidence=1.5)
@@ -224,6 +316,8 @@ def test_bad_refinement_settings_are_named() -> None:
         ClusterSelection(profile_budget=-0.1)
     with pytest.raises(ValueError, match="indifference must be >= 0"):
         ClusterSelection(indifference=-0.01)
+    with pytest.raises(ValueError, match="race_share must be between 0 and 1"):
+        ClusterSelection(race_share=2.0)
 
 
 def test_evaluation_refines_only_with_a_budget() -> None:
