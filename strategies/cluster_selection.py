@@ -228,13 +228,7 @@ class _Selector:
             search=o.search,
             exhaustive_max_nodes=o.exhaustive_max_nodes,
         )
-        masks = search_masks(
-            candidates,
-            self.workload,
-            self.min_size,
-            o.search,
-            exhaustive_max_nodes=o.exhaustive_max_nodes,
-        )
+        masks = self._masks(candidates)
         sure = confidence(
             candidates,
             self.workload,
@@ -278,6 +272,16 @@ class _Selector:
                 else "",
             )
         return choice
+
+    def _masks(self, candidates: Sequence[NodeModel]) -> np.ndarray:
+        """The configurations the owner's search considers among ``candidates``."""
+        return search_masks(
+            candidates,
+            self.workload,
+            self.min_size,
+            self.owner.search,
+            exhaustive_max_nodes=self.owner.exhaustive_max_nodes,
+        )
 
     def reselect(self, reason: str) -> None:
         if self.records:
@@ -399,13 +403,7 @@ class _Selector:
         candidates = [m for _, m in sorted(self.models.items())]
         if len(candidates) < self.min_size:
             return
-        masks = search_masks(
-            candidates,
-            self.workload,
-            self.min_size,
-            o.search,
-            exhaustive_max_nodes=o.exhaustive_max_nodes,
-        )
+        masks = self._masks(candidates)
         choice, run = race_next(
             candidates,
             self.workload,

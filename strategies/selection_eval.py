@@ -55,7 +55,7 @@ import heapq
 import math
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -127,14 +127,9 @@ def _draw_fleet(
 
 def _profile(
     rng: np.random.Generator,
-    fleet: Sequence[DeviceProfile],
-    step_s: np.ndarray,
-    down_s: np.ndarray,
-    up_s: np.ndarray,
+    units: _Units,
     profile_steps: Sequence[int],
     max_tasks: int,
-    gain: np.ndarray,
-    noise: dict[str, float],
 ) -> tuple[list[list[Observation]], float]:
     """Simulated adaptive profiling: each node's observations; its duration.
 
@@ -145,14 +140,14 @@ def _profile(
     tasks do (:func:`~flowerbed.strategies.selection_model.profiling_end`, from
     the replies seen so far); profiling ends when the last task returns.
     """
-    n = len(fleet)
-    observed: list[list[Observation]] = [[] for _ in fleet]
-    ends: list[list[float]] = [[] for _ in fleet]
+    n = len(units.devices)
+    observed: list[list[Observation]] = [[] for _ in range(n)]
+    ends: list[list[float]] = [[] for _ in range(n)]
     required = len(profile_steps)
 
     def run(i: int, now: float) -> float:
         steps = profile_steps[len(observed[i]) % required]
-        obs = _task(rng, fleet[i], step_s[i], down_s[i], up_s[i], steps, gain[i], noise)
+        obs = units.task(rng, i, steps)
         observed[i].append(obs)
         ends[i].append(now + obs.round_trip_s)
         return ends[i][-1]
@@ -184,42 +179,45 @@ def _profile(
     return observed, float(max(e[-1] for e in ends))
 
 
-def _task(
-    rng: np.random.Generator,
-    device: DeviceProfile,
-    step_s: float,
-    down_s: float,
-    up_s: float,
-    steps: int,
-    gain: float,
-    noise: dict[str, float],
-) -> Observation:
-    """One simulated timed training task as the node would report it."""
-    train = float((step_s * _lognormal(rng, noise["step_jitter"], steps)).sum())
-    comm = float(
-        (np.array([down_s, up_s]) * _lognormal(rng, noise["network_jitter"], 2)).sum()
-    )
-    energy = vclock.energy_joules(device, train, comm) * (
-        gain + noise["power_noise"] * rng.standard_normal()
-    )
-    return Observation(
-        steps=steps, round_trip_s=train + comm, train_time_s=train, energy_j=energy
-    )
+@dataclass(frozen=True)
+class _Units:
+    """The simulated fleet: each node's device, true costs and sensor gain."""
+
+    devices: Sequence[DeviceProfile]
+    step_s: np.ndarray
+    down_s: np.ndarray
+    up_s: np.ndarray
+    gain: np.ndarray
+    noise: dict[str, float]
+
+    def task(self, rng: np.random.Generator, i: int, steps: int) -> Observation:
+        """One simulated timed training task as node ``i`` would report it."""
+        noise = self.noise
+        train = float(
+            (self.step_s[i] * _lognormal(rng, noise["step_jitter"], steps)).sum()
+        )
+        comm = float(
+            (
+                np.array([self.down_s[i], self.up_s[i]])
+                * _lognormal(rng, noise["network_jitter"], 2)
+            ).sum()
+        )
+        energy = vclock.energy_joules(self.devices[i], train, comm) * (
+            self.gain[i] + noise["power_noise"] * rng.standard_normal()
+        )
+        return Observation(
+            steps=steps, round_trip_s=train + comm, train_time_s=train, energy_j=energy
+        )
 
 
 def _refine(
     rng: np.random.Generator,
-    fleet: Sequence[DeviceProfile],
-    step_s: np.ndarray,
-    down_s: np.ndarray,
-    up_s: np.ndarray,
-    gain: np.ndarray,
+    units: _Units,
     observed: list[list[Observation]],
     started: float,
     masks: np.ndarray,
     workload: Workload,
     objective: str,
-    noise: dict[str, float],
     target: float,
     budget: float,
     draws: int,
@@ -267,7 +265,7 @@ def _refine(
             break
         took = []
         for i, n in plan.items():
-            obs = _task(rng, fleet[i], step_s[i], down_s[i], up_s[i], n, gain[i], noise)
+            obs = units.task(rng, i, n)
             observed[i].append(obs)
             took.append(obs.round_trip_s)
         now += max(took)
@@ -278,16 +276,11 @@ def _refine(
 
 def _race(
     rng: np.random.Generator,
-    fleet: Sequence[DeviceProfile],
-    step_s: np.ndarray,
-    down_s: np.ndarray,
-    up_s: np.ndarray,
-    gain: np.ndarray,
+    units: _Units,
     observed: list[list[Observation]],
     masks: np.ndarray,
     workload: Workload,
     objective: str,
-    noise: dict[str, float],
     target: float,
     indifference: float,
     draws: int,
@@ -334,9 +327,7 @@ def _race(
         members = [int(i) for i in np.flatnonzero(masks[row])]
         steps = workload.member_steps(len(members))
         for i in members:
-            obs = _task(
-                rng, fleet[i], step_s[i], down_s[i], up_s[i], steps, gain[i], noise
-            )
+            obs = units.task(rng, i, steps)
             observed[i].append(obs)
         due = state.tick()
     return choice, rows, state.explored
@@ -610,16 +601,9 @@ def evaluate_selection(
         gain = 1 + noise["power_gain_error"] * np.random.default_rng(
             [seed, f, 3]
         ).standard_normal(len(fleet))
+        units = _Units(fleet, step_s, down_s, up_s, gain, noise)
         observed, probe_s = _profile(
-            np.random.default_rng([seed, f, 1]),
-            fleet,
-            step_s,
-            down_s,
-            up_s,
-            profile_steps,
-            profile_max_tasks,
-            gain,
-            noise,
+            np.random.default_rng([seed, f, 1]), units, profile_steps, profile_max_tasks
         )
         done = [len(o) for o in observed]
         probe_tasks.extend(done)
@@ -663,17 +647,12 @@ def evaluate_selection(
         for index, objective in enumerate(objectives):
             models, profile_s, batches, seen = _refine(
                 np.random.default_rng([seed, f, 4, index]),
-                fleet,
-                step_s,
-                down_s,
-                up_s,
-                gain,
+                units,
                 observed,
                 probe_s,
                 masks,
                 workload,
                 objective,
-                noise,
                 target_confidence,
                 profile_budget,
                 confidence_draws,
@@ -700,16 +679,11 @@ def evaluate_selection(
             if mode == "sync" and race_share > 0:
                 final, rows, raced = _race(
                     np.random.default_rng([seed, f, 6, index]),
-                    fleet,
-                    step_s,
-                    down_s,
-                    up_s,
-                    gain,
+                    units,
                     seen,
                     masks,
                     workload,
                     objective,
-                    noise,
                     target_confidence,
                     indifference,
                     confidence_draws,
