@@ -19,13 +19,10 @@ Best: time, EDP and time to accuracy {A, B}; energy {B}.
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
-import torch
 from flowerbed.sims.apps import client_app
 from flowerbed.sims.config import Scenario
 from flowerbed.sims.devices import DEVICES as CATALOGUE
@@ -58,13 +55,7 @@ FLEET3 = [A, B, C]
 SYNC = Workload(mode="sync", steps=6, num_rounds=10, kappa=1.0)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _quiet_single_threaded() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    logging.getLogger("flwr").setLevel(logging.WARNING)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("quiet_single_threaded")
 
 
 # --- estimates by hand ----------------------------------------------------------------

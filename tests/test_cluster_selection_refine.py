@@ -14,13 +14,11 @@ Hand-computed expectations:
 from __future__ import annotations
 
 import itertools
-import logging
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import numpy as np
 import pytest
-import torch
 from flowerbed import keys
 from flowerbed.grid import GridWrapper
 from flowerbed.models import build_model
@@ -47,13 +45,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType
 SYNC = Workload(mode="sync", steps=100, num_rounds=100, kappa=1.0)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _quiet_single_threaded() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    logging.getLogger("flwr").setLevel(logging.WARNING)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("quiet_single_threaded")
 
 
 def test_pooled_variances_by_hand() -> None:

@@ -14,13 +14,10 @@ Hand-computed expectations:
 
 from __future__ import annotations
 
-import logging
 import math
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
-import torch
 from flowerbed.models import build_model, model_num_bytes
 from flowerbed.sims.devices import DEVICES as CATALOGUE
 from flowerbed.sims.scenario import build_fleet_grid
@@ -45,13 +42,7 @@ from flwr.app import ArrayRecord, ConfigRecord
 SYNC = Workload(mode="sync", steps=6, num_rounds=10, kappa=1.0)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _quiet_single_threaded() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    logging.getLogger("flwr").setLevel(logging.WARNING)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("quiet_single_threaded")
 
 
 # --- the expected maximum -------------------------------------------------------------

@@ -7,14 +7,12 @@ itself reports for one task on each device (``probe``), never hard-coded.
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pytest
-import torch
 from flowerbed import keys
 from flowerbed.data import load_dataset
 from flowerbed.models import build_model
@@ -43,14 +41,7 @@ RUN_CONFIG: dict[str, Any] = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _quiet_single_threaded() -> Iterator[None]:
-    # Tiny models on a shared 2-core machine: one torch thread is far faster.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    logging.getLogger("flwr").setLevel(logging.WARNING)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("quiet_single_threaded")
 
 
 def initial_arrays() -> ArrayRecord:
