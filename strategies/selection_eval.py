@@ -343,20 +343,19 @@ TRUTH_CHUNK = 100
 
 def _truth(
     rng: np.random.Generator,
-    fleet: Sequence[DeviceProfile],
-    step_s: np.ndarray,
-    down_s: np.ndarray,
-    up_s: np.ndarray,
+    units: _Units,
     masks: np.ndarray,
     workload: Workload,
     truth_rounds: int,
-    noise: dict[str, float],
 ) -> dict[str, np.ndarray]:
     """Each configuration's expected cost on the virtual clock with run-time noise.
 
     The mean over ``truth_rounds`` simulated rounds (common random numbers for
-    every configuration), scaled to the job's ``num_rounds``.
+    every configuration), scaled to the job's ``num_rounds``. Uses the true
+    devices and costs of ``units``, not its sensor gains.
     """
+    fleet, step_s, noise = units.devices, units.step_s, units.noise
+    down_s, up_s = units.down_s, units.up_s
     n = len(fleet)
     k = masks.sum(axis=1)
     w = workload
@@ -422,19 +421,14 @@ def _row(masks: np.ndarray, members: Sequence[int]) -> int:
     return int(np.flatnonzero((masks == target).all(axis=1))[0])
 
 
-def _oracle_models(
-    fleet: Sequence[DeviceProfile],
-    step_s: np.ndarray,
-    down_s: np.ndarray,
-    up_s: np.ndarray,
-    noise: dict[str, float],
-) -> list[NodeModel]:
+def _oracle_models(units: _Units) -> list[NodeModel]:
     """The true devices and jitter as node models: what perfect profiling would fit.
 
     A mean-one lognormal factor of sigma has variance ``exp(sigma^2) - 1``; a step
     of ``s`` seconds has variance ``s^2 (exp(sigma_step^2) - 1)`` and the two
     transfers ``(down^2 + up^2) (exp(sigma_net^2) - 1)``.
     """
+    step_s, down_s, up_s, noise = units.step_s, units.down_s, units.up_s, units.noise
     step_factor = math.expm1(noise["step_jitter"] ** 2)
     net_factor = math.expm1(noise["network_jitter"] ** 2)
     return [
@@ -447,7 +441,7 @@ def _oracle_models(
             step_var=float(step_s[i] ** 2 * step_factor),
             overhead_var=float((down_s[i] ** 2 + up_s[i] ** 2) * net_factor),
         )
-        for i, d in enumerate(fleet)
+        for i, d in enumerate(units.devices)
     ]
 
 
@@ -609,18 +603,10 @@ def evaluate_selection(
         probe_tasks.extend(done)
         slowest_tasks.append(min(done))
         probe_times.append(probe_s)
-        oracle = _oracle_models(fleet, step_s, down_s, up_s, noise)
+        oracle = _oracle_models(units)
         masks = all_masks(len(fleet))
         truth = _truth(
-            np.random.default_rng([seed, f, 2]),
-            fleet,
-            step_s,
-            down_s,
-            up_s,
-            masks,
-            workload,
-            truth_rounds,
-            noise,
+            np.random.default_rng([seed, f, 2]), units, masks, workload, truth_rounds
         )
         shortlist = np.unique(
             np.concatenate(
@@ -632,14 +618,10 @@ def evaluate_selection(
         )
         fine = _truth(
             np.random.default_rng([seed, f, 5]),
-            fleet,
-            step_s,
-            down_s,
-            up_s,
+            units,
             masks[shortlist],
             workload,
             truth_fine_rounds,
-            noise,
         )
         for o in OBJECTIVES:
             truth[o][shortlist] = fine[o]

@@ -330,23 +330,6 @@ def test_evaluate_selection_returns_the_benchs_structure() -> None:
     assert result["paper_best_fraction"] == 0.7667
 
 
-def test_evaluation_without_noise_always_finds_the_best() -> None:
-    # With no noise the profile sees the virtual clock's exact costs.
-    result = evaluate_selection(
-        num_fleets=4,
-        seed=2,
-        step_jitter=0.0,
-        network_jitter=0.0,
-        power_gain_error=0.0,
-        power_noise=0.0,
-        truth_rounds=2,
-        confidence_draws=10,
-    )
-    for figures in result["objectives"].values():
-        assert figures["best_fraction"] == 1.0
-        assert figures["mean_regret_pct"] == pytest.approx(0.0, abs=1e-9)
-
-
 def test_evaluation_rejects_bad_input() -> None:
     with pytest.raises(ValueError, match="num_fleets must be >= 1"):
         evaluate_selection(num_fleets=0)

@@ -330,8 +330,9 @@ def test_evaluation_reports_oracle_confidence_and_profiling() -> None:
 
 
 def test_without_noise_the_oracle_and_the_selection_agree_and_are_sure() -> None:
+    # With no noise the profile sees the virtual clock's exact costs.
     result = evaluate_selection(
-        num_fleets=2,
+        num_fleets=4,
         seed=2,
         step_jitter=0.0,
         network_jitter=0.0,
@@ -342,4 +343,5 @@ def test_without_noise_the_oracle_and_the_selection_agree_and_are_sure() -> None
     )
     for figures in result["objectives"].values():
         assert figures["best_fraction"] == 1.0
+        assert figures["mean_regret_pct"] == pytest.approx(0.0, abs=1e-9)
         assert figures["oracle_best_fraction"] == 1.0
