@@ -992,6 +992,7 @@ train_metrics_aggr_fn, evaluate_metrics_aggr_fn
                 indifference=self.indifference,
                 draws=self.confidence_draws,
                 seed=batches,
+                point=est,
             )
             if sure.near_probability >= self.target_confidence:
                 log(
@@ -1006,9 +1007,7 @@ train_metrics_aggr_fn, evaluate_metrics_aggr_fn
                 )
                 break
             chosen = int(masks[row].sum())
-            targets = informative_nodes(
-                candidates, workload, self.objective, masks, sure
-            )
+            targets = informative_nodes(candidates, workload, self.objective, sure)
             plan = {n: rehearsal_steps(models[n], workload, chosen) for n in targets}
             expected = max(
                 (

@@ -253,10 +253,11 @@ def _refine(
             indifference=indifference,
             draws=draws,
             seed=batches,
+            point=est,
         )
         if sure.near_probability >= target:
             break
-        nodes = informative_nodes(models, workload, objective, masks, sure)
+        nodes = informative_nodes(models, workload, objective, sure)
         plan = {i: rehearsal_steps(models[i], workload, len(chosen)) for i in nodes}
         expected = max(
             (expected_round_trip(observed[i], n) for i, n in plan.items()), default=0

@@ -742,6 +742,8 @@ class Confidence:
     near_probability: float = 1.0
     """Share of draws in which the choice is within ``indifference`` of the
     lowest (equal to ``probability`` when ``indifference`` is 0)."""
+    chosen: tuple[int, ...] = ()
+    """The configuration the figures are about: the lowest point estimate."""
 
     @property
     def within_uncertainty(self) -> bool:
@@ -789,6 +791,7 @@ def confidence(
     candidates: int = CONFIDENCE_CANDIDATES,
     seed: int = 0,
     indifference: float = 0.0,
+    point: dict[str, np.ndarray] | None = None,
 ) -> dict[str, Confidence]:
     """Per objective, confidence that the lowest estimate among ``masks`` is best.
 
@@ -807,12 +810,16 @@ def confidence(
     of Normal Populations with known Variances", Annals of Mathematical
     Statistics 25(1), 1954): configurations closer than that are equally good
     for the job, and no amount of profiling need tell them apart.
+
+    ``point`` is :func:`estimate_masks` of ``nodes`` over ``masks`` when the
+    caller already has it (it is the costly part for a large search).
     """
     names = [objectives] if isinstance(objectives, str) else list(objectives)
     for name in names:
         check_objective(name)
     masks = np.asarray(masks, dtype=bool)
-    point = estimate_masks(nodes, masks, workload)
+    if point is None:
+        point = estimate_masks(nodes, masks, workload)
     orders = {o: np.argsort(point[o], kind="stable")[:candidates] for o in names}
     rows = np.unique(np.concatenate(list(orders.values())))
     lead = masks[rows]
@@ -823,17 +830,17 @@ def confidence(
     ]
     out = {}
     for o, order in orders.items():
+        members = [
+            tuple(n.node_id for n, m in zip(nodes, masks[r], strict=True) if m)
+            for r in order
+        ]
         if len(order) == 1:
-            out[o] = Confidence(1.0, None, math.inf, 0.0, (), 1)
+            out[o] = Confidence(1.0, None, math.inf, 0.0, (), 1, chosen=members[0])
             continue
         cols = np.searchsorted(rows, order)
         values = np.array([d[o][cols] for d in drawn])
         wins = np.bincount(values.argmin(axis=1), minlength=len(order)) / draws
         gaps = values[:, 1] / values[:, 0] - 1.0
-        members = [
-            tuple(n.node_id for n, m in zip(nodes, masks[r], strict=True) if m)
-            for r in order
-        ]
         out[o] = Confidence(
             probability=float(wins[0]),
             runner_up=members[1],
@@ -846,6 +853,7 @@ def confidence(
             near_probability=float(
                 np.mean(values[:, 0] <= (1.0 + indifference) * values.min(axis=1))
             ),
+            chosen=members[0],
         )
     return out
 
@@ -886,15 +894,14 @@ def informative_nodes(
     nodes: Sequence[NodeModel],
     workload: Workload,
     objective: str,
-    masks: np.ndarray,
     sure: Confidence,
     share: float = SENSITIVITY_SHARE,
 ) -> list[int]:
     """The nodes whose fits most blur the choice against its rivals.
 
-    For the choice ``S`` and each rival ``S'`` (those best in at least
-    :data:`RIVAL_SHARE` of the confidence draws, else the runner-up) the
-    decision rests on the relative gap ``g = f(S') / f(S) - 1`` of the
+    For the choice ``S`` (``sure.chosen``) and each rival ``S'`` (those best in
+    at least :data:`RIVAL_SHARE` of the confidence draws, else the runner-up)
+    the decision rests on the relative gap ``g = f(S') / f(S) - 1`` of the
     objective ``f``. To first order (the delta method; Casella and Berger,
     "Statistical Inference", 2nd ed., 2002, sec. 5.5.4) its variance is a sum
     over nodes and their fitted parameters ``theta`` (``s_i``, ``c_i``, and
@@ -912,10 +919,8 @@ def informative_nodes(
     rivals = sure.rivals or ((sure.runner_up,) if sure.runner_up is not None else ())
     if not rivals:
         return []
-    point = estimate_masks(nodes, masks, workload)[objective]
     ids = [n.node_id for n in nodes]
-    chosen = masks[int(np.argmin(point))]
-    rows = np.array([chosen] + [[i in set(r) for i in ids] for r in rivals])
+    rows = np.array([[i in set(r) for i in ids] for r in (sure.chosen, *rivals)])
     base = estimate_masks(nodes, rows, workload)[objective]
     gap0 = base[1:] / base[0] - 1.0
     power = objective in ("energy", "edp")
@@ -968,6 +973,7 @@ def settled_confidence(
     indifference: float,
     draws: int,
     seed: int,
+    point: dict[str, np.ndarray] | None = None,
 ) -> Confidence:
     """The confidence refinement and racing stop on, confirmed before it counts.
 
@@ -978,7 +984,10 @@ def settled_confidence(
     4% of the time, and the loops look again after every batch or round.
     So a figure at or above ``target`` is estimated again from
     ``CONFIRM_FACTOR`` x ``draws`` fresh draws, and that one is returned.
+    ``point``: as for :func:`confidence`.
     """
+    if point is None:
+        point = estimate_masks(nodes, masks, workload)
     sure = confidence(
         nodes,
         workload,
@@ -987,6 +996,7 @@ def settled_confidence(
         draws=draws,
         seed=seed,
         indifference=indifference,
+        point=point,
     )[objective]
     if sure.near_probability < target:
         return sure
@@ -998,6 +1008,7 @@ def settled_confidence(
         draws=CONFIRM_FACTOR * draws,
         seed=seed + 1_000_003,
         indifference=indifference,
+        point=point,
     )[objective]
 
 
@@ -1061,7 +1072,8 @@ def race_next(
     the choice is final (re-selection on disappearance or drift still
     applies). Updates ``state``.
     """
-    est = estimate_masks(nodes, masks, workload)[objective]
+    point = estimate_masks(nodes, masks, workload)
+    est = point[objective]
     ids = [n.node_id for n in nodes]
     row = int(np.argmin(est))
     if state.choice is not None and set(state.choice) <= set(ids):
@@ -1080,6 +1092,7 @@ def race_next(
         indifference=indifference,
         draws=draws,
         seed=state.rounds,
+        point=point,
     )
     if sure.near_probability >= target:
         state.settled = True

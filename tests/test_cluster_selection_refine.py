@@ -97,7 +97,7 @@ def test_informative_nodes_are_those_the_choice_hinges_on() -> None:
     masks = all_masks(4)
     sure = confidence(nodes, SYNC, "time", masks, draws=200)["time"]
     assert sure.probability < 0.99
-    chosen = informative_nodes(nodes, SYNC, "time", masks, sure)
+    chosen = informative_nodes(nodes, SYNC, "time", sure)
     assert 3 not in chosen
     assert {1, 2} & set(chosen)
 
