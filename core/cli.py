@@ -13,7 +13,7 @@ import sys
 
 SUBCOMMAND_MODULES = (
     "flowerbed.sims.cli",  # sim
-    "flowerbed.sims.bench",  # bench
+    "flowerbed.bench.cli",  # bench
     "flowerbed.clients.bridge.cli",  # bridge
     "flowerbed.clients.export_android",  # export-android
 )

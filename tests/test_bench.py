@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from flowerbed.cli import main
-from flowerbed.sims import bench_machinery, bench_suite
-from flowerbed.sims.bench import MACHINERY, plan_from_args
-from flowerbed.sims.bench_suite import (
+from flowerbed.bench import machinery as bench_machinery
+from flowerbed.bench import suite as bench_suite
+from flowerbed.bench.cli import MACHINERY, plan_from_args
+from flowerbed.bench.suite import (
     FLEETS,
     REFERENCE,
     STRATEGIES,
@@ -19,6 +19,7 @@ from flowerbed.sims.bench_suite import (
     spread,
     summarise_cells,
 )
+from flowerbed.cli import main
 
 
 def _cell(strategy: str, seed: int, ttt: float | None, acc: float) -> dict[str, Any]:

@@ -23,21 +23,18 @@ from typing import Any
 
 import numpy as np
 import pytest
+from flowerbed.bench.selection_eval import evaluate_selection
 from flowerbed.sims.apps import client_app
 from flowerbed.sims.config import Scenario
 from flowerbed.sims.devices import DEVICES as CATALOGUE
 from flowerbed.sims.scenario import build_fleet_grid, run_scenario, run_server
 from flowerbed.sims.vclock import NodeDropout
 from flowerbed.strategies.cluster_selection import (
+    OBJECTIVES,
     SELECTION_ESTIMATED_S,
     SELECTION_MEASURED_S,
     SELECTION_SIZE,
     ClusterSelection,
-)
-from flowerbed.strategies.runtime_weighted import RuntimeWeightedFedAvg
-from flowerbed.strategies.selection_eval import evaluate_selection
-from flowerbed.strategies.selection_model import (
-    OBJECTIVES,
     NodeModel,
     Observation,
     Workload,
@@ -45,6 +42,7 @@ from flowerbed.strategies.selection_model import (
     fit_node,
     select,
 )
+from flowerbed.strategies.runtime_weighted import RuntimeWeightedFedAvg
 from flwr.app import Context, Message
 from flwr.serverapp.strategy import FedAvg
 

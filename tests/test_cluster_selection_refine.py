@@ -20,13 +20,13 @@ from collections.abc import Iterable
 import numpy as np
 import pytest
 from flowerbed import keys
+from flowerbed.bench.selection_eval import evaluate_selection
 from flowerbed.grid import GridWrapper
 from flowerbed.models import build_model
 from flowerbed.sims.scenario import build_fleet_grid
-from flowerbed.strategies.cluster_selection import ClusterSelection
-from flowerbed.strategies.selection_eval import evaluate_selection
-from flowerbed.strategies.selection_model import (
+from flowerbed.strategies.cluster_selection import (
     RACE_GREEDY_EVERY,
+    ClusterSelection,
     NodeModel,
     Observation,
     RaceState,

@@ -18,13 +18,13 @@ import math
 
 import numpy as np
 import pytest
+from flowerbed.bench.selection_eval import evaluate_selection
 from flowerbed.models import build_model, model_num_bytes
 from flowerbed.sims.devices import DEVICES as CATALOGUE
 from flowerbed.sims.scenario import build_fleet_grid
 from flowerbed.sims.vclock import transfer_seconds
-from flowerbed.strategies.cluster_selection import ClusterSelection
-from flowerbed.strategies.selection_eval import evaluate_selection
-from flowerbed.strategies.selection_model import (
+from flowerbed.strategies.cluster_selection import (
+    ClusterSelection,
     NodeModel,
     Observation,
     Workload,

@@ -1,6 +1,6 @@
 """Aggregation cost: flowerbed streaming against Flower's list, one process each.
 
-Run as ``python -m flowerbed.sims.bench_aggregation METHOD NODES FLOATS``; prints one
+Run as ``python -m flowerbed.bench.aggregation METHOD NODES FLOATS``; prints one
 JSON line. Each measurement runs in a fresh process so that its peak resident set
 size (``ru_maxrss``) is that method's alone.
 

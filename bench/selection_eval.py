@@ -2,7 +2,7 @@
 
 :func:`evaluate_selection` draws random heterogeneous fleets from the device
 catalogue (``flowerbed.sims.devices.DEVICES``) and, per objective, compares the
-configuration :func:`flowerbed.strategies.selection_model.select` chooses from
+configuration :func:`flowerbed.strategies.cluster_selection.select` chooses from
 *simulated profiling* with the best configuration by *ground truth*.
 
 Truth and estimate differ as a real deployment's would:
@@ -27,7 +27,7 @@ Truth and estimate differ as a real deployment's would:
   round's average), ``energy-j`` with a per-node sensor gain error
   ``power_gain_error`` and reading noise ``power_noise``, and the round trip
   (compute plus the task's own jittered transfers).
-  :func:`flowerbed.strategies.selection_model.fit_node` turns that into
+  :func:`flowerbed.strategies.cluster_selection.fit_node` turns that into
   per-node models, never seeing the devices' catalogue numbers.
 - Every node is its own unit: speed and power are the catalogue's times a
   lognormal unit factor (``unit_spread``), so two boards of one class differ.
@@ -35,8 +35,8 @@ Truth and estimate differ as a real deployment's would:
 Noise magnitudes are assumptions, not measurements; they are arguments so the
 bench can report sensitivity. Time to accuracy uses the same participation model
 in truth and estimate (rounds = R (1 + kappa / k), Li et al., ICLR 2020,
-Theorem 3; see :mod:`flowerbed.strategies.selection_model`): the evaluation tests
-the systems half of that objective, not the statistical model.
+Theorem 3; see :mod:`flowerbed.strategies.cluster_selection.model`): the
+evaluation tests the systems half of that objective, not the statistical model.
 
 Profiling is adaptive, as the strategy's: every node runs ``profile_steps``
 back to back and nodes that finish early repeat them while they expect to be
@@ -62,8 +62,7 @@ import numpy as np
 from flowerbed.models import build_model, cost_factor, model_num_bytes
 from flowerbed.sims import vclock
 from flowerbed.sims.devices import DEVICES, DeviceProfile
-
-from .selection_model import (
+from flowerbed.strategies.cluster_selection import (
     CONFIDENCE_DRAWS,
     DEFAULT_INDIFFERENCE,
     DEFAULT_PROFILE_BUDGET,
@@ -137,7 +136,7 @@ def _profile(
     ``profile_steps`` back to back. A node that has done them starts another
     (cycling through ``profile_steps``, at most ``max_tasks`` in all) while
     some node has not, if it expects to finish before the nodes still owing
-    tasks do (:func:`~flowerbed.strategies.selection_model.profiling_end`, from
+    tasks do (:func:`~flowerbed.strategies.cluster_selection.profiling_end`, from
     the replies seen so far); profiling ends when the last task returns.
     """
     n = len(units.devices)
@@ -230,8 +229,8 @@ def _refine(
     ``indifference`` of the best is below ``target``,
     and the next batch is expected to end within ``budget`` x the choice's
     estimated job, the informative nodes
-    (:func:`~flowerbed.strategies.selection_model.informative_nodes`) each run one
-    rehearsal task (:func:`~flowerbed.strategies.selection_model.rehearsal_steps`)
+    (:func:`~flowerbed.strategies.cluster_selection.informative_nodes`) each run one
+    rehearsal task (:func:`~flowerbed.strategies.cluster_selection.rehearsal_steps`)
     in parallel. Returns the models, when profiling ended, the batches run and
     the observations.
     """
@@ -294,10 +293,10 @@ def _race(
     joins its observations. Until the choice is ``target`` sure (within
     ``indifference``) the models are refitted (after every round while fewer
     than ``race_share`` x ``num_rounds`` rounds have gone to rivals, then
-    every :data:`~flowerbed.strategies.selection_model.RACE_GREEDY_EVERY`),
+    every :data:`~flowerbed.strategies.cluster_selection.RACE_GREEDY_EVERY`),
     the choice follows the lowest estimate, and every other round may run on
     the leading rival instead
-    (:func:`~flowerbed.strategies.selection_model.race_next`). Returns the
+    (:func:`~flowerbed.strategies.cluster_selection.race_next`). Returns the
     configuration in use at the end of the job, the row of every round, and the
     rounds spent on rivals.
     """
@@ -508,7 +507,7 @@ def evaluate_selection(
     (perfect profiling), so what is left is the truth's own round-to-round
     randomness and the model's approximations: a ceiling for ``best_fraction``.
     ``mean_confidence``: mean of the selection's own confidence
-    (:func:`flowerbed.strategies.selection_model.confidence`, ``confidence_draws``
+    (:func:`flowerbed.strategies.cluster_selection.confidence`, ``confidence_draws``
     draws, power gain error ``power_gain_error``); ``within_uncertainty_fraction``:
     fleets where the runner-up's estimate is within two standard deviations;
     ``confident_fraction``: fleets with confidence >= 0.95, and

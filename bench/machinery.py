@@ -5,7 +5,7 @@ time; the report prints both beside them. Each part returns plain JSON-able data
 
 - :func:`aggregation_cost` (issue 4, 3a): streaming vs Flower's list-based
   aggregation for a ResNet-50-sized update, one fresh process per point
-  (:mod:`flowerbed.sims.bench_aggregation`), with the memory bandwidth as the limit.
+  (:mod:`flowerbed.bench.aggregation`), with the memory bandwidth as the limit.
 - :func:`engine_wallclock` (3b): wall seconds per round of the in-process engine
   and of ``flwr run`` on Flower's simulation runtime (Ray), same scenario.
 - :func:`client_overhead` (3c): what :func:`flowerbed.clients.timed.timed_train`
@@ -77,7 +77,7 @@ def aggregation_cost(
     A point whose :func:`planned_bytes` exceeds ``MEMORY_HEADROOM`` of the memory
     available when the part starts is not run; it is listed with the reason.
     """
-    module = "flowerbed.sims.bench_aggregation"
+    module = "flowerbed.bench.aggregation"
     available = available_memory_bytes()
     budget = int(MEMORY_HEADROOM * available)
     copy = _run_json([module, "copy", "1", str(floats)], timeout)
@@ -348,47 +348,32 @@ monitor's specified accuracy (the default run assumes 0.03)."""
 def selection(
     num_fleets: int, seed: int, truth_rounds: int, num_rounds: int = 100
 ) -> dict[str, Any]:
-    """Cluster-selection accuracy over random fleets, if this build has it.
+    """Cluster-selection accuracy over random fleets
+    (:func:`flowerbed.bench.selection_eval.evaluate_selection`).
 
     Also the energy and EDP objectives again with power sensors calibrated to
     :data:`SENSITIVITY_GAIN_ERROR` (``sensitivity``): the calibration error is
     the one no profiling can shrink.
-
-    Calls ``evaluate_selection(num_fleets=..., seed=..., truth_rounds=...,
-    num_rounds=...)`` from
-    ``flowerbed.strategies.selection_eval`` (or ``.cluster_selection``), which
-    returns JSON-able data with an ``objectives`` mapping.
     """
-    import importlib
+    from flowerbed.bench.selection_eval import evaluate_selection
 
-    for name in (
-        "flowerbed.strategies.selection_eval",
-        "flowerbed.strategies.cluster_selection",
-    ):
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError:
-            continue
-        fn = getattr(module, "evaluate_selection", None)
-        if fn is not None:
-            result = fn(
-                num_fleets=num_fleets,
-                seed=seed,
-                truth_rounds=truth_rounds,
-                num_rounds=num_rounds,
-            )
-            out = {"source": f"{name}.evaluate_selection", **dict(result)}
-            meter = fn(
-                num_fleets=num_fleets,
-                seed=seed,
-                truth_rounds=truth_rounds,
-                num_rounds=num_rounds,
-                power_gain_error=SENSITIVITY_GAIN_ERROR,
-                objectives=("energy", "edp"),
-            )
-            out["sensitivity"] = {
-                "power_gain_error": SENSITIVITY_GAIN_ERROR,
-                "objectives": meter["objectives"],
-            }
-            return out
-    return {"skipped": "this flowerbed build has no evaluate_selection"}
+    result = evaluate_selection(
+        num_fleets=num_fleets,
+        seed=seed,
+        truth_rounds=truth_rounds,
+        num_rounds=num_rounds,
+    )
+    out = {"source": "flowerbed.bench.selection_eval.evaluate_selection", **result}
+    meter = evaluate_selection(
+        num_fleets=num_fleets,
+        seed=seed,
+        truth_rounds=truth_rounds,
+        num_rounds=num_rounds,
+        power_gain_error=SENSITIVITY_GAIN_ERROR,
+        objectives=("energy", "edp"),
+    )
+    out["sensitivity"] = {
+        "power_gain_error": SENSITIVITY_GAIN_ERROR,
+        "objectives": meter["objectives"],
+    }
+    return out

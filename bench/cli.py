@@ -1,11 +1,11 @@
 """``flowerbed bench``: every fleet x strategy x seed, the machinery's cost, one report.
 
-Runs the suite of :mod:`flowerbed.sims.bench_suite` on the in-process engine (in
+Runs the suite of :mod:`flowerbed.bench.suite` on the in-process engine (in
 ``--jobs`` worker processes), then the machinery measurements of
-:mod:`flowerbed.sims.bench_machinery`, and writes ``BENCHMARKS.md`` into ``--out``
+:mod:`flowerbed.bench.machinery`, and writes ``BENCHMARKS.md`` into ``--out``
 and ``results.json`` plus one accuracy-vs-virtual-time PNG per fleet into
 ``--out/benchmarks/``. Every figure in the page is read from ``results.json`` of the
-same run (:mod:`flowerbed.sims.bench_report`).
+same run (:mod:`flowerbed.bench.report`).
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ MACHINERY = ("aggregation", "engines", "client", "gateway", "selection")
 
 
 def register(subparsers: Any) -> None:
-    from flowerbed.sims.bench_suite import FLEETS, STRATEGIES
+    from flowerbed.bench.suite import FLEETS, STRATEGIES
 
     p = subparsers.add_parser(
         "bench",
@@ -130,7 +130,7 @@ def _split(text: str | None) -> list[str] | None:
 
 def plan_from_args(args: argparse.Namespace) -> BenchPlan:
     """Check the options; raise ``ValueError`` naming the bad one."""
-    from flowerbed.sims.bench_suite import FLEETS, STRATEGIES, resolve
+    from flowerbed.bench.suite import FLEETS, STRATEGIES, resolve
 
     quick = bool(args.quick)
     seeds = args.seeds if args.seeds is not None else (1 if quick else 3)
@@ -232,7 +232,7 @@ def _cell(
     lr: float,
     target: float,
 ) -> dict[str, Any]:
-    from flowerbed.sims.bench_suite import run_cell
+    from flowerbed.bench.suite import run_cell
 
     _quiet()
     started = time.monotonic()
@@ -296,8 +296,8 @@ def run_suite(
 
 def run_machinery(plan: BenchPlan, part: str, app_dir: Path) -> dict[str, Any]:
     """One machinery part at the plan's size; failures are recorded, not raised."""
-    from flowerbed.sims import bench_machinery as m
-    from flowerbed.sims.bench_aggregation import RESNET50_FLOATS
+    from flowerbed.bench import machinery as m
+    from flowerbed.bench.aggregation import RESNET50_FLOATS
 
     started = time.monotonic()
     try:
@@ -342,7 +342,8 @@ def app_root() -> Path:
 
 def bench(plan: BenchPlan, out_dir: Path, command: str, console: Any) -> dict[str, Any]:
     """Run the plan with a progress bar; write the report; return results.json."""
-    from flowerbed.sims import bench_report, bench_suite
+    from flowerbed.bench import report as bench_report
+    from flowerbed.bench import suite as bench_suite
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -428,7 +429,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     command = "flowerbed " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     results = bench(plan, Path(args.out), command, console)
-    from flowerbed.sims.bench_report import headline_sentence
+    from flowerbed.bench.report import headline_sentence
 
     console.print(headline_sentence(results["headline"]))
     errors = results["errors"]

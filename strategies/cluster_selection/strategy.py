@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
 from logging import INFO, WARNING
 
 import numpy as np
 from flowerbed import keys
 from flowerbed.clock import Clock, clock_of
-from flowerbed.grid import GridWrapper
 from flwr.app import (
     ArrayRecord,
     ConfigRecord,
@@ -23,35 +20,38 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result, Strategy
 from flwr.supercore import log
 
-from .fedbuff import FedBuff
-from .selection_model import (
-    CONFIDENCE_DRAWS,
+from ..fedbuff import FedBuff
+from .model import (
+    MODES,
+    Estimate,
+    NodeModel,
+    Observation,
+    Workload,
+    check_objective,
+    estimate_masks,
+    fit_node,
+    pool_variances,
+)
+from .observe import observation_of, timed_exchange
+from .refine import (
     DEFAULT_INDIFFERENCE,
     DEFAULT_PROFILE_BUDGET,
     DEFAULT_RACE_SHARE,
     DEFAULT_TARGET_CONFIDENCE,
-    EXHAUSTIVE_MAX_NODES,
-    MODES,
-    Confidence,
-    Estimate,
-    NodeModel,
-    Observation,
-    RaceState,
-    Workload,
-    check_objective,
-    confidence,
-    estimate,
-    estimate_masks,
     expected_round_trip,
-    fit_node,
     informative_nodes,
-    pool_variances,
     profiling_end,
-    race_next,
     rehearsal_steps,
-    search_masks,
-    select,
     settled_confidence,
+)
+from .search import CONFIDENCE_DRAWS, EXHAUSTIVE_MAX_NODES, Confidence, search_masks
+from .training import (
+    SELECTION_ESTIMATED_S,
+    SELECTION_MEASURED_S,
+    SELECTION_SIZE,
+    SelectedGrid,
+    SelectionRecord,
+    Selector,
 )
 
 DEFAULT_PROFILE_STEPS = (1, 3)
@@ -68,425 +68,6 @@ DEFAULT_DRIFT_TOLERANCE = 0.25
 """Relative gap between measured and estimated round time that triggers re-selection."""
 DEFAULT_DROP_AFTER_FAILURES = 2
 """Consecutive failed or missing replies after which a member counts as gone."""
-
-# Keys ClusterSelection adds to each round's train MetricRecord in the Result.
-SELECTION_ESTIMATED_S = "selection-estimated-s"
-"""Estimated round time of the configuration that trained the round."""
-SELECTION_MEASURED_S = "selection-measured-s"
-"""Measured round time: dispatch to the last successful reply, on the grid's clock."""
-SELECTION_SIZE = "selection-size"
-"""Nodes in the configuration."""
-
-
-@dataclass
-class SelectionRecord:
-    """Estimate against measurement for one round (sync) or window of replies (async).
-
-    ``measured_s`` is None when no member replied; ``event`` says why the
-    configuration changed after this round, if it did.
-    """
-
-    round: int
-    members: tuple[int, ...]
-    estimated_s: float
-    measured_s: float | None
-    event: str = ""
-
-    @property
-    def drift(self) -> float | None:
-        """(measured - estimated) / estimated."""
-        if self.measured_s is None:
-            return None
-        return (self.measured_s - self.estimated_s) / self.estimated_s
-
-
-def _metrics(reply: Message) -> MetricRecord | None:
-    if reply.has_error():
-        return None
-    records = list(reply.content.metric_records.values())
-    return records[0] if records else None
-
-
-def _number(metrics: MetricRecord, key: str) -> float | None:
-    value = metrics.get(key)
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return float(value)
-
-
-def observation_of(
-    reply: Message, round_trip_s: float, steps: int, transfers: int
-) -> Observation | None:
-    """An :class:`Observation` from a successful reply, None for an unusable one.
-
-    ``steps`` is what the task asked for; the reply's ``num-steps`` wins when sent.
-    """
-    metrics = _metrics(reply)
-    if metrics is None:
-        return None
-    done = _number(metrics, keys.NUM_STEPS)
-    steps = int(done) if done is not None else steps
-    if steps < 1:
-        return None
-    return Observation(
-        steps=steps,
-        round_trip_s=round_trip_s,
-        train_time_s=_number(metrics, keys.TRAIN_TIME_S),
-        comm_time_s=_number(metrics, keys.COMM_TIME_S),
-        energy_j=_number(metrics, keys.ENERGY_J),
-        power_w=_number(metrics, keys.POWER_W),
-        transfers=transfers,
-    )
-
-
-def timed_exchange(
-    grid: Grid, clock: Clock, messages: Sequence[Message], timeout: float
-) -> dict[int, tuple[Message, float]]:
-    """Push ``messages``; return node id -> (reply, seconds from push to pull).
-
-    Replies are pulled as they arrive on the grid's clock (virtual time on the
-    in-process engine); nodes silent for ``timeout`` seconds are left out.
-    """
-    start = clock.now()
-    ids = list(grid.push_messages(messages))
-    node_of = {
-        mid: m.metadata.dst_node_id for mid, m in zip(ids, messages, strict=True)
-    }
-    got: dict[int, tuple[Message, float]] = {}
-    while len(got) < len(ids):
-        waiting = [mid for mid in ids if node_of[mid] not in got]
-        for reply in grid.pull_messages(waiting):
-            node = node_of[reply.metadata.reply_to_message_id]
-            got[node] = (reply, clock.now() - start)
-        remaining = start + timeout - clock.now()
-        if len(got) == len(ids) or remaining <= 0:
-            break
-        clock.wait(remaining)
-    return got
-
-
-@dataclass
-class _Batch:
-    """Train messages of one round in flight (sync) or one window of replies."""
-
-    round: int
-    started: float
-    sent: dict[str, tuple[int, float]] = field(default_factory=dict)
-    replies: dict[int, tuple[Message | None, float]] = field(default_factory=dict)
-
-
-class _Selector:
-    """The chosen configuration, its estimate, and the per-round bookkeeping."""
-
-    def __init__(
-        self,
-        owner: ClusterSelection,
-        models: dict[int, NodeModel],
-        workload: Workload,
-        min_size: int,
-        clock: Clock,
-    ) -> None:
-        self.owner = owner
-        self.models = models
-        self.workload = workload
-        self.min_size = min_size
-        self.clock = clock
-        self.failures: dict[int, int] = {}
-        self.gone: set[int] = set()
-        self.records: list[SelectionRecord] = []
-        self.batch: _Batch | None = None
-        self.windows = 0
-        self.latest: dict[int, Observation] = {}
-        self.confidence: Confidence | None = None
-        self.choice = self.choose("initial selection")
-        self.explore: Estimate | None = None
-        """A rival the next round runs on instead of the choice (racing)."""
-        self.race = RaceState(
-            budget=math.floor(owner.race_share * workload.num_rounds),
-            settled=workload.mode != "sync" or owner.race_share <= 0,
-        )
-
-    @property
-    def current(self) -> Estimate:
-        """The configuration the round in progress runs on."""
-        return self.explore if self.explore is not None else self.choice
-
-    # --- choosing --------------------------------------------------------------
-    def choose(self, reason: str) -> Estimate:
-        candidates = [m for n, m in sorted(self.models.items()) if n not in self.gone]
-        o = self.owner
-        if len(candidates) < self.min_size:
-            raise RuntimeError(
-                f"ClusterSelection: {len(candidates)} usable node(s) left, the "
-                f"wrapped strategy needs at least {self.min_size}"
-            )
-        choice = select(
-            candidates,
-            self.workload,
-            o.objective,
-            min_size=self.min_size,
-            search=o.search,
-            exhaustive_max_nodes=o.exhaustive_max_nodes,
-        )
-        masks = self._masks(candidates)
-        sure = confidence(
-            candidates,
-            self.workload,
-            o.objective,
-            masks,
-            power_gain_error=o.power_gain_error,
-            draws=o.confidence_draws,
-        )[o.objective]
-        self.confidence = sure
-        log(
-            INFO,
-            "ClusterSelection (%s): %d of %d nodes %s; estimated round %.3gs, "
-            "time %.4gs, energy %.4gJ, time-to-accuracy %.4gs",
-            reason,
-            len(choice.members),
-            len(candidates),
-            list(choice.members),
-            choice.round_s,
-            choice.time_s,
-            choice.energy_j,
-            choice.time_to_accuracy_s,
-        )
-        if sure.runner_up is None:
-            log(INFO, "ClusterSelection: the only candidate configuration")
-        else:
-            log(
-                INFO if not sure.within_uncertainty else WARNING,
-                "ClusterSelection: confidence %.0f%% that it beats the other %d "
-                "leading configurations (%d draws, power gain error %.0f%%); "
-                "runner-up %s is %.2f%% ± %.2f%% behind%s",
-                100 * sure.probability,
-                sure.candidates - 1,
-                o.confidence_draws,
-                100 * o.power_gain_error,
-                list(sure.runner_up),
-                100 * sure.gap,
-                100 * sure.gap_sd,
-                "; within the estimate's uncertainty: "
-                f"{len(sure.rivals)} rival(s) {[list(r) for r in sure.rivals]}"
-                if sure.within_uncertainty
-                else "",
-            )
-        return choice
-
-    def _masks(self, candidates: Sequence[NodeModel]) -> np.ndarray:
-        """The configurations the owner's search considers among ``candidates``."""
-        return search_masks(
-            candidates,
-            self.workload,
-            self.min_size,
-            self.owner.search,
-            exhaustive_max_nodes=self.owner.exhaustive_max_nodes,
-        )
-
-    def reselect(self, reason: str) -> None:
-        if self.records:
-            self.records[-1].event = reason
-        self.choice = self.choose(reason)
-
-    def members(self, connected: set[int]) -> list[int]:
-        vanished = [n for n in self.current.members if n not in connected]
-        if vanished:
-            self.gone.update(vanished)
-            self.explore = None
-            if any(n in self.choice.members for n in vanished):
-                self.reselect(f"nodes {vanished} disconnected")
-        if self.workload.mode == "sync" and self.batch is not None:
-            self.close_batch()
-        return sorted(n for n in self.current.members if n in connected)
-
-    # --- watching train messages -----------------------------------------------
-    def sent(self, message_id: str, message: Message) -> None:
-        now = self.clock.now()
-        config = message.content.config_records.get(keys.CONFIG, ConfigRecord())
-        server_round = config.get(keys.SERVER_ROUND, 0)
-        server_round = int(server_round) if isinstance(server_round, int) else 0
-        if self.batch is None:
-            index = server_round if self.workload.mode == "sync" else self.windows + 1
-            self.batch = _Batch(index, now)
-        self.batch.sent[message_id] = (message.metadata.dst_node_id, now)
-
-    def received(self, reply: Message) -> None:
-        batch = self.batch
-        key = reply.metadata.reply_to_message_id
-        if batch is None or key not in batch.sent:
-            return
-        node, dispatched = batch.sent[key]
-        arrived = self.clock.now()
-        batch.replies[node] = (None if reply.has_error() else reply, arrived)
-        self._observe(node, reply, arrived - dispatched)
-        if self.workload.mode == "sync":
-            if len(batch.replies) == len(batch.sent):
-                self.close_batch()
-        elif len(batch.replies) >= len(self.choice.members):
-            self.close_batch()
-
-    def _observe(self, node: int, reply: Message, round_trip_s: float) -> None:
-        steps = self.workload.member_steps(len(self.current.members))
-        obs = observation_of(reply, round_trip_s, steps, 2)
-        if obs is None:
-            self.failures[node] = self.failures.get(node, 0) + 1
-            return
-        self.failures[node] = 0
-        self.latest[node] = obs
-        if not self.race.settled:
-            self.owner.observations.setdefault(node, []).append(obs)
-
-    def close_batch(self) -> None:
-        batch, self.batch = self.batch, None
-        if batch is None:
-            return
-        answered = set(batch.replies)
-        for node, _ in batch.sent.values():
-            if node not in answered:
-                self.failures[node] = self.failures.get(node, 0) + 1
-        ok = [t for r, t in batch.replies.values() if r is not None]
-        current = self.current
-        estimated = current.round_s
-        if self.workload.mode == "sync":
-            measured = max(ok) - batch.started if ok else None
-        else:
-            self.windows += 1
-            measured = (max(ok) - batch.started) / len(ok) if ok else None
-        record = SelectionRecord(batch.round, current.members, estimated, measured)
-        self.records.append(record)
-        log(
-            INFO,
-            "ClusterSelection %s %d: estimated %.3gs, measured %s (%s)",
-            "round" if self.workload.mode == "sync" else "window",
-            batch.round,
-            estimated,
-            "none" if measured is None else f"{measured:.3g}s",
-            "no reply"
-            if record.drift is None
-            else f"{100 * record.drift:+.1f}% off the estimate",
-        )
-        lost = [
-            n
-            for n in current.members
-            if self.failures.get(n, 0) >= self.owner.drop_after_failures
-        ]
-        if self.explore is not None:
-            record.event = "racing: a round on a rival"
-            self.explore = None
-        if lost:
-            self.gone.update(lost)
-            self.reselect(
-                f"nodes {lost} failed {self.owner.drop_after_failures} times in a row"
-            )
-        elif (
-            record.drift is not None and abs(record.drift) > self.owner.drift_tolerance
-        ):
-            self._refit()
-            self.reselect(
-                f"measurement {100 * record.drift:+.1f}% off the estimate (tolerance "
-                f"{100 * self.owner.drift_tolerance:.0f}%): models refitted"
-            )
-        if self.race.tick():
-            self._race_step()
-
-    def _race_step(self) -> None:
-        """Refit from every reply so far; pick the choice and the next round's set.
-
-        See :func:`~flowerbed.strategies.selection_model.race_next`.
-        """
-        o = self.owner
-        usable = {
-            n: obs for n, obs in o.observations.items() if obs and n not in self.gone
-        }
-        self.models = o._fit(usable)
-        o.node_models = self.models
-        candidates = [m for _, m in sorted(self.models.items())]
-        if len(candidates) < self.min_size:
-            return
-        masks = self._masks(candidates)
-        choice, run = race_next(
-            candidates,
-            self.workload,
-            o.objective,
-            masks,
-            self.race,
-            target=o.target_confidence,
-            indifference=o.indifference,
-            draws=o.confidence_draws,
-        )
-        if choice != self.choice.members:
-            log(
-                INFO,
-                "ClusterSelection racing: with the rounds' replies, %s now leads "
-                "(was %s)",
-                list(choice),
-                list(self.choice.members),
-            )
-            self.choice = estimate(candidates, choice, self.workload)
-        if run != choice:
-            self.explore = estimate(candidates, run, self.workload)
-            log(
-                INFO,
-                "ClusterSelection racing: the next round runs on rival %s "
-                "(%d of at most %d rounds on rivals)",
-                list(run),
-                self.race.explored,
-                self.race.budget,
-            )
-        if self.race.settled:
-            log(
-                INFO,
-                "ClusterSelection racing: settled on %s after %d round(s) on rivals",
-                list(self.choice.members),
-                self.race.explored,
-            )
-
-    def _refit(self) -> None:
-        """Replace s_i and c_i by the members' latest training tasks."""
-        for node, obs in self.latest.items():
-            fitted = fit_node(node, [obs])
-            self.models[node] = replace(
-                self.models[node], step_s=fitted.step_s, overhead_s=fitted.overhead_s
-            )
-
-
-class SelectedGrid(GridWrapper):
-    """A Grid that shows the wrapped strategy only the chosen nodes.
-
-    It passes everything to the inner grid; ``get_node_ids`` returns the chosen
-    configuration (re-selecting first if a member disconnected), synchronous train
-    messages get the configuration's ``local-steps`` (the round's work split over
-    the members), and train replies are timed against the estimate.
-    """
-
-    def __init__(self, inner: Grid, selector: _Selector) -> None:
-        super().__init__(inner)
-        self.selector = selector
-
-    def get_node_ids(self) -> Iterable[int]:
-        return self.selector.members(set(self.inner.get_node_ids()))
-
-    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        messages = list(messages)
-        selector = self.selector
-        train = [m for m in messages if m.metadata.message_type == MessageType.TRAIN]
-        if selector.workload.mode == "sync":
-            steps = selector.workload.member_steps(len(selector.current.members))
-            for message in train:
-                config = message.content.config_records.get(keys.CONFIG)
-                if config is not None:
-                    config[keys.LOCAL_STEPS] = steps
-        ids = list(self.inner.push_messages(messages))
-        for message, message_id in zip(messages, ids, strict=True):
-            if message.metadata.message_type == MessageType.TRAIN:
-                selector.sent(message_id, message)
-        return ids
-
-    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        replies = list(self.inner.pull_messages(message_ids))
-        for reply in replies:
-            self.selector.received(reply)
-        return replies
 
 
 class ClusterSelection(Strategy):
@@ -505,10 +86,10 @@ class ClusterSelection(Strategy):
        per-task overhead).
     2. **Fits** per node seconds per step, per-task overhead (communication:
        ``comm-time-s`` where reported, else round trip minus train time) and busy
-       and idle power (:func:`flowerbed.strategies.selection_model.fit_node`).
+       and idle power (:func:`flowerbed.strategies.cluster_selection.fit_node`).
     3. **Estimates** every candidate configuration and **selects** the best for
        ``objective`` (formulas, search and what is exact:
-       :mod:`flowerbed.strategies.selection_model`).
+       :mod:`flowerbed.strategies.cluster_selection.model`).
     4. **Trains** with the wrapped strategy on a :class:`SelectedGrid` that shows it
        only the chosen nodes. In synchronous mode the round's work
        (``round_steps``) is split evenly: each member's train message carries
@@ -565,11 +146,11 @@ train_metrics_aggr_fn, evaluate_metrics_aggr_fn
     race_share : float (default: 0.1)
         Synchronous mode: while the choice is not ``target_confidence`` sure,
         training rounds keep refining it (racing, see
-        :func:`~flowerbed.strategies.selection_model.race_next`): every reply
+        :func:`~flowerbed.strategies.cluster_selection.race_next`): every reply
         refits its node, the choice follows the lowest estimate, and every
         other round, at most ``race_share`` x ``num_rounds`` in all, runs on
         the leading rival; after that the choice is refitted every
-        :data:`~flowerbed.strategies.selection_model.RACE_GREEDY_EVERY`
+        :data:`~flowerbed.strategies.cluster_selection.RACE_GREEDY_EVERY`
         rounds until sure. 0 turns racing off.
     power_gain_error : float (default: 0.03)
         Assumed relative calibration error of the power sensors, used only by
@@ -786,7 +367,7 @@ train_metrics_aggr_fn, evaluate_metrics_aggr_fn
         ``profile_steps``, at most ``profile_max_tasks`` in all) as long as
         another node has not, and only if it expects to finish before the
         nodes still owing tasks do
-        (:func:`~flowerbed.strategies.selection_model.profiling_end`, from the
+        (:func:`~flowerbed.strategies.cluster_selection.profiling_end`, from the
         replies so far; a node that would not is done). The phase ends when the
         last task in flight returns, so its length is set by the slowest node.
         A failed reply, or silence until ``deadline``, ends a node's profiling.
@@ -961,9 +542,9 @@ train_metrics_aggr_fn, evaluate_metrics_aggr_fn
         profiling phase would still end within ``profile_budget`` x the
         choice's estimated job, the nodes behind most of the uncertainty of the
         choice against its rivals
-        (:func:`~flowerbed.strategies.selection_model.informative_nodes`) each
+        (:func:`~flowerbed.strategies.cluster_selection.informative_nodes`) each
         run one rehearsal: a training task of the length a member would run
-        (:func:`~flowerbed.strategies.selection_model.rehearsal_steps`), in
+        (:func:`~flowerbed.strategies.cluster_selection.rehearsal_steps`), in
         parallel. Returns the refitted models (also ``node_models``).
         """
         clock = clock_of(grid)
@@ -1129,7 +710,7 @@ train_metrics_aggr_fn, evaluate_metrics_aggr_fn
             int(getattr(self.strategy, "min_available_nodes", 1)),
         )
         self.refine(grid, initial_arrays, train_config, workload, min_size)
-        selector = _Selector(self, self.node_models, workload, min_size, clock_of(grid))
+        selector = Selector(self, self.node_models, workload, min_size, clock_of(grid))
         self.selection_log = selector.records
         result = self.strategy.start(
             grid=SelectedGrid(grid, selector),
