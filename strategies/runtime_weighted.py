@@ -488,6 +488,13 @@ class RuntimeWeightedFedAvg(FedAvg):
                 reply, self._global, self.weighted_by_key
             )
             weight, scale, steps = self.reply_weight(metrics, n, ticket, arrived)
+            updates.add(
+                arrays,
+                self._global_np if base is None else base,
+                weight * discount,
+                scale=scale * update_scale,
+                steps=steps,
+            )
         except ReplyRejected as rejection:
             log(
                 WARNING,
@@ -501,13 +508,6 @@ class RuntimeWeightedFedAvg(FedAvg):
             return False
         self.quarantine.record_success(node)
         self._update_speed(node, metrics, ticket, arrived)
-        updates.add(
-            arrays,
-            self._global_np if base is None else base,
-            weight * discount,
-            scale=scale * update_scale,
-            steps=steps,
-        )
         metrics_acc.add(metrics, n)
         return True
 

@@ -8,8 +8,14 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 from flowerbed.strategies import RuntimeWeightedFedAvg
-from flowerbed.strategies.utils import UpdateAccumulator, to_arrayrecord
-from flwr.app import Message
+from flowerbed.strategies.utils import (
+    FOLD_CHUNK,
+    ReplyRejected,
+    UpdateAccumulator,
+    array_view,
+    to_arrayrecord,
+)
+from flwr.app import Array, Message
 from test_strategies_fakes import FakeGrid, node, reply
 
 MODEL_FLOATS = 250_000  # 1 MB of float32
@@ -26,6 +32,114 @@ def test_accumulator_equals_the_weighted_average() -> None:
     assert np.allclose(out["w"], [3.25, 4.25, 5.25])
     assert out["w"].dtype == np.float32
     assert out["n"].tolist() == [14] and out["n"].dtype == np.int64
+
+
+def test_float32_sum_matches_a_float64_reference_to_float32_rounding() -> None:
+    # 138 updates of 1e-3 of the weights, over more than one fold chunk, with
+    # uneven weights: the float32 running sum of *updates* must agree with a
+    # float64 computation to within float32's own resolution.
+    rng = np.random.default_rng(1)
+    size = 2 * FOLD_CHUNK + 7
+    base = {"w": rng.standard_normal(size).astype(np.float32)}
+    acc = UpdateAccumulator()
+    reference = np.zeros(size, np.float64)
+    weights = rng.uniform(1, 100, 138)
+    for weight in weights:
+        delta = (1e-3 * rng.standard_normal(size)).astype(np.float32)
+        x = base["w"] + delta
+        acc.add({"w": x}, base, float(weight))
+        reference += weight * (x.astype(np.float64) - base["w"])
+    expected = base["w"] + reference / weights.sum()
+    got = acc.result(base)["w"]
+    assert got.dtype == np.float32
+    # One rounding of the float32 result, plus (for weights near 0, whose ulp is
+    # finer than an update's) one float32 rounding of an update's size.
+    tolerance = np.spacing(np.abs(expected).astype(np.float32)) + np.spacing(
+        np.float32(1e-3)
+    )
+    assert np.all(np.abs(got - expected) <= tolerance)
+
+
+def test_add_returns_the_update_norm_and_max_norm_clips_it() -> None:
+    base = {"w": np.zeros(2, np.float32), "n": np.array([10], np.int64)}
+    acc = UpdateAccumulator()
+    # ||(3, 4)|| = 5; the integer counter is not part of the norm
+    assert (
+        acc.add({"w": np.array([3, 4], np.float32), "n": np.array([11])}, base, 1.0)
+        == 5.0
+    )
+    clipped = UpdateAccumulator()
+    norm = clipped.add(
+        {"w": np.array([3, 4], np.float32), "n": np.array([11])},
+        base,
+        2.0,
+        max_norm=1.0,
+    )
+    assert norm == 5.0
+    # scaled by 1/5 to norm 1: (0.6, 0.8); the counter is not clipped
+    out = clipped.result(base)
+    assert np.allclose(out["w"], [0.6, 0.8]) and out["n"].tolist() == [11]
+    # an update within the bound is untouched
+    within = UpdateAccumulator()
+    within.add(
+        {"w": np.array([0.3, 0.4], np.float32)}, {"w": base["w"]}, 1.0, max_norm=1
+    )
+    assert np.allclose(within.result({"w": base["w"]})["w"], [0.3, 0.4])
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_a_non_finite_update_is_rejected_and_leaves_the_sum_unchanged(
+    bad: float,
+) -> None:
+    size = 3 * FOLD_CHUNK
+    base = {"a": np.zeros(10, np.float32), "b": np.zeros(size, np.float32)}
+    acc = UpdateAccumulator()
+    acc.add({"a": np.ones(10, np.float32), "b": np.ones(size, np.float32)}, base, 1.0)
+    poisoned = np.full(size, 5.0, np.float32)
+    poisoned[2 * FOLD_CHUNK + 1] = bad  # in the last chunk: two chunks already folded
+    with pytest.raises(ReplyRejected, match="array 'b' contains NaN or Inf"):
+        acc.add({"a": np.full(10, 7.0, np.float32), "b": poisoned}, base, 3.0)
+    assert acc.count == 1 and acc.total_weight == 1.0
+    out = acc.result(base)
+    assert np.array_equal(out["a"], np.ones(10)) and np.array_equal(
+        out["b"], np.ones(size)
+    )
+
+
+def test_an_update_too_large_to_sum_is_rejected() -> None:
+    base = {"w": np.zeros(2, np.float32)}
+    acc = UpdateAccumulator()
+    with pytest.raises(ReplyRejected, match="more than float32 can sum"):
+        acc.add({"w": np.array([3e38, 1], np.float32)}, base, 1.0)
+    assert acc.count == 0
+
+
+def test_float64_replies_fold_into_a_float32_model() -> None:
+    base = {"w": np.array([1.0, 2.0], np.float32)}
+    acc = UpdateAccumulator()
+    acc.add({"w": np.array([2.0, 4.0], np.float64)}, base, 1.0)
+    acc.add({"w": np.array([1.0, 2.0], np.float64)}, base, 1.0)
+    out = acc.result(base)["w"]
+    assert out.dtype == np.float32 and out.tolist() == [1.5, 3.0]
+
+
+def test_array_view_reads_the_bytes_in_place() -> None:
+    matrix = np.arange(12, dtype=np.float32).reshape(3, 4)
+    array = Array(matrix)
+    view = array_view(array)
+    assert np.array_equal(view, matrix) and view.dtype == np.float32
+    assert not view.flags.writeable and not view.flags.owndata  # no copy
+    fortran = array_view(Array(np.asfortranarray(matrix)))
+    assert np.array_equal(fortran, matrix)
+    big_endian = array_view(Array(matrix.astype(">f8")))
+    assert np.array_equal(big_endian, matrix)
+
+
+def test_array_view_refuses_bytes_shorter_than_their_header_says() -> None:
+    array = Array(np.zeros(100, np.float32))
+    array.data = array.data[:-4]
+    with pytest.raises(ValueError):
+        array_view(array)
 
 
 def test_peak_memory_stays_at_a_few_models_whatever_the_number_of_replies() -> None:
@@ -49,9 +163,10 @@ def test_peak_memory_stays_at_a_few_models_whatever_the_number_of_replies() -> N
         tracemalloc.stop()
     assert arrays is not None
     assert float(arrays["w"].numpy()[0]) == pytest.approx((REPLIES - 1) / 2)
-    # Holding every reply would need REPLIES models; streaming needs a handful
-    # (running float64 sum, one decoded reply, its serialised bytes, the result).
-    assert peak < 10 * model_bytes < REPLIES * model_bytes
+    # Holding every reply would need REPLIES models; streaming needs a handful:
+    # the running sum, the reply being built (its array and serialised bytes,
+    # read in place, not decoded), the result and its encoding.
+    assert peak < 6 * model_bytes < REPLIES * model_bytes
 
 
 def _config():  # type: ignore[no-untyped-def]
