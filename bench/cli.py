@@ -1,178 +1,103 @@
-"""``flowerbed bench``: every fleet x strategy x seed, the machinery's cost, one report.
+"""``flowerbed bench``: run some or all sections, update results.json, rebuild the page.
 
-Runs the suite of :mod:`flowerbed.bench.suite` on the in-process engine (in
-``--jobs`` worker processes), then the machinery measurements of
-:mod:`flowerbed.bench.machinery`, and writes ``BENCHMARKS.md`` into ``--out``
-and ``results.json`` plus one accuracy-vs-virtual-time PNG per fleet into
-``--out/benchmarks/``. Every figure in the page is read from ``results.json`` of the
-same run (:mod:`flowerbed.bench.report`).
+Each section (:mod:`flowerbed.bench.sections`) measures one thing and renders its
+part of BENCHMARKS.md. A run updates the sections it ran in
+``<out>/benchmarks/results.json`` and keeps the others, then rebuilds
+``<out>/BENCHMARKS.md`` from every section present. ``--out`` defaults to
+``outputs/bench``; ``--publish`` writes into the checkout's ``docs/`` instead
+(the committed page).
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import platform
 import shlex
 import sys
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-FULL_NODES = 50
-FULL_ROUNDS = 8
-FULL_LOCAL_STEPS = 10
-QUICK_NODES = 4
-QUICK_ROUNDS = 2
-QUICK_LOCAL_STEPS = 2
-LEARNING_RATE = 0.05
-TARGET_ACCURACY = 0.85
-AGGREGATION_NODES = (10, 50, 138, 200)
-QUICK_AGGREGATION_NODES = (2,)
-QUICK_FLOATS = 100_000
-GATEWAY_PHONES = 100
-ENGINE_SCENARIO = {
-    "fleet": "phones-10x",
-    "num-nodes": 10,
-    "num-rounds": 3,
-    "strategy": "fedavg",
-    "dropout": 0.0,
-    "seed": 1,
-}
-"""The scenario both engines run for the wall-clock comparison (kept small: Ray
-starts one worker per CPU and the SuperLink polls)."""
-SELECTION_FLEETS = 30
-QUICK_SELECTION_FLEETS = 3
+from .sections import SECTIONS, SectionRun, app_root, section_module
 
-
-@dataclass
-class BenchPlan:
-    """What one ``flowerbed bench`` invocation runs."""
-
-    fleets: list[str]
-    strategies: list[str]
-    seeds: list[int]
-    num_nodes: int
-    num_rounds: int
-    local_steps: int
-    learning_rate: float
-    target: float
-    jobs: int
-    quick: bool
-    machinery: list[str] = field(default_factory=list)
-
-    @property
-    def cells(self) -> list[tuple[str, str, int]]:
-        return [
-            (f, s, seed)
-            for seed in self.seeds
-            for f in self.fleets
-            for s in self.strategies
-        ]
-
-
-MACHINERY = ("aggregation", "engines", "client", "gateway", "selection")
-"""Machinery parts, in the order they run."""
+DEFAULT_OUT = Path("outputs") / "bench"
 
 
 def register(subparsers: Any) -> None:
-    from flowerbed.bench.suite import FLEETS, STRATEGIES
-
     p = subparsers.add_parser(
         "bench",
         help="benchmark strategies on unequal fleets and the machinery's cost",
-        description="Run every fleet x strategy x seed on the in-process engine "
-        "(virtual time), measure the machinery (aggregation, engines, client "
-        "metering, gateway memory, cluster selection), and write BENCHMARKS.md, "
-        "benchmarks/results.json and benchmarks/accuracy-<fleet>.png into --out.",
+        description="Run the benchmark's sections (default all: "
+        f"{', '.join(SECTIONS)}), merge them into <out>/benchmarks/results.json "
+        "(sections not run keep their figures) and rebuild <out>/BENCHMARKS.md "
+        "from every section present. --publish regenerates the checkout's "
+        "docs/BENCHMARKS.md instead.",
     )
     p.add_argument(
         "--quick",
         action="store_true",
-        help=f"tiny run ({QUICK_NODES} nodes, {QUICK_ROUNDS} rounds, 1 seed, toy "
-        "machinery sizes, no Ray and no gateway): proves the suite works",
-    )
-    p.add_argument("--seeds", type=int, help="seeds per cell (default 3; quick 1)")
-    p.add_argument("--out", default="docs", help="output folder (default docs)")
-    p.add_argument("--nodes", type=int, help=f"nodes per fleet (default {FULL_NODES})")
-    p.add_argument("--rounds", type=int, help=f"rounds per run (default {FULL_ROUNDS})")
-    p.add_argument(
-        "--fleets",
-        help=f"comma-separated subset of: {', '.join(FLEETS)} (default all)",
+        help="toy sizes that prove every section works (no Ray, no gateway)",
     )
     p.add_argument(
-        "--strategies",
-        help=f"comma-separated subset of: {', '.join(STRATEGIES)} (default all)",
+        "--sections",
+        help=f"comma-separated subset of: {', '.join(SECTIONS)} (default all)",
     )
-    p.add_argument(
-        "--machinery",
-        help=f"comma-separated subset of: {', '.join(MACHINERY)}, or 'none' "
-        "(default all)",
+    where = p.add_mutually_exclusive_group()
+    where.add_argument(
+        "--out", help=f"output folder (default {DEFAULT_OUT}, under the current folder)"
     )
-    p.add_argument(
-        "--jobs",
-        type=int,
-        help="worker processes for the suite (default: CPU count; quick: 1)",
+    where.add_argument(
+        "--publish",
+        action="store_true",
+        help="write into the checkout's docs/ (the committed BENCHMARKS.md)",
     )
+    for name in SECTIONS:
+        hook = getattr(section_module(name), "add_arguments", None)
+        if hook is not None:
+            hook(p)
     p.set_defaults(func=run)
 
 
-def _split(text: str | None) -> list[str] | None:
-    if text is None:
-        return None
-    return [t.strip() for t in text.split(",") if t.strip()]
+def sections_from_args(args: argparse.Namespace) -> list[str]:
+    """The sections to run, each checked; ``ValueError`` naming a bad option."""
+    from .suite_section import split
+
+    names = split(args.sections) or list(SECTIONS)
+    for name in names:
+        section_module(name)
+    for name in names:
+        checker = getattr(section_module(name), "check", None)
+        if checker is not None:
+            checker(args)
+    return names
 
 
-def plan_from_args(args: argparse.Namespace) -> BenchPlan:
-    """Check the options; raise ``ValueError`` naming the bad one."""
-    from flowerbed.bench.suite import FLEETS, STRATEGIES, resolve
-
-    quick = bool(args.quick)
-    seeds = args.seeds if args.seeds is not None else (1 if quick else 3)
-    nodes = (
-        args.nodes if args.nodes is not None else (QUICK_NODES if quick else FULL_NODES)
-    )
-    rounds = (
-        args.rounds
-        if args.rounds is not None
-        else (QUICK_ROUNDS if quick else FULL_ROUNDS)
-    )
-    jobs = args.jobs if args.jobs is not None else (1 if quick else os.cpu_count() or 1)
-    for name, value, low in (
-        ("--seeds", seeds, 1),
-        ("--nodes", nodes, 2),
-        ("--rounds", rounds, 1),
-        ("--jobs", jobs, 1),
-    ):
-        if value < low:
-            raise ValueError(f"{name} must be >= {low}, got {value}")
-    machinery_arg = _split(args.machinery)
-    if machinery_arg == ["none"]:
-        machinery: list[str] = []
-    else:
-        machinery = resolve(
-            machinery_arg or MACHINERY, dict.fromkeys(MACHINERY), "machinery part"
+def out_dir(args: argparse.Namespace) -> Path:
+    """Where the page goes; ``ValueError`` when --publish has no checkout."""
+    if not args.publish:
+        return Path(args.out) if args.out else DEFAULT_OUT
+    root = app_root()
+    if not (root / "pyproject.toml").is_file() or not (root / "docs").is_dir():
+        raise ValueError(
+            f"--publish regenerates a source checkout's docs/, but flowerbed runs "
+            f"from {root}, which is not one; use --out"
         )
-    return BenchPlan(
-        fleets=resolve(_split(args.fleets) or FLEETS, FLEETS, "fleet"),
-        strategies=resolve(
-            _split(args.strategies) or STRATEGIES, STRATEGIES, "strategy"
-        ),
-        seeds=list(range(1, seeds + 1)),
-        num_nodes=nodes,
-        num_rounds=rounds,
-        local_steps=QUICK_LOCAL_STEPS if quick else FULL_LOCAL_STEPS,
-        learning_rate=LEARNING_RATE,
-        target=TARGET_ACCURACY,
-        jobs=jobs,
-        quick=quick,
-        machinery=machinery,
-    )
+    return root / "docs"
+
+
+def writable(folder: Path) -> None:
+    """Create ``folder`` and its ``benchmarks/``, and check both can be written,
+    before anything runs."""
+    for path in (folder, folder / "benchmarks"):
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise ValueError(f"--out {folder}: cannot create {path} ({err})") from err
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise ValueError(f"--out {folder}: {path} is not writable")
 
 
 def machine_info() -> dict[str, Any]:
@@ -216,134 +141,37 @@ def versions() -> dict[str, str]:
     }
 
 
-def _quiet() -> None:
-    """Keep Flower's per-reply logging out of the progress display."""
-    for name in ("flwr", "flowerbed"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-
-
-def _cell(
-    fleet: str,
-    strategy: str,
-    seed: int,
-    nodes: int,
-    rounds: int,
-    steps: int,
-    lr: float,
-    target: float,
+def run_section(
+    name: str, args: argparse.Namespace, data_dir: Path, previous: Any, progress: Any
 ) -> dict[str, Any]:
-    from flowerbed.bench.suite import run_cell
-
-    _quiet()
+    """Run one section; its entry for results.json (an error is recorded)."""
+    started_at = datetime.now(timezone.utc)
     started = time.monotonic()
+    entry: dict[str, Any] = {
+        "created": started_at.isoformat(timespec="seconds"),
+        "command": "flowerbed " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+        "machine": machine_info(),
+        "versions": versions(),
+    }
+    ctx = SectionRun(
+        name,
+        args,
+        data_dir,
+        previous.get("data") if isinstance(previous, dict) else None,
+        progress,
+    )
     try:
-        out = run_cell(
-            fleet,
-            strategy,
-            seed,
-            num_nodes=nodes,
-            num_rounds=rounds,
-            local_steps=steps,
-            learning_rate=lr,
-            target=target,
-        )
-    except Exception as err:  # a crashing strategy is a result, not the end
-        out = {
-            "fleet": fleet,
-            "strategy": strategy,
-            "seed": seed,
-            "error": f"{type(err).__name__}: {err}",
-        }
-    out["run_wall_s"] = time.monotonic() - started
-    return out
+        data = section_module(name).run(ctx)
+    except Exception as err:  # a failing section is a result, not the end
+        data = {"error": f"{type(err).__name__}: {err}"}
+    entry.update(wall_s=time.monotonic() - started, data=data)
+    return entry
 
 
-def run_suite(
-    plan: BenchPlan, on_done: Callable[[dict[str, Any]], None]
-) -> list[dict[str, Any]]:
-    """Run every cell (``plan.jobs`` processes); ``on_done`` is called per cell."""
-    args = [
-        (
-            f,
-            s,
-            seed,
-            plan.num_nodes,
-            plan.num_rounds,
-            plan.local_steps,
-            plan.learning_rate,
-            plan.target,
-        )
-        for f, s, seed in plan.cells
-    ]
-    cells: list[dict[str, Any]] = []
-    if plan.jobs == 1:
-        for a in args:
-            cells.append(_cell(*a))
-            on_done(cells[-1])
-        return cells
-    import multiprocessing
-
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(plan.jobs, mp_context=context) as pool:
-        futures = [pool.submit(_cell, *a) for a in args]
-        for future in as_completed(futures):
-            cells.append(future.result())
-            on_done(cells[-1])
-    order = {c: i for i, c in enumerate(plan.cells)}
-    cells.sort(key=lambda c: order[(c["fleet"], c["strategy"], c["seed"])])
-    return cells
-
-
-def run_machinery(plan: BenchPlan, part: str, app_dir: Path) -> dict[str, Any]:
-    """One machinery part at the plan's size; failures are recorded, not raised."""
-    from flowerbed.bench import machinery as m
-    from flowerbed.bench.aggregation import RESNET50_FLOATS
-
-    started = time.monotonic()
-    try:
-        if part == "aggregation":
-            out = m.aggregation_cost(
-                QUICK_AGGREGATION_NODES if plan.quick else AGGREGATION_NODES,
-                QUICK_FLOATS if plan.quick else RESNET50_FLOATS,
-            )
-        elif part == "engines":
-            out = (
-                {"skipped": "--quick does not start Ray"}
-                if plan.quick
-                else m.engine_wallclock(dict(ENGINE_SCENARIO), app_dir)
-            )
-        elif part == "client":
-            out = m.client_overhead(repeats=3 if plan.quick else 30)
-        elif part == "gateway":
-            out = (
-                {"skipped": "--quick does not start a gateway"}
-                if plan.quick
-                else m.gateway_memory(GATEWAY_PHONES)
-            )
-        elif part == "selection":
-            out = m.selection(
-                QUICK_SELECTION_FLEETS if plan.quick else SELECTION_FLEETS,
-                seed=0,
-                truth_rounds=2 if plan.quick else 2000,
-                num_rounds=10 if plan.quick else 100,
-            )
-        else:
-            raise ValueError(f"unknown machinery part {part!r}")
-    except Exception as err:  # recorded in the report
-        out = {"error": f"{type(err).__name__}: {err}"}
-    out["part_wall_s"] = time.monotonic() - started
-    return out
-
-
-def app_root() -> Path:
-    """The Flower app folder (the repository root holding pyproject.toml)."""
-    return Path(__file__).resolve().parents[1]
-
-
-def bench(plan: BenchPlan, out_dir: Path, command: str, console: Any) -> dict[str, Any]:
-    """Run the plan with a progress bar; write the report; return results.json."""
-    from flowerbed.bench import report as bench_report
-    from flowerbed.bench import suite as bench_suite
+def bench(
+    names: Sequence[str], args: argparse.Namespace, out: Path, console: Any
+) -> dict[str, Any]:
+    """Run ``names`` with a progress display; write the merged results and page."""
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -353,10 +181,13 @@ def bench(plan: BenchPlan, out_dir: Path, command: str, console: Any) -> dict[st
         TimeRemainingColumn,
     )
 
-    started_at = datetime.now(timezone.utc)
-    started = time.monotonic()
-    machine = machine_info()
-    _quiet()
+    from . import report
+    from .suite_section import quiet
+
+    results = report.load(out)
+    data_dir = out / report.RESULTS_DIR
+    data_dir.mkdir(parents=True, exist_ok=True)
+    quiet()
     progress = Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -366,55 +197,12 @@ def bench(plan: BenchPlan, out_dir: Path, command: str, console: Any) -> dict[st
         TimeRemainingColumn(),
         console=console,
     )
-    results: dict[str, Any] = {
-        "created": started_at.isoformat(timespec="seconds"),
-        "command": command,
-        "machine": machine,
-        "versions": versions(),
-        "settings": {
-            **{k: v for k, v in asdict(plan).items() if k != "jobs"},
-            "jobs": plan.jobs,
-            "reference": bench_suite.REFERENCE,
-            "fleet_descriptions": {
-                f: asdict(bench_suite.FLEETS[f]) for f in plan.fleets
-            },
-            "strategy_descriptions": {
-                s: bench_suite.STRATEGIES[s].description for s in plan.strategies
-            },
-        },
-    }
     with progress:
-        suite = progress.add_task("suite", total=len(plan.cells), last="")
-
-        def done(cell: dict[str, Any]) -> None:
-            status = "error" if "error" in cell else f"{cell['run_wall_s']:.0f}s"
-            progress.update(
-                suite,
-                advance=1,
-                last=f"{cell['fleet']} / {cell['strategy']} / seed {cell['seed']}: "
-                f"{status}",
-            )
-
-        cells = run_suite(plan, done)
-        machinery: dict[str, Any] = {}
-        if plan.machinery:
-            parts = progress.add_task("machinery", total=len(plan.machinery), last="")
-            for part in plan.machinery:
-                progress.update(parts, last=part)
-                machinery[part] = run_machinery(plan, part, app_root())
-                progress.update(parts, advance=1)
-    ok = [c for c in cells if "error" not in c]
-    summary = bench_suite.summarise_cells(ok)
-    results.update(
-        cells=cells,
-        errors=[c for c in cells if "error" in c],
-        summary=summary,
-        headline=bench_suite.headline(ok, summary),
-        machinery={k: v for k, v in machinery.items() if k != "selection"},
-        selection=machinery.get("selection", {"skipped": "not run (--machinery)"}),
-        wall_s=time.monotonic() - started,
-    )
-    bench_report.write(results, out_dir)
+        for name in names:
+            previous = results["sections"].get(name)
+            entry = run_section(name, args, data_dir, previous, progress)
+            results["sections"][name] = entry
+            report.write(results, out)
     return results
 
 
@@ -423,23 +211,35 @@ def run(args: argparse.Namespace) -> int:
 
     console = Console()
     try:
-        plan = plan_from_args(args)
+        names = sections_from_args(args)
+        out = out_dir(args)
+        writable(out)
     except ValueError as err:
-        console.print(f"[red]flowerbed bench: error:[/red] {err}")
+        print(f"flowerbed bench: error: {err}", file=sys.stderr)
         return 2
-    command = "flowerbed " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    results = bench(plan, Path(args.out), command, console)
-    from flowerbed.bench.report import headline_sentence
+    started = time.monotonic()
+    results = bench(names, args, out, console)
+    from .report import PAGE, headline_sentence
 
-    console.print(headline_sentence(results["headline"]))
-    errors = results["errors"]
-    if errors:
-        console.print(f"[yellow]{len(errors)} runs failed; see BENCHMARKS.md[/yellow]")
+    failed = []
+    for name in names:
+        data = results["sections"][name]["data"]
+        if "error" in data:
+            failed.append(f"{name} ({data['error']})")
+        if name == "suite" and "headline" in data:
+            console.print(headline_sentence(data["headline"]))
+            if data["errors"]:
+                console.print(
+                    f"[yellow]{len(data['errors'])} suite runs failed; see "
+                    f"{PAGE}[/yellow]"
+                )
+    if failed:
+        console.print(f"[red]sections that failed:[/red] {'; '.join(failed)}")
     console.print(
-        f"wrote {Path(args.out) / 'BENCHMARKS.md'} and "
-        f"{Path(args.out) / 'benchmarks'} in {results['wall_s'] / 60:.1f} min"
+        f"wrote {out / PAGE} and {out / 'benchmarks'} "
+        f"({', '.join(names)}) in {(time.monotonic() - started) / 60:.1f} min"
     )
-    return 0
+    return 1 if failed else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 from flowerbed.bench import machinery as bench_machinery
 from flowerbed.bench import suite as bench_suite
-from flowerbed.bench.cli import MACHINERY, plan_from_args
+from flowerbed.bench.cli import sections_from_args
+from flowerbed.bench.machinery_section import PARTS
 from flowerbed.bench.suite import (
     FLEETS,
     REFERENCE,
@@ -44,12 +45,20 @@ def test_quick_bench_writes_page_results_and_one_plot_per_fleet(tmp_path: Path) 
     assert main(["bench", "--quick", "--out", str(out)]) == 0
 
     results = json.loads((out / "benchmarks" / "results.json").read_text())
-    settings = results["settings"]
+    assert results["format"] == 2
+    assert list(results["sections"]) == ["suite", "machinery", "selection"]
+    for entry in results["sections"].values():
+        for key in ("created", "command", "machine", "versions", "wall_s", "data"):
+            assert key in entry
+        assert entry["machine"]["cpu_count"] >= 1
+        assert entry["command"].startswith("flowerbed ")
+    suite = results["sections"]["suite"]["data"]
+    settings = suite["settings"]
     assert settings["quick"] and settings["seeds"] == [1]
     assert settings["fleets"] == list(FLEETS)
     assert settings["strategies"] == list(STRATEGIES)
-    assert len(results["cells"]) == len(FLEETS) * len(STRATEGIES)
-    for cell in results["cells"]:
+    assert len(suite["cells"]) == len(FLEETS) * len(STRATEGIES)
+    for cell in suite["cells"]:
         if "error" in cell:
             continue
         assert cell["rounds"] == 2 * STRATEGIES[cell["strategy"]].versions_per_round
@@ -63,22 +72,24 @@ def test_quick_bench_writes_page_results_and_one_plot_per_fleet(tmp_path: Path) 
     for fleet in FLEETS:
         png = out / "benchmarks" / f"accuracy-{fleet}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "available" in results["headline"]
-    for key in ("created", "command", "machine", "versions", "wall_s", "selection"):
-        assert key in results
-    assert results["machine"]["cpu_count"] >= 1
-    assert set(results["machinery"]) == set(MACHINERY) - {"selection"}
-    agg = results["machinery"]["aggregation"]
+    assert "available" in suite["headline"]
+    machinery = results["sections"]["machinery"]["data"]
+    assert list(machinery) == list(PARTS)
+    agg = machinery["aggregation"]
     assert {p["method"] for p in agg["points"]} == {"streaming", "flower"}
-    assert results["machinery"]["engines"]["skipped"]
-    assert results["machinery"]["gateway"]["skipped"]
+    assert machinery["engines"]["skipped"]
+    assert machinery["gateway"]["skipped"]
+    assert "objectives" in results["sections"]["selection"]["data"]
 
     page = (out / "BENCHMARKS.md").read_text()
-    assert results["created"] in page
-    assert results["command"] in page
+    for entry in results["sections"].values():
+        assert entry["created"] in page
+        assert entry["command"] in page
     for fleet in FLEETS:
         assert f"### {fleet}" in page
         assert f"benchmarks/accuracy-{fleet}.png" in page
+    for heading in ("## Headline", "## Machinery cost", "## Cluster selection"):
+        assert heading in page
 
 
 def test_spread_is_median_min_max_of_the_runs_that_have_a_value() -> None:
@@ -161,7 +172,9 @@ def test_planned_memory_follows_each_algorithm() -> None:
         ("fleets", "phones-10x,laptops", "unknown fleet 'laptops'; valid choices: "),
         ("strategies", "fedsgd", "unknown strategy 'fedsgd'; valid choices: "),
         ("machinery", "gpu", "unknown machinery part 'gpu'; valid choices: "),
+        ("machinery", "selection", "unknown machinery part 'selection'; valid "),
         ("seeds", 0, "--seeds must be >= 1"),
+        ("sections", "suite,tiles", "unknown section 'tiles'; valid choices: "),
     ],
 )
 def test_bad_options_name_the_valid_choices(
@@ -178,7 +191,8 @@ def test_bad_options_name_the_valid_choices(
         strategies=None,
         machinery=None,
         jobs=None,
+        sections=None,
     )
     setattr(args, option, value)
     with pytest.raises(ValueError, match=message):
-        plan_from_args(args)
+        sections_from_args(args)

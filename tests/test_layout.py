@@ -1,8 +1,9 @@
-"""The layout's arrows point one way: strategies/ and parallel/ never import the
-simulator (flowerbed.sims) or the benchmark (flowerbed.bench).
+"""The layout's arrows point one way (docs/architecture.md, "Packages").
 
-Imports are read with ``ast`` from the source, so an import inside a function
-counts as much as one at the top of a module.
+strategies/ and parallel/ never import the simulator (flowerbed.sims) or the
+benchmark (flowerbed.bench); nothing but the benchmark imports the benchmark; the
+core imports no other part. Imports are read with ``ast`` from the source, so an
+import inside a function counts as much as one at the top of a module.
 """
 
 from __future__ import annotations
@@ -14,8 +15,20 @@ import pytest
 
 ROOT = Path(__file__).parents[1]
 GUARDED = {"strategies": "flowerbed.strategies", "parallel": "flowerbed.parallel"}
-"""Folder -> the package it installs as."""
+"""Folder -> the package it installs as (the two the issue names)."""
 FORBIDDEN = ("flowerbed.sims", "flowerbed.bench")
+PARTS = ("strategies", "parallel", "clients", "sims", "bench")
+"""The sub-packages of flowerbed; any other ``flowerbed.x`` is the core (core/)."""
+MAY_IMPORT = {
+    "core": set(),
+    "strategies": {"parallel"},
+    "parallel": set(),
+    "clients": {"strategies", "parallel"},
+    "sims": {"strategies", "clients", "parallel"},
+    "bench": {"strategies", "clients", "sims", "parallel"},
+}
+"""Folder -> the other parts its modules may import (each may import the core and
+itself). The table of docs/architecture.md."""
 
 
 def imported_modules(path: Path, package: str) -> list[tuple[int, str]]:
@@ -44,7 +57,18 @@ def imported_modules(path: Path, package: str) -> list[tuple[int, str]]:
 def package_of(path: Path, folder: str) -> str:
     """Dotted package of a module file under ``folder``."""
     rel = path.relative_to(ROOT / folder).parent
-    return ".".join([GUARDED[folder], *rel.parts])
+    top = "flowerbed" if folder == "core" else f"flowerbed.{folder}"
+    return ".".join([top, *rel.parts])
+
+
+def part_of(module: str) -> str | None:
+    """The folder a ``flowerbed`` module lives in (None: not flowerbed)."""
+    names = module.split(".")
+    if names[0] != "flowerbed":
+        return None
+    if len(names) > 1 and names[1] in PARTS:
+        return names[1]
+    return "core"
 
 
 def is_forbidden(module: str) -> bool:
@@ -88,3 +112,25 @@ def test_folder_does_not_import_the_simulator_or_the_benchmark(folder: str) -> N
         if is_forbidden(module)
     ]
     assert bad == []
+
+
+@pytest.mark.parametrize("folder", sorted(MAY_IMPORT))
+def test_each_part_imports_only_what_the_architecture_page_allows(folder: str) -> None:
+    base = ROOT / folder
+    if not base.is_dir():
+        pytest.skip(f"{folder}/ does not exist yet")
+    allowed = MAY_IMPORT[folder] | {folder, "core"}
+    bad = [
+        f"{path.relative_to(ROOT)}:{line} imports {module}"
+        for path in sorted(base.rglob("*.py"))
+        for line, module in imported_modules(path, package_of(path, folder))
+        if part_of(module) not in allowed | {None}
+    ]
+    assert bad == []
+
+
+def test_the_table_matches_the_architecture_page() -> None:
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    for folder, allowed in MAY_IMPORT.items():
+        names = ", ".join(sorted(allowed)) if allowed else "nothing else"
+        assert f"| `{folder}/` | {names} |" in page, folder

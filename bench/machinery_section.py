@@ -1,0 +1,115 @@
+"""Section "machinery": what the machinery costs, part by part.
+
+Parts (``--machinery``, default all): ``aggregation`` (streaming against Flower's
+list aggregation), ``engines`` (in-process engine against ``flwr run`` on Ray),
+``client`` (client-side metering overhead), ``gateway`` (gateway memory per
+phone); see :mod:`flowerbed.bench.machinery`. Rerunning some parts keeps the
+others' figures from the previous results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Mapping
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from .sections import SectionRun, app_root
+
+TITLE = "Machinery cost"
+PARTS = ("aggregation", "engines", "client", "gateway")
+"""Machinery parts, in the order they run."""
+AGGREGATION_NODES = (10, 50, 138, 200)
+QUICK_AGGREGATION_NODES = (2,)
+QUICK_FLOATS = 100_000
+GATEWAY_PHONES = 100
+ENGINE_SCENARIO = {
+    "fleet": "phones-10x",
+    "num-nodes": 10,
+    "num-rounds": 3,
+    "strategy": "fedavg",
+    "dropout": 0.0,
+    "seed": 1,
+}
+"""The scenario both engines run for the wall-clock comparison (kept small: Ray
+starts one worker per CPU and the SuperLink polls)."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("machinery section")
+    g.add_argument(
+        "--machinery",
+        help=f"comma-separated subset of: {', '.join(PARTS)} (default all); the "
+        "other parts keep their previous figures",
+    )
+
+
+def parts_from_args(args: argparse.Namespace) -> list[str]:
+    """The parts to run; ``ValueError`` naming an unknown one."""
+    from .suite_section import split
+
+    parts = split(getattr(args, "machinery", None)) or list(PARTS)
+    for part in parts:
+        if part not in PARTS:
+            raise ValueError(
+                f"unknown machinery part {part!r}; valid choices: {', '.join(PARTS)}"
+            )
+    return parts
+
+
+def check(args: argparse.Namespace) -> None:
+    parts_from_args(args)
+
+
+def run_part(part: str, quick: bool, app_dir: Path) -> dict[str, Any]:
+    """One part at the plan's size; failures are recorded, not raised."""
+    from flowerbed.bench import machinery as m
+    from flowerbed.bench.aggregation import RESNET50_FLOATS
+
+    started = time.monotonic()
+    try:
+        if part == "aggregation":
+            out = m.aggregation_cost(
+                QUICK_AGGREGATION_NODES if quick else AGGREGATION_NODES,
+                QUICK_FLOATS if quick else RESNET50_FLOATS,
+            )
+        elif part == "engines":
+            out = (
+                {"skipped": "--quick does not start Ray"}
+                if quick
+                else m.engine_wallclock(dict(ENGINE_SCENARIO), app_dir)
+            )
+        elif part == "client":
+            out = m.client_overhead(repeats=3 if quick else 30)
+        elif part == "gateway":
+            out = (
+                {"skipped": "--quick does not start a gateway"}
+                if quick
+                else m.gateway_memory(GATEWAY_PHONES)
+            )
+        else:
+            raise ValueError(f"unknown machinery part {part!r}")
+    except Exception as err:  # recorded in the report
+        out = {"error": f"{type(err).__name__}: {err}"}
+    out["part_wall_s"] = time.monotonic() - started
+    return out
+
+
+def run(ctx: SectionRun) -> dict[str, Any]:
+    parts = parts_from_args(ctx.args)
+    step = ctx.tracker(len(parts))
+    previous = dict(ctx.previous or {})
+    out = {p: previous[p] for p in PARTS if p in previous and p not in parts}
+    for part in parts:
+        measured = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        out[part] = {"measured": measured, **run_part(part, ctx.quick, app_root())}
+        step(part)
+    return {p: out[p] for p in PARTS if p in out}
+
+
+def render(data: Mapping[str, Any]) -> list[str]:
+    from flowerbed.bench import report
+
+    return report.machinery_lines(data)

@@ -1,0 +1,36 @@
+"""Section "selection": how often ClusterSelection picks the best configuration.
+
+:func:`flowerbed.bench.machinery.selection` over random simulated fleets (seed 0),
+against the ground truth of the virtual clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from .sections import SectionRun
+
+TITLE = "Cluster selection"
+FLEETS = 30
+QUICK_FLEETS = 3
+
+
+def run(ctx: SectionRun) -> dict[str, Any]:
+    from flowerbed.bench import machinery
+
+    step = ctx.tracker(1)
+    out = machinery.selection(
+        QUICK_FLEETS if ctx.quick else FLEETS,
+        seed=0,
+        truth_rounds=2 if ctx.quick else 2000,
+        num_rounds=10 if ctx.quick else 100,
+    )
+    step("selection")
+    return out
+
+
+def render(data: Mapping[str, Any]) -> list[str]:
+    from flowerbed.bench import report
+
+    return ["## Cluster selection", "", *report.selection_lines(data)]
