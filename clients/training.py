@@ -6,7 +6,7 @@ Every flowerbed node (simulated, board, phone gateway) trains through
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,23 +49,17 @@ def train_steps(
         raise ValueError(f"steps must be >= 0, got {steps}")
     if len(x) == 0:
         raise ValueError("no training samples")
-    rng = np.random.default_rng(seed)
     params = [p for p in model.parameters() if p.requires_grad]
     loss_fn = nn.CrossEntropyLoss()
     xt = torch.from_numpy(np.ascontiguousarray(x))
     yt = torch.from_numpy(np.ascontiguousarray(y))
-    batch = max(1, min(batch_size, len(x)))
-    order = rng.permutation(len(x))
-    cursor = 0
+    batches = minibatches(len(x), batch_size, seed)
     done = examples = 0
     loss_sum = 0.0
     anchor = [p.detach().clone() for p in model.parameters()] if proximal_mu else []
     model.train()
     while done < steps and not (should_stop is not None and should_stop(done)):
-        if cursor + batch > len(order):
-            order, cursor = rng.permutation(len(x)), 0
-        idx = torch.from_numpy(order[cursor : cursor + batch])
-        cursor += batch
+        idx = torch.from_numpy(next(batches))
         model.zero_grad(set_to_none=True)
         loss = loss_fn(model(xt[idx]), yt[idx])
         objective = loss
@@ -81,6 +75,23 @@ def train_steps(
         done += 1
         examples += len(idx)
     return TrainStats(done, examples, loss_sum / done if done else float("nan"))
+
+
+def minibatches(num_samples: int, batch_size: int, seed: int) -> Iterator[np.ndarray]:
+    """Endless minibatch indices: a seeded permutation, reshuffled at each pass.
+
+    Batches hold ``min(batch_size, num_samples)`` indices (at least 1); a pass
+    that cannot fill a whole batch is dropped and the data reshuffled.
+    """
+    rng = np.random.default_rng(seed)
+    batch = max(1, min(batch_size, num_samples))
+    order = rng.permutation(num_samples)
+    cursor = 0
+    while True:
+        if cursor + batch > len(order):
+            order, cursor = rng.permutation(num_samples), 0
+        yield order[cursor : cursor + batch]
+        cursor += batch
 
 
 def _sgd_step(params: Sequence[torch.Tensor], lr: float) -> None:

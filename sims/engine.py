@@ -8,6 +8,14 @@ replies that have arrived by the virtual now, so any ServerApp and strategy writ
 against Flower's ``Grid`` runs unchanged, deterministically, and much faster than
 real time. A node that vanishes never replies; like Flower's SuperLink, the engine
 then answers with an error once the message's TTL has expired.
+
+Using the machine: given a ``batch_train`` runner (for the simulated fleet,
+:func:`flowerbed.sims.node.train_batch`), the train messages of one
+``push_messages`` call run together: the runner trains nodes of one architecture
+as one batched computation, and with ``workers`` > 1 the messages are split over
+that many worker processes (one model per worker; each task draws from its own
+random stream, so where it runs does not change what it draws). Arrival times,
+and so the virtual clock, depend only on what the replies report.
 """
 
 from __future__ import annotations
@@ -16,13 +24,16 @@ import heapq
 import itertools
 import logging
 import math
-from collections.abc import Iterable, Mapping, Sequence
+import multiprocessing
+import weakref
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from multiprocessing.pool import Pool
 
 from flowerbed import keys
 from flowerbed.clock import collect_replies
 from flowerbed.sims.vclock import NodeDropout
-from flwr.app import Context, Error, Message, RecordDict
+from flwr.app import Context, Error, Message, MessageType, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
 from flwr.serverapp import Grid
@@ -33,6 +44,9 @@ log = logging.getLogger(__name__)
 
 DURATION_KEYS = (keys.TRAIN_TIME_S, keys.COMM_TIME_S, keys.EVAL_TIME_S)
 """Reply metrics whose sum is the virtual time from dispatch to arrival."""
+
+BatchRunner = Callable[[Sequence[tuple[Message, Context]]], list[Message | Exception]]
+"""Runs many train tasks; returns each one's reply or the exception it raised."""
 
 
 class VirtualClock:
@@ -87,6 +101,13 @@ class FleetGrid(Grid):
         Flower run config handed to every node's ``Context``.
     run_id : int (default: 1)
         Run id stamped on messages.
+    batch_train : BatchRunner | None (default: None)
+        Runs the train messages of one push together (instead of ``client_app``
+        one by one); must answer each message as ``client_app`` would.
+    workers : int (default: 0)
+        Worker processes for ``batch_train`` (0 or 1: this process). Each gets a
+        copy of the nodes' contexts: a ClientApp that keeps state in
+        ``context.state`` across rounds needs ``workers=0``.
     """
 
     def __init__(
@@ -95,8 +116,18 @@ class FleetGrid(Grid):
         nodes: Sequence[SimNode],
         run_config: Mapping[str, bool | float | int | str],
         run_id: int = 1,
+        *,
+        batch_train: BatchRunner | None = None,
+        workers: int = 0,
     ) -> None:
+        if workers < 0:
+            raise ValueError(f"workers must be >= 0, got {workers}")
+        if workers > 1 and batch_train is None:
+            raise ValueError("workers > 1 needs a batch_train runner")
         self.client_app = client_app
+        self.batch_train = batch_train
+        self.workers = workers
+        self._pool: Pool | None = None
         self.clock = VirtualClock(self)
         self._nodes = {n.node_id: n for n in nodes}
         if len(self._nodes) != len(nodes):
@@ -146,16 +177,20 @@ class FleetGrid(Grid):
         return sorted(self._nodes)
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        ids = []
-        for message in messages:
+        batch = list(messages)
+        for message in batch:
             if message.metadata.dst_node_id not in self._nodes:
                 raise ValueError(
                     f"message for unknown node {message.metadata.dst_node_id}"
                 )
-            seq = next(self._seq)
-            message_id = f"sim-{seq:09d}"
+        seqs = [next(self._seq) for _ in batch]
+        ids = [f"sim-{seq:09d}" for seq in seqs]
+        for message, message_id in zip(batch, ids, strict=True):
             message.metadata.__dict__["_message_id"] = message_id
-            reply, after_s = self._execute(message)
+        outcomes = self._run_all(batch)
+        for message, seq, message_id, (reply, after_s) in zip(
+            batch, seqs, ids, outcomes, strict=True
+        ):
             ttl = message.metadata.ttl
             if after_s > ttl:  # too late: the reply is dropped, the TTL expires
                 reply = Message(
@@ -170,7 +205,6 @@ class FleetGrid(Grid):
                 self._in_flight,
                 _Pending(self.clock.now() + after_s, seq, message_id, reply),
             )
-            ids.append(message_id)
         return ids
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
@@ -193,31 +227,121 @@ class FleetGrid(Grid):
         later = [p.arrival for p in self._in_flight if p.arrival > t]
         return min(later) if later else None
 
-    def _execute(self, message: Message) -> tuple[Message, float]:
-        """Run the node's ClientApp; return its reply and virtual seconds to arrival."""
-        context = self._contexts[message.metadata.dst_node_id]
-        self.messages_run += 1
-        try:
-            reply = self.client_app(message, context)
-        except NodeDropout as drop:
-            if drop.silent:
-                return Message(
-                    Error(ErrorCode.REPLY_MESSAGE_UNAVAILABLE, str(drop)),
-                    reply_to=message,
-                ), math.inf
+    def close(self) -> None:
+        """Stop the worker processes (if any); the grid can start them again."""
+        if self._pool is not None:
+            self._pool.terminate()
+            self._pool.join()
+            self._pool = None
+
+    def _run_all(self, messages: Sequence[Message]) -> list[tuple[Message, float]]:
+        """Every message's reply and virtual seconds to arrival, in order."""
+        self.messages_run += len(messages)
+        train = [
+            i
+            for i, m in enumerate(messages)
+            if self.batch_train is not None
+            and m.metadata.message_type == MessageType.TRAIN
+        ]
+        out: list[tuple[Message, float] | None] = [None] * len(messages)
+        if train:
+            tasks = [messages[i] for i in train]
+            for i, outcome in zip(train, self._run_train(tasks), strict=True):
+                out[i] = outcome
+        for i, message in enumerate(messages):
+            if out[i] is None:
+                out[i] = _outcome(
+                    message, _call(self.client_app, message, self._context(message))
+                )
+        return [o for o in out if o is not None]
+
+    def _context(self, message: Message) -> Context:
+        return self._contexts[message.metadata.dst_node_id]
+
+    def _run_train(self, tasks: Sequence[Message]) -> list[tuple[Message, float]]:
+        assert self.batch_train is not None
+        if self.workers <= 1 or len(tasks) < 2:
+            return _run_batch(self.batch_train, [(m, self._context(m)) for m in tasks])
+        pool = self._worker_pool()
+        size = math.ceil(len(tasks) / min(self.workers, len(tasks)))
+        chunks = [tasks[i : i + size] for i in range(0, len(tasks), size)]
+        pending = [pool.apply_async(_worker_run, (chunk,)) for chunk in chunks]
+        return [outcome for job in pending for outcome in job.get()]
+
+    def _worker_pool(self) -> Pool:
+        if self._pool is None:
+            methods = multiprocessing.get_all_start_methods()
+            context = multiprocessing.get_context(
+                "fork" if "fork" in methods else "spawn"
+            )
+            self._pool = context.Pool(
+                self.workers,
+                initializer=_worker_init,
+                initargs=(self.batch_train, self._contexts, self._run.run_id),
+            )
+            weakref.finalize(self, self._pool.terminate)
+        return self._pool
+
+
+_WORKER: tuple[BatchRunner, Mapping[int, Context]] | None = None
+"""This worker process's runner and node contexts (set by ``_worker_init``)."""
+
+
+def _worker_init(
+    runner: BatchRunner, contexts: Mapping[int, Context], run_id: int
+) -> None:
+    global _WORKER
+    _WORKER = (runner, contexts)
+    TaskIdentity.run_id = run_id
+    TaskIdentity.node_id = SUPERLINK_NODE_ID
+    TaskIdentity.task_id = 0
+
+
+def _worker_run(tasks: Sequence[Message]) -> list[tuple[Message, float]]:
+    assert _WORKER is not None, "worker not initialised"
+    runner, contexts = _WORKER
+    return _run_batch(runner, [(m, contexts[m.metadata.dst_node_id]) for m in tasks])
+
+
+def _run_batch(
+    runner: BatchRunner, tasks: Sequence[tuple[Message, Context]]
+) -> list[tuple[Message, float]]:
+    results = runner(tasks)
+    if len(results) != len(tasks):
+        raise RuntimeError(
+            f"batch_train answered {len(results)} of {len(tasks)} messages"
+        )
+    return [_outcome(m, r) for (m, _), r in zip(tasks, results, strict=True)]
+
+
+def _call(app: ClientApp, message: Message, context: Context) -> Message | Exception:
+    try:
+        return app(message, context)
+    except Exception as err:  # the outcome is decided by _outcome
+        return err
+
+
+def _outcome(message: Message, result: Message | Exception) -> tuple[Message, float]:
+    """A task's reply (or the error Flower would send) and its virtual delay."""
+    if isinstance(result, NodeDropout):
+        if result.silent:
             return Message(
-                Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, str(drop)),
+                Error(ErrorCode.REPLY_MESSAGE_UNAVAILABLE, str(result)),
                 reply_to=message,
-            ), drop.after_s
-        except Exception as err:  # a crashing ClientApp is an error reply, as in Flower
-            log.warning("node %s raised %r", message.metadata.dst_node_id, err)
-            return Message(
-                Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, repr(err)),
-                reply_to=message,
-            ), 0.0
-        if reply.has_error():
-            return reply, 0.0
-        return reply, reply_duration(reply)
+            ), math.inf
+        return Message(
+            Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, str(result)),
+            reply_to=message,
+        ), result.after_s
+    if isinstance(result, Exception):  # a crashing ClientApp: an error reply
+        log.warning("node %s raised %r", message.metadata.dst_node_id, result)
+        return Message(
+            Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, repr(result)),
+            reply_to=message,
+        ), 0.0
+    if result.has_error():
+        return result, 0.0
+    return result, reply_duration(result)
 
 
 def reply_duration(reply: Message) -> float:

@@ -8,20 +8,22 @@ the same device, data and random draws on the in-process engine and on Ray.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from flowerbed import keys
-from flowerbed.clients.training import evaluate, train_steps
+from flowerbed.clients.training import TrainStats, evaluate, train_steps
 from flowerbed.data import Dataset, load_dataset, partition
 from flowerbed.models import build_model, cost_factor, model_num_bytes
 from flowerbed.sims import vclock
+from flowerbed.sims.batched import NodeJob, batchable, train_many
 from flowerbed.sims.config import Scenario
 from flowerbed.sims.devices import DeviceProfile, get_device
 from flowerbed.sims.fleet import assign_devices
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from torch import nn
 
 OFFLINE = "offline"
 """node_config ``device`` value of a node that never answers (for tests)."""
@@ -109,13 +111,21 @@ def _number(config: Mapping[str, object], key: str, default: float) -> float:
     return float(value)
 
 
-def _identity(context: Context) -> tuple[Scenario, NodeSetup]:
-    # Simulated nodes train tiny models: one intra-op thread is fastest, and on a
-    # loaded machine more threads spin against each other (10x slower measured here).
-    # oneDNN's per-call setup costs more than these convolutions (27% measured).
+def single_threaded() -> None:
+    """Pin torch to one intra-op thread, without oneDNN, for this process.
+
+    Simulated nodes train tiny models: one intra-op thread is fastest, and on a
+    loaded machine more threads spin against each other (10x slower measured
+    here). oneDNN's per-call setup costs more than these convolutions (27%
+    measured).
+    """
     if torch.get_num_threads() != 1:
         torch.set_num_threads(1)
         torch.backends.mkldnn.enabled = False  # type: ignore[assignment]
+
+
+def _identity(context: Context) -> tuple[Scenario, NodeSetup]:
+    single_threaded()
     scenario = Scenario.from_run_config(context.run_config)
     pid = int(context.node_config.get("partition-id", 0))
     n = int(context.node_config.get("num-partitions", scenario.num_nodes))
@@ -125,13 +135,23 @@ def _identity(context: Context) -> tuple[Scenario, NodeSetup]:
     return scenario, node_setup(scenario, pid, n, device)
 
 
-def _model_from(
-    message: Message, scenario: Scenario, node: NodeSetup
-) -> torch.nn.Module:
+@functools.lru_cache(maxsize=4)
+def _architecture(
+    name: str, in_channels: int, image_size: int, classes: int
+) -> nn.Module:
+    """One model per process and architecture; tasks load their weights into it."""
+    return build_model(name, in_channels, image_size, classes)
+
+
+def _model_of(scenario: Scenario) -> nn.Module:
     data = cached_dataset(scenario.dataset, scenario.data_dir)
-    model = build_model(
+    return _architecture(
         scenario.model, data.in_channels, data.image_size, data.num_classes
     )
+
+
+def _model_from(message: Message, scenario: Scenario) -> nn.Module:
+    model = _model_of(scenario)
     model.load_state_dict(
         message.content.array_records[keys.ARRAYS].to_torch_state_dict()
     )
@@ -154,8 +174,23 @@ def _maybe_drop(
         )
 
 
-def train(message: Message, context: Context) -> Message:
-    """Train on local data; report the device's virtual time, energy and work."""
+@dataclass(frozen=True)
+class TrainPlan:
+    """A train task once its config is read and its device has decided to run it."""
+
+    scenario: Scenario
+    node: NodeSetup
+    steps: int
+    batch: int
+    lr: float
+    proximal_mu: float
+    seed: int
+    step_s: float
+    comm_s: float
+
+
+def plan_train(message: Message, context: Context) -> TrainPlan:
+    """Read a train message's config; raise ``NodeDropout`` if the device drops."""
     scenario, node = _identity(context)
     config: Mapping[str, object] = message.content.config_records.get(keys.CONFIG, {})
     server_round = int(_number(config, keys.SERVER_ROUND, 0))
@@ -182,40 +217,131 @@ def train(message: Message, context: Context) -> Message:
             silent=False,
             after_s=min(deadline, comm_s),
         )
-
-    model = _model_from(message, scenario, node)
     seed = int(
         vclock.task_rng(scenario.seed, node.partition_id, server_round, TRAIN).integers(
             2**31
         )
     )
-    stats = train_steps(
-        model,
-        node.x_train,
-        node.y_train,
-        steps=steps,
-        batch_size=batch,
-        lr=lr,
-        seed=seed,
-        proximal_mu=mu,
-    )
-    compute_s = stats.num_steps * step_s
+    return TrainPlan(scenario, node, steps, batch, lr, mu, seed, step_s, comm_s)
+
+
+def train_reply(
+    message: Message,
+    plan: TrainPlan,
+    stats: TrainStats,
+    weights: Mapping[str, torch.Tensor],
+) -> Message:
+    """The reply to a train task: trained weights and the device's virtual costs."""
+    compute_s = stats.num_steps * plan.step_s
     metrics = MetricRecord(
         {
             keys.NUM_EXAMPLES: stats.num_examples,
             keys.NUM_STEPS: stats.num_steps,
             keys.TRAIN_TIME_S: compute_s,
-            keys.COMM_TIME_S: comm_s,
+            keys.COMM_TIME_S: plan.comm_s,
             keys.SAMPLES_PER_S: stats.num_examples / compute_s,
-            keys.ENERGY_J: vclock.energy_joules(dev, compute_s, comm_s),
-            keys.PARTITION_ID: node.partition_id,
+            keys.ENERGY_J: vclock.energy_joules(
+                plan.node.device, compute_s, plan.comm_s
+            ),
+            keys.PARTITION_ID: plan.node.partition_id,
             keys.TRAIN_LOSS: stats.mean_loss,
         }
     )
     content = RecordDict(
-        {keys.ARRAYS: ArrayRecord(model.state_dict()), keys.METRICS: metrics}
+        {keys.ARRAYS: ArrayRecord(dict(weights)), keys.METRICS: metrics}
     )
     return Message(content, reply_to=message)
+
+
+def _train_alone(
+    plan: TrainPlan, weights: Mapping[str, torch.Tensor]
+) -> tuple[Mapping[str, torch.Tensor], TrainStats]:
+    """Train the process's model of the plan's architecture from ``weights``."""
+    model = _model_of(plan.scenario)
+    model.load_state_dict(weights)
+    stats = train_steps(
+        model,
+        plan.node.x_train,
+        plan.node.y_train,
+        steps=plan.steps,
+        batch_size=plan.batch,
+        lr=plan.lr,
+        seed=plan.seed,
+        proximal_mu=plan.proximal_mu,
+    )
+    return model.state_dict(), stats
+
+
+def train(message: Message, context: Context) -> Message:
+    """Train on local data; report the device's virtual time, energy and work."""
+    plan = plan_train(message, context)
+    weights = message.content.array_records[keys.ARRAYS].to_torch_state_dict()
+    trained, stats = _train_alone(plan, weights)
+    return train_reply(message, plan, stats, trained)
+
+
+def _job(plan: TrainPlan, weights: dict[str, torch.Tensor]) -> NodeJob:
+    return NodeJob(
+        weights,
+        plan.node.x_train,
+        plan.node.y_train,
+        plan.steps,
+        plan.batch,
+        plan.lr,
+        plan.seed,
+        plan.proximal_mu,
+    )
+
+
+def train_batch(tasks: Sequence[tuple[Message, Context]]) -> list[Message | Exception]:
+    """Run many train tasks as :func:`train` would, batching what can be batched.
+
+    Tasks whose nodes train the same architecture are trained together by
+    :func:`flowerbed.sims.batched.train_many` (equal to :func:`train` within
+    float tolerance); each distinct ArrayRecord is decoded once. Returns, in
+    task order, each task's reply or the exception :func:`train` would have
+    raised (``NodeDropout`` included).
+    """
+    single_threaded()
+    results: list[Message | Exception | None] = [None] * len(tasks)
+    plans: dict[int, TrainPlan] = {}
+    decoded: dict[int, dict[str, torch.Tensor]] = {}
+    weights: dict[int, dict[str, torch.Tensor]] = {}
+    for i, (message, context) in enumerate(tasks):
+        try:
+            plan = plan_train(message, context)
+            record = message.content[keys.ARRAYS]
+            if not isinstance(record, ArrayRecord):
+                raise TypeError(f"{keys.ARRAYS!r} is not an ArrayRecord")
+            if id(record) not in decoded:  # a round's arrays: decoded once
+                decoded[id(record)] = record.to_torch_state_dict()
+            weights[i] = decoded[id(record)]
+            plans[i] = plan
+        except Exception as err:
+            results[i] = err
+    groups: dict[tuple[str, str, str], list[int]] = {}
+    for i, plan in plans.items():
+        s = plan.scenario
+        groups.setdefault((s.model, s.dataset, s.data_dir), []).append(i)
+    for members in groups.values():
+        model = _model_of(plans[members[0]].scenario)
+        trained: list[tuple[Mapping[str, torch.Tensor], TrainStats]] | None = None
+        if batchable(model) and len(members) > 1:
+            try:
+                trained = list(
+                    train_many(model, [_job(plans[i], weights[i]) for i in members])
+                )
+            except Exception:  # one node's failure must stay that node's
+                trained = None
+        for k, i in enumerate(members):
+            try:
+                state, stats = (
+                    trained[k] if trained else _train_alone(plans[i], weights[i])
+                )
+                results[i] = train_reply(tasks[i][0], plans[i], stats, state)
+            except Exception as err:
+                results[i] = err
+    return [r for r in results if r is not None]
 
 
 def evaluate_local(message: Message, context: Context) -> Message:
@@ -227,7 +353,7 @@ def evaluate_local(message: Message, context: Context) -> Message:
     comm_s = vclock.transfer_seconds(node.model_bytes, dev.downlink_mbps)
     eval_s = len(node.x_test) * dev.seconds_per_sample * node.cost_factor * EVAL_COST
     _maybe_drop(scenario, node, server_round, EVALUATE, comm_s + eval_s)
-    loss, acc = evaluate(_model_from(message, scenario, node), node.x_test, node.y_test)
+    loss, acc = evaluate(_model_from(message, scenario), node.x_test, node.y_test)
     metrics = MetricRecord(
         {
             keys.NUM_EXAMPLES: len(node.x_test),

@@ -7,6 +7,7 @@ The same :func:`run_server` is the body of the ``flwr run`` ServerApp
 from __future__ import annotations
 
 import logging
+import os
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -19,7 +20,7 @@ from flowerbed import keys
 from flowerbed.models import build_model
 from flowerbed.sims.config import Scenario
 from flowerbed.sims.engine import FleetGrid, SimNode
-from flowerbed.sims.node import DEVICE_KEY, cached_dataset
+from flowerbed.sims.node import DEVICE_KEY, cached_dataset, train_batch
 from flowerbed.sims.outputs import summarise, write_run_folder
 from flowerbed.sims.recorder import RoundRecord, RunRecorder
 from flwr.app import ArrayRecord, ConfigRecord
@@ -145,13 +146,20 @@ def run_server(
 
 
 def build_fleet_grid(
-    run_config: Mapping[str, Any], devices: Sequence[str] | None = None
+    run_config: Mapping[str, Any],
+    devices: Sequence[str] | None = None,
+    *,
+    batch: bool = True,
+    workers: int = 0,
 ) -> FleetGrid:
     """An in-process fleet for ``run_config``.
 
     ``devices`` pins each node's device class by name (``flowerbed.sims.devices``),
     or ``"offline"`` for a node that never answers; by default the scenario's fleet
-    mix decides.
+    mix decides. ``batch`` trains the nodes of a round as one batched computation
+    (:func:`flowerbed.sims.node.train_batch`; False: one ClientApp call per node);
+    ``workers`` > 1 spreads them over that many processes (:class:`FleetGrid`).
+    Call the grid's ``close()`` when done with it.
     """
     from flowerbed.sims.apps import client_app
 
@@ -168,7 +176,22 @@ def build_fleet_grid(
         nodes.append(SimNode(node_id=1000 + i, node_config=node_config))
     config = scenario.to_run_config()
     config["num-nodes"] = n
-    return FleetGrid(client_app, nodes, config)
+    return FleetGrid(
+        client_app,
+        nodes,
+        config,
+        batch_train=train_batch if batch or workers > 1 else None,
+        workers=workers,
+    )
+
+
+def default_workers() -> int:
+    """Worker processes for ``flowerbed sim``: one per core this process may use."""
+    return (
+        len(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity")
+        else (os.cpu_count() or 1)
+    )
 
 
 def run_scenario(
@@ -178,17 +201,29 @@ def run_scenario(
     devices: Sequence[str] | None = None,
     on_round: Callable[[RoundRecord], None] | None = None,
     write: bool = True,
+    batch: bool = True,
+    workers: int = 0,
 ) -> RunOutcome:
-    """Run a whole scenario on the in-process engine (what ``flowerbed sim`` does)."""
+    """Run a whole scenario on the in-process engine (what ``flowerbed sim`` does).
+
+    ``batch`` and ``workers`` choose how node tasks use the machine
+    (:func:`build_fleet_grid`); they change the speed, not the result (beyond
+    float rounding).
+    """
     scenario = Scenario.from_run_config(run_config)
-    grid = build_fleet_grid(scenario.to_run_config(), devices)
+    grid = build_fleet_grid(
+        scenario.to_run_config(), devices, batch=batch, workers=workers
+    )
     if devices is not None:
         scenario = replace(scenario, num_nodes=len(devices))
-    return run_server(
-        grid,
-        scenario,
-        strategy=strategy,
-        on_round=on_round,
-        engine="in-process",
-        write=write,
-    )
+    try:
+        return run_server(
+            grid,
+            scenario,
+            strategy=strategy,
+            on_round=on_round,
+            engine="in-process",
+            write=write,
+        )
+    finally:
+        grid.close()

@@ -1,0 +1,149 @@
+"""Batched training of many nodes equals training each node on its own."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from flowerbed.clients.training import train_steps
+from flowerbed.data import load_dataset
+from flowerbed.models import build_model
+from flowerbed.sims import node
+from flowerbed.sims.batched import NodeJob, batchable, train_many
+from flowerbed.sims.scenario import build_fleet_grid, run_scenario
+from flowerbed.sims.vclock import NodeDropout
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
+from torch import nn
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(quiet_single_threaded: None) -> None:
+    """Per-node training as the simulated nodes run it."""
+
+
+def _digits_jobs(model: nn.Module) -> list[NodeJob]:
+    data = load_dataset("digits", "")
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    # (samples, steps, batch size, learning rate, proximal mu): a full group, a
+    # node with fewer samples than a batch (its own group), a node that stops
+    # early, a node that does nothing, and FedProx.
+    shapes = [(40, 6, 16, 0.05, 0.0), (40, 6, 16, 0.1, 0.0), (9, 4, 16, 0.05, 0.0)]
+    shapes += [(40, 2, 16, 0.05, 0.0), (40, 0, 16, 0.05, 0.0), (40, 6, 16, 0.05, 0.5)]
+    jobs = []
+    for i, (n, steps, batch, lr, mu) in enumerate(shapes):
+        sl = slice(50 * i, 50 * i + n)
+        jobs.append(
+            NodeJob(
+                weights, data.x_train[sl], data.y_train[sl], steps, batch, lr, i, mu
+            )
+        )
+    return jobs
+
+
+@pytest.mark.parametrize("name", ["lenet", "mobilenet"])
+def test_batched_training_equals_training_each_node_alone(name: str) -> None:
+    model = build_model(name, 1, 8, 10)
+    jobs = _digits_jobs(model)
+    batched = train_many(model, jobs)
+    for job, (weights, stats) in zip(jobs, batched, strict=True):
+        alone = build_model(name, 1, 8, 10)
+        alone.load_state_dict(job.weights)
+        expected = train_steps(
+            alone,
+            job.x,
+            job.y,
+            steps=job.steps,
+            batch_size=job.batch_size,
+            lr=job.lr,
+            seed=job.seed,
+            proximal_mu=job.proximal_mu,
+        )
+        assert (stats.num_steps, stats.num_examples) == (
+            expected.num_steps,
+            expected.num_examples,
+        )
+        if job.steps:
+            assert stats.mean_loss == pytest.approx(expected.mean_loss, abs=1e-5)
+        else:
+            assert np.isnan(stats.mean_loss)
+        for key, value in alone.state_dict().items():
+            assert torch.allclose(weights[key], value, atol=1e-5), key
+    # the node that did no step still holds the weights it was given
+    assert all(torch.equal(batched[4][0][k], v) for k, v in jobs[4].weights.items())
+
+
+def test_models_with_buffers_or_random_layers_are_not_batched() -> None:
+    assert batchable(build_model("lenet", 1, 8, 10))
+    assert batchable(build_model("mobilenet", 1, 8, 10))
+    with_norm = nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2))
+    with_dropout = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.5))
+    assert not batchable(with_norm) and not batchable(with_dropout)
+    with pytest.raises(ValueError, match="train it per node"):
+        train_many(with_dropout, [])
+
+
+RUN = {
+    "fleet": "mixed",
+    "num-nodes": 8,
+    "num-rounds": 2,
+    "dropout": 0.3,
+    "local-steps": 4,
+    "seed": 3,
+}
+
+
+def _train_messages(grid: object, server_round: int) -> list[Message]:
+    model = build_model("lenet", 1, 8, 10)
+    arrays = ArrayRecord(model.state_dict())
+    config = ConfigRecord({"server-round": server_round, "local-steps": 4})
+    return [
+        Message(
+            RecordDict({"arrays": arrays, "config": config}),
+            node_id,
+            MessageType.TRAIN,
+            group_id=str(server_round),
+        )
+        for node_id in grid.get_node_ids()  # type: ignore[attr-defined]
+    ]
+
+
+def test_train_batch_answers_each_message_as_train_does() -> None:
+    grid = build_fleet_grid(RUN, batch=False)
+    contexts = {n: grid._contexts[n] for n in grid.get_node_ids()}
+    messages = _train_messages(grid, server_round=1)
+    tasks = [(m, contexts[m.metadata.dst_node_id]) for m in messages]
+    batched = node.train_batch(tasks)
+    dropped = 0
+    for (message, context), got in zip(tasks, batched, strict=True):
+        try:
+            expected = node.train(message, context)
+        except NodeDropout as drop:
+            dropped += 1
+            assert isinstance(got, NodeDropout) and str(got) == str(drop)
+            assert (got.silent, got.after_s) == (drop.silent, drop.after_s)
+            continue
+        assert isinstance(got, Message)
+        want = expected.content["metrics"]
+        have = got.content["metrics"]
+        assert set(have) == set(want)
+        for key in want:
+            assert have[key] == pytest.approx(want[key], abs=1e-5), key
+        for key, array in expected.content["arrays"].items():
+            assert np.allclose(
+                got.content["arrays"][key].numpy(), array.numpy(), atol=1e-5
+            )
+    assert 0 < dropped < len(tasks)  # the seed drops some nodes, not all
+
+
+def test_batched_and_worker_runs_match_the_per_node_run() -> None:
+    per_node = run_scenario(RUN, write=False, batch=False).results
+    batched = run_scenario(RUN, write=False, batch=True).results
+    workers = run_scenario(RUN, write=False, batch=True, workers=2).results
+    rounds = [[r["participants"], r["virtual_time_s"]] for r in per_node["rounds"]]
+    for other in (batched, workers):
+        assert [
+            [r["participants"], r["virtual_time_s"]] for r in other["rounds"]
+        ] == rounds
+        assert abs(other["final_accuracy"] - per_node["final_accuracy"]) <= 0.01
+    # where a task runs does not change it: workers and in-process batching agree
+    assert workers["final_accuracy"] == batched["final_accuracy"]
