@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import random
 import struct
 
 import numpy as np
 import pytest
 from flowerbed.clients.bridge.codec import (
+    MAX_NDIM,
     TensorCodecError,
     arrayrecord_to_tensors,
-    check_layout,
     decode_tensors,
     encode_tensors,
     tensors_to_arrayrecord,
@@ -72,17 +73,113 @@ def test_only_float32_is_encoded():
         encode_tensors([("x", np.zeros(2, dtype=np.float64))])
 
 
-def test_layout_must_match_the_arrays_sent():
+def test_decoding_against_the_arrays_sent_refuses_other_layouts():
     sent = [("fc.weight", (2, 3)), ("fc.bias", (2,))]
-    good = [
-        ("fc.weight", np.zeros((2, 3), np.float32)),
-        ("fc.bias", np.zeros(2, np.float32)),
-    ]
-    check_layout(good, sent)
-    with pytest.raises(TensorCodecError, match=r"shape \[3, 2\]"):
-        check_layout([("fc.weight", np.zeros((3, 2), np.float32)), good[1]], sent)
-    with pytest.raises(TensorCodecError, match="names"):
-        check_layout(list(reversed(good)), sent)
+    w, b = np.zeros((2, 3), np.float32), np.zeros(2, np.float32)
+    assert (
+        len(decode_tensors(encode_tensors([("fc.weight", w), ("fc.bias", b)]), sent))
+        == 2
+    )
+    with pytest.raises(
+        TensorCodecError, match=r"shape \[3, 2\]; the array sent had \[2, 3\]"
+    ):
+        decode_tensors(
+            encode_tensors([("fc.weight", w.T.copy()), ("fc.bias", b)]), sent
+        )
+    with pytest.raises(TensorCodecError, match=r"named 'fc\.bias'"):
+        decode_tensors(encode_tensors([("fc.bias", b), ("fc.weight", w)]), sent)
+    with pytest.raises(
+        TensorCodecError, match="holds 1 tensors; the arrays sent were 2"
+    ):
+        decode_tensors(encode_tensors([("fc.weight", w)]), sent)
+
+
+def _header(count: int) -> bytes:
+    return b"FBT1" + struct.pack("<I", count)
+
+
+# One empty tensor (dtype 0, ndim 1, dims [0]) named "t<i>": 2 + len(name) + 2 + 4.
+def _empty(i: int) -> bytes:
+    name = f"t{i}".encode()
+    return struct.pack("<H", len(name)) + name + b"\x00\x01" + struct.pack("<I", 0)
+
+
+@pytest.mark.parametrize(
+    ("blob", "expected", "message"),
+    [
+        # Millions of tiny tensors are refused at the count, before any is read.
+        (_header(7_000_000) + _empty(0), None, "7000000 tensors; at most 100000"),
+        (
+            _header(3) + _empty(0),
+            [("w", (2,))],
+            "holds 3 tensors; the arrays sent were 1",
+        ),
+        # ndim 255 (numpy allows 64): refused by the codec, not by numpy.
+        (
+            _header(1) + b"\x01\x00a\x00\xff" + b"\x00" * 1020,
+            None,
+            "255 dimensions; at most 32",
+        ),
+        # Zero elements but a shape numpy cannot allocate.
+        (
+            _header(1)
+            + b"\x01\x00a\x00\x03"
+            + struct.pack("<3I", 0, 2**32 - 1, 2**32 - 1),
+            None,
+            "more than 2147483647 elements",
+        ),
+    ],
+)
+def test_hostile_headers_are_refused_before_decoding(blob, expected, message):
+    with pytest.raises(TensorCodecError, match=message):
+        decode_tensors(blob, expected)
+
+
+def test_encoding_refuses_shapes_the_decoder_would_refuse():
+    with pytest.raises(TensorCodecError, match=f"at most {MAX_NDIM} dimensions"):
+        encode_tensors([("x", np.zeros((1,) * (MAX_NDIM + 1), np.float32))])
+
+
+# Many small tensors, mostly zeros (like fresh biases or a sparse update): headers
+# are a tenth of the bytes, and a flipped ndim byte then reads 68 or 132 dimensions
+# of 0 from the data that follows, which numpy itself refuses.
+FUZZ_TENSORS = [
+    (f"layer{i}.weight", np.eye(8, dtype=np.float32)[:, ::-1] * (i % 3 == 0))
+    for i in range(30)
+]
+
+
+def _decodes_or_codec_error(blob: bytes, expected=None) -> None:
+    try:
+        decoded = decode_tensors(blob, expected)
+    except TensorCodecError:
+        return
+    for _, array in decoded:
+        assert array.dtype == np.float32
+
+
+def test_fuzz_random_blobs_truncations_and_bit_flips_raise_only_the_codec_error():
+    """Random bytes, every truncation, 8,000 bit flips and 2,000 byte rewrites of
+    a valid blob: each decodes or raises TensorCodecError, nothing else."""
+    rng = random.Random(17)
+    valid = encode_tensors(FUZZ_TENSORS)
+    layout = [(n, a.shape) for n, a in FUZZ_TENSORS]
+    for _ in range(300):
+        _decodes_or_codec_error(rng.randbytes(rng.randrange(0, 200)))
+        _decodes_or_codec_error(b"FBT1" + rng.randbytes(rng.randrange(0, 200)))
+    for cut in range(len(valid)):
+        with pytest.raises(TensorCodecError):
+            decode_tensors(valid[:cut])
+    for i in range(8000):
+        blob = bytearray(valid)
+        for _ in range(1 + i % 4):
+            bit = rng.randrange(len(blob) * 8)
+            blob[bit // 8] ^= 1 << (bit % 8)
+        _decodes_or_codec_error(bytes(blob), layout if i % 2 else None)
+    for _ in range(2000):
+        blob = bytearray(valid)
+        blob[rng.randrange(len(blob))] = rng.choice([0, 0xFF, 0x7F, 0x80])
+        _decodes_or_codec_error(bytes(blob))
 
 
 def test_arrayrecord_round_trip_keeps_order_and_values():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 
 import numpy as np
 import pytest
@@ -12,18 +13,76 @@ from flowerbed.clients.bridge.tasks import (
     check_metrics,
     task_from_message,
 )
-from flowerbed.clients.bridge.tokens import TokenFileError, load_tokens, parse_tokens
+from flowerbed.clients.bridge.tokens import (
+    TokenFileError,
+    TokenTable,
+    hash_token,
+    load_tokens,
+    parse_tokens,
+)
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
 
-def test_token_file_maps_tokens_to_phone_names(tmp_path):
+def test_token_file_maps_token_digests_to_phone_names(tmp_path):
     path = tmp_path / "tokens.txt"
     path.write_text("# lab phones\nAAAAAAAAAAAAAAAA pixel-7\n\nBBBBBBBBBBBBBBBB a52\n")
+    # sha256("AAAAAAAAAAAAAAAA"), computed with `printf AAAAAAAAAAAAAAAA | sha256sum`
+    digest_a = "991204fba2b6216d476282d375ab88d20e6108d109aecded97ef424ddd114706"
+    assert hash_token("AAAAAAAAAAAAAAAA") == f"sha256:{digest_a}"
     assert load_tokens(path) == {
-        "AAAAAAAAAAAAAAAA": "pixel-7",
-        "BBBBBBBBBBBBBBBB": "a52",
+        f"sha256:{digest_a}": "pixel-7",
+        hash_token("BBBBBBBBBBBBBBBB"): "a52",
     }
+
+
+def test_hashed_lines_authenticate_the_token_they_hash(tmp_path):
+    path = tmp_path / "tokens.txt"
+    path.write_text(f"{hash_token('pQ3v9Yd0s2Xc7LrN1bTq8wEz')} pixel-7\n")
+    table = TokenTable.from_file(path)
+    assert table.lookup("pQ3v9Yd0s2Xc7LrN1bTq8wEz") == "pixel-7"
+    assert table.lookup(hash_token("pQ3v9Yd0s2Xc7LrN1bTq8wEz")) is None  # not a token
+    assert table.lookup("") is None
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_token_file_changes_apply_without_restart(tmp_path, caplog):
+    path = tmp_path / "tokens.txt"
+    path.write_text("AAAAAAAAAAAAAAAA pixel-7\nBBBBBBBBBBBBBBBB a52\n")
+    clock = _Clock()
+    table = TokenTable(load_tokens(path), path, check_interval_s=1.0, clock=clock)
+    # a52 revoked, pixel-7 given a new token, s23 added.
+    path.write_text("CCCCCCCCCCCCCCCC pixel-7\nDDDDDDDDDDDDDDDD s23\n")
+    clock.now = 0.5  # within the check interval: the old table still answers
+    assert table.lookup("BBBBBBBBBBBBBBBB") == "a52"
+    clock.now = 1.5
+    with caplog.at_level(logging.INFO, logger="flowerbed.bridge"):
+        assert table.lookup("BBBBBBBBBBBBBBBB") is None
+    assert "added ['s23'], removed ['a52']" in caplog.text
+    assert table.lookup("AAAAAAAAAAAAAAAA") is None
+    assert table.lookup("CCCCCCCCCCCCCCCC") == "pixel-7"
+    assert table.lookup("DDDDDDDDDDDDDDDD") == "s23"
+
+
+def test_an_invalid_token_file_change_keeps_the_previous_tokens(tmp_path, caplog):
+    path = tmp_path / "tokens.txt"
+    path.write_text("AAAAAAAAAAAAAAAA pixel-7\n")
+    clock = _Clock()
+    table = TokenTable(load_tokens(path), path, check_interval_s=1.0, clock=clock)
+    path.write_text("short pixel-7\n")
+    with caplog.at_level(logging.ERROR, logger="flowerbed.bridge"):
+        for t in (2.0, 3.0, 4.0):
+            clock.now = t
+            assert table.lookup("AAAAAAAAAAAAAAAA") == "pixel-7"
+    refusals = [r for r in caplog.records if "change refused" in r.message]
+    assert len(refusals) == 1 and "at least 16 characters" in refusals[0].message
 
 
 @pytest.mark.parametrize(
@@ -103,7 +162,11 @@ def test_messages_phones_cannot_run_are_refused_with_the_reason():
         ([1, 2], "JSON object"),
         ({"num-examples": "40"}, "'num-examples' must be a number"),
         ({"num-examples": True}, "must be a number"),
-        ({"num-examples": 0}, "'num-examples' > 0"),
+        ({"num-examples": 0}, "'num-examples' is 0"),
+        ({"num-examples": 4, "train-time-s": -1.0}, "'train-time-s' is negative"),
+        ({"num-examples": 4, "num-steps": -3}, "'num-steps' is negative"),
+        ({"train-time-s": 2.0}, "need 'num-examples'"),
+        ({"num-examples": 2**63}, "does not fit in 64 bits"),
         ({"num-examples": 4, "temp-c": float("nan")}, "'temp-c' is not finite"),
     ],
 )

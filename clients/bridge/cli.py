@@ -4,21 +4,60 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import signal
+import ssl
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
 from flowerbed.clients.bridge.gateway import Gateway, GatewaySettings
-from flowerbed.clients.bridge.relay import SuperLinkConnector
+from flowerbed.clients.bridge.relay import StateDirError, SuperLinkConnector
 from flowerbed.clients.bridge.server import GatewayServer
-from flowerbed.clients.bridge.tokens import TokenFileError, load_tokens
+from flowerbed.clients.bridge.tokens import TokenFileError, TokenTable
 
 DEFAULT_SUPERLINK = "127.0.0.1:8000"
 """Flower 1.41's SuperLink serves the Fleet API on its HTTP port (8000 by default)."""
 DEFAULT_PORT = 8470
 
 log = logging.getLogger("flowerbed.bridge")
+
+
+def _number(
+    kind: type[float] | type[int], low: float, inclusive: bool
+) -> Callable[[str], float]:
+    """An argparse type: a finite ``kind`` above ``low`` (or at it, ``inclusive``)."""
+    bound = f">= {low:g}" if inclusive else f"> {low:g}"
+
+    def parse(raw: str) -> float:
+        try:
+            value = kind(raw)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{raw!r} is not {'an integer' if kind is int else 'a number'}"
+            ) from None
+        if not math.isfinite(value) or value < low or (value == low and not inclusive):
+            raise argparse.ArgumentTypeError(f"{raw!r}: must be finite and {bound}")
+        return value
+
+    return parse
+
+
+def port_number(raw: str) -> int:
+    """An argparse type: a TCP port, 0..65535 (0: any free port)."""
+    try:
+        value = int(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a port number") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"port {value} is outside 0..65535")
+    return value
+
+
+positive = _number(float, 0.0, inclusive=False)
+non_negative = _number(float, 0.0, inclusive=True)
+positive_int = _number(int, 1, inclusive=True)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -47,7 +86,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     )
     p.add_argument("--tokens", required=True, help="token file: '<token> <phone-name>'")
     p.add_argument("--host", default="127.0.0.1", help="listen address for phones")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="listen port")
+    p.add_argument(
+        "--port",
+        type=port_number,
+        default=DEFAULT_PORT,
+        help=f"listen port, 0..65535 (default {DEFAULT_PORT})",
+    )
     p.add_argument(
         "--state-dir",
         help="keep phones' node keys here: node ids survive gateway restarts",
@@ -57,39 +101,65 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     d = GatewaySettings()
     p.add_argument(
         "--max-upload-mb",
-        type=float,
+        type=positive,
         default=d.max_upload_bytes / 2**20,
         help="largest result upload per task, MiB (default %(default)g)",
     )
     p.add_argument(
         "--chunk-kb",
-        type=int,
+        type=positive_int,
         default=d.chunk_bytes // 1024,
         help="largest upload chunk, KiB (default %(default)d)",
     )
     p.add_argument(
         "--offline-after-s",
-        type=float,
+        type=positive,
         default=d.offline_after_s,
         help="deactivate a silent phone's node after this long (default %(default)g)",
     )
     p.add_argument(
         "--deadline-slack-s",
-        type=float,
+        type=non_negative,
         default=d.deadline_slack_s,
         help="task expiry after a config's deadline-s (default %(default)g)",
     )
     p.add_argument(
         "--pull-interval-s",
-        type=float,
+        type=positive,
         default=d.pull_interval_s,
         help="idle node's pull interval (default %(default)g, as a SuperNode)",
     )
     p.add_argument(
         "--max-poll-s",
-        type=float,
+        type=positive,
         default=d.max_poll_s,
         help="cap on a phone's long poll (default %(default)g)",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=positive_int,
+        default=d.max_connections,
+        help="open phone connections at most (default %(default)d)",
+    )
+    p.add_argument(
+        "--workers",
+        type=positive_int,
+        default=d.workers,
+        help="threads for blocking work: registration, decoding (default %(default)d)",
+    )
+    p.add_argument(
+        "--idle-timeout-s",
+        type=positive,
+        default=d.idle_timeout_s,
+        help="close a connection that sends no whole request head for this long "
+        "(default %(default)g)",
+    )
+    p.add_argument(
+        "--read-timeout-s",
+        type=positive,
+        default=d.read_timeout_s,
+        help="close a connection whose body or answer stalls this long "
+        "(default %(default)g)",
     )
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     p.set_defaults(func=run)
@@ -104,6 +174,10 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         offline_after_s=args.offline_after_s,
         deadline_slack_s=args.deadline_slack_s,
         pull_interval_s=args.pull_interval_s,
+        max_connections=args.max_connections,
+        workers=args.workers,
+        idle_timeout_s=args.idle_timeout_s,
+        read_timeout_s=args.read_timeout_s,
     )
 
 
@@ -123,22 +197,25 @@ def run(args: argparse.Namespace) -> int:
             log.error("file not found: %s", path)
             return 2
     try:
-        tokens = load_tokens(args.tokens)
+        tokens = TokenTable.from_file(args.tokens)
         settings = settings_from_args(args)
-    except (TokenFileError, ValueError) as err:
+        connector = SuperLinkConnector(
+            args.superlink,
+            insecure=args.insecure,
+            root_certificates=args.root_certificates,
+            state_dir=args.state_dir,
+        )
+    except (TokenFileError, StateDirError, ValueError) as err:
         log.error("%s", err)
         return 2
-    connector = SuperLinkConnector(
-        args.superlink,
-        insecure=args.insecure,
-        root_certificates=args.root_certificates,
-        state_dir=args.state_dir,
-    )
     gateway = Gateway(tokens, connector, settings)
     try:
         server = GatewayServer(
             gateway, args.host, args.port, args.certfile, args.keyfile
         )
+    except ssl.SSLError as err:
+        log.error("cannot use --certfile/--keyfile: %s", err)
+        return 2
     except OSError as err:
         log.error("cannot listen on %s:%s: %s", args.host, args.port, err)
         return 2
@@ -153,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
     server.start()
     log.info(
         "%d phones known; SuperLink %s (%s)",
-        len(tokens),
+        len(tokens.names()),
         args.superlink,
         "insecure" if args.insecure else "TLS",
     )

@@ -7,7 +7,11 @@ Layout, little-endian throughout (android_client/PROTOCOL.md, "Tensor encoding")
     data prod(dims) x float32)
 
 Decoding is strict: a bad magic, an unknown dtype, a truncated blob or trailing bytes
-raise :class:`TensorCodecError` naming the tensor and byte offset at fault.
+raise :class:`TensorCodecError` naming the tensor and byte offset at fault. Its cost
+is proportional to the blob's bytes: every length is checked against the bytes left
+before anything is allocated, the tensor count is capped (``max_tensors``) and, when
+the expected layout is given, checked before the first tensor is read, so a blob of
+millions of empty tensors is refused at its header.
 """
 
 from __future__ import annotations
@@ -24,9 +28,15 @@ CONTENT_TYPE = "application/x-flowerbed-tensors"
 DTYPE_FLOAT32 = 0
 """The only dtype code of protocol version 1."""
 DTYPE_NAMES = {DTYPE_FLOAT32: "float32"}
-MAX_NDIM = 255
+MAX_NDIM = 32
+"""Most dimensions a tensor may have (numpy's own limit is 64; models use <= 5)."""
 MAX_DIM = 2**32 - 1
 MAX_NAME_BYTES = 2**16 - 1
+MAX_TENSORS = 100_000
+"""Default cap on the tensors of one blob (large language models have ~1,000)."""
+MAX_ELEMENTS = 2**31 - 1
+"""Most elements one tensor may hold, counting a zero dimension as one: a shape such
+as ``[0, 2**32-1, 2**32-1]`` holds no data but cannot be allocated by numpy."""
 
 Layout = list[tuple[str, tuple[int, ...]]]
 """Names and shapes of a blob's tensors, in order (all float32 in version 1)."""
@@ -61,8 +71,15 @@ def encode_tensors(tensors: list[tuple[str, np.ndarray]]) -> bytes:
         if name in seen:
             raise TensorCodecError(f"array name {name!r} appears twice")
         seen.add(name)
-        if array.ndim > MAX_NDIM or any(d > MAX_DIM for d in array.shape):
-            raise TensorCodecError(f"array {name!r} has shape {array.shape} too large")
+        if (
+            array.ndim > MAX_NDIM
+            or any(d > MAX_DIM for d in array.shape)
+            or math.prod(max(d, 1) for d in array.shape) > MAX_ELEMENTS
+        ):
+            raise TensorCodecError(
+                f"array {name!r} has shape {array.shape}: at most {MAX_NDIM} "
+                f"dimensions and {MAX_ELEMENTS} elements"
+            )
         parts.append(struct.pack("<H", len(raw_name)))
         parts.append(raw_name)
         parts.append(struct.pack("<BB", DTYPE_FLOAT32, array.ndim))
@@ -71,14 +88,28 @@ def encode_tensors(tensors: list[tuple[str, np.ndarray]]) -> bytes:
     return b"".join(parts)
 
 
-def decode_tensors(blob: bytes) -> list[tuple[str, np.ndarray]]:
+def decode_tensors(
+    blob: bytes, expected: Layout | None = None, max_tensors: int = MAX_TENSORS
+) -> list[tuple[str, np.ndarray]]:
     """Decode an FBT1 blob into named float32 arrays, in blob order.
+
+    Parameters
+    ----------
+    blob : bytes
+        The FBT1 blob.
+    expected : Layout | None
+        Names and shapes the blob must hold, in order (the arrays a phone was sent).
+        Checked tensor by tensor as the blob is read, so a wrong blob is refused at
+        its first difference, before the rest is decoded.
+    max_tensors : int, default MAX_TENSORS
+        Most tensors a blob may declare.
 
     Raises
     ------
     TensorCodecError
-        If the blob is malformed: bad magic, truncated, unknown dtype, a repeated
-        or non-UTF-8 name, or bytes left over after the last tensor.
+        If the blob is malformed (bad magic, truncated, unknown dtype, a repeated or
+        non-UTF-8 name, too many dimensions or tensors, trailing bytes) or differs
+        from ``expected``. No other exception escapes, whatever the bytes.
     """
     view = memoryview(blob)
     pos = 0
@@ -97,6 +128,12 @@ def decode_tensors(blob: bytes) -> list[tuple[str, np.ndarray]]:
     if bytes(take(4, "magic")) != MAGIC:
         raise TensorCodecError(f"bad magic {bytes(view[:4])!r}; expected {MAGIC!r}")
     (count,) = struct.unpack("<I", take(4, "tensor count"))
+    if count > max_tensors:
+        raise TensorCodecError(f"blob declares {count} tensors; at most {max_tensors}")
+    if expected is not None and count != len(expected):
+        raise TensorCodecError(
+            f"blob holds {count} tensors; the arrays sent were {len(expected)}"
+        )
     tensors: list[tuple[str, np.ndarray]] = []
     seen: set[str] = set()
     for index in range(count):
@@ -114,9 +151,29 @@ def decode_tensors(blob: bytes) -> list[tuple[str, np.ndarray]]:
                 f"tensor {name!r} has unknown dtype code {dtype}; valid: "
                 + ", ".join(f"{c} = {n}" for c, n in DTYPE_NAMES.items())
             )
+        if ndim > MAX_NDIM:
+            raise TensorCodecError(
+                f"tensor {name!r} has {ndim} dimensions; at most {MAX_NDIM}"
+            )
         dims = struct.unpack(f"<{ndim}I", take(4 * ndim, f"tensor {name!r} dims"))
-        size = math.prod(dims)
-        data = take(4 * size, f"tensor {name!r} data")
+        if math.prod(max(d, 1) for d in dims) > MAX_ELEMENTS:
+            raise TensorCodecError(
+                f"tensor {name!r} has shape {list(dims)}: more than {MAX_ELEMENTS} "
+                "elements"
+            )
+        if expected is not None:
+            want_name, want_shape = expected[index]
+            if name != want_name:
+                raise TensorCodecError(
+                    f"tensor {index} is named {name!r}; the array sent there was "
+                    f"{want_name!r}"
+                )
+            if tuple(dims) != tuple(want_shape):
+                raise TensorCodecError(
+                    f"tensor {name!r} has shape {list(dims)}; the array sent had "
+                    f"{list(want_shape)}"
+                )
+        data = take(4 * math.prod(dims), f"tensor {name!r} data")
         array = np.frombuffer(data, dtype="<f4").astype(np.float32).reshape(dims)
         tensors.append((name, array))
     if pos != len(view):
@@ -129,25 +186,6 @@ def decode_tensors(blob: bytes) -> list[tuple[str, np.ndarray]]:
 def layout_of(tensors: list[tuple[str, np.ndarray]]) -> Layout:
     """Names and shapes of decoded (or to-be-encoded) tensors, in order."""
     return [(name, tuple(int(d) for d in array.shape)) for name, array in tensors]
-
-
-def check_layout(tensors: list[tuple[str, np.ndarray]], expected: Layout) -> None:
-    """Raise :class:`TensorCodecError` unless ``tensors`` match ``expected`` exactly.
-
-    Names, order and shapes must be those of the arrays the phone was sent.
-    """
-    got = layout_of(tensors)
-    if [n for n, _ in got] != [n for n, _ in expected]:
-        raise TensorCodecError(
-            f"tensor names {[n for n, _ in got]} differ from the arrays sent "
-            f"{[n for n, _ in expected]}"
-        )
-    for (name, shape), (_, want) in zip(got, expected, strict=True):
-        if shape != want:
-            raise TensorCodecError(
-                f"tensor {name!r} has shape {list(shape)}; the array sent had "
-                f"{list(want)}"
-            )
 
 
 def arrayrecord_to_tensors(record: ArrayRecord) -> list[tuple[str, np.ndarray]]:

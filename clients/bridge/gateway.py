@@ -11,14 +11,17 @@ and never blocks another phone.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from flowerbed.clients.bridge.ratelog import RateLimitedLog
 from flowerbed.clients.bridge.relay import NodeConnector, NodeRelay
 from flowerbed.clients.bridge.tasks import ProtocolError, Task
+from flowerbed.clients.bridge.tokens import TokenTable
 
 log = logging.getLogger("flowerbed.bridge")
 
@@ -47,6 +50,25 @@ class GatewaySettings:
         Seconds after a config's ``deadline-s`` before its task expires (default 30).
     pull_interval_s : float
         Seconds between a node's pulls when idle (default 3, as Flower's SuperNode).
+    max_connections : int
+        Open HTTP connections at most (default 512). When full, a new connection
+        closes the one that has waited longest for a request; when none waits, the
+        new one gets ``503`` and is closed.
+    workers : int
+        Threads that run requests' blocking work (default 8): node registration,
+        result decoding. Long polls wait without a thread.
+    idle_timeout_s : float
+        A connection must deliver a whole request head (request line and headers)
+        within this many seconds of opening or of its previous answer (default 30).
+    read_timeout_s : float
+        Seconds a request body, or an answer being sent, may make no progress
+        (default 15).
+    min_bytes_per_s : int
+        Slowest transfer allowed for a body or an answer: the whole transfer must
+        end within ``read_timeout_s + bytes / min_bytes_per_s`` (default 4096, a
+        poor mobile link).
+    max_requests_per_phone : int
+        Requests one phone may have in progress at once (default 4); more: ``429``.
     """
 
     max_upload_bytes: int = 64 * 2**20
@@ -56,36 +78,44 @@ class GatewaySettings:
     offline_after_s: float = 60.0
     deadline_slack_s: float = 30.0
     pull_interval_s: float = 3.0
+    max_connections: int = 512
+    workers: int = 8
+    idle_timeout_s: float = 30.0
+    read_timeout_s: float = 15.0
+    min_bytes_per_s: int = 4096
+    max_requests_per_phone: int = 4
 
     def __post_init__(self) -> None:
-        for name in (
-            "max_upload_bytes",
-            "chunk_bytes",
-            "max_poll_s",
-            "poll_s",
-            "offline_after_s",
-            "pull_interval_s",
-        ):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.deadline_slack_s < 0:
+        for name, value in vars(self).items():
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+            if not math.isfinite(value):
+                raise ValueError(f"{name} must be finite, got {value}")
+            if name == "deadline_slack_s":
+                if value < 0:
+                    raise ValueError(f"{name} must be >= 0, got {value}")
+            elif value <= 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+        if self.chunk_bytes > self.max_upload_bytes:
             raise ValueError(
-                f"deadline_slack_s must be >= 0, got {self.deadline_slack_s}"
+                f"chunk_bytes ({self.chunk_bytes}) must not exceed max_upload_bytes "
+                f"({self.max_upload_bytes})"
             )
 
 
 @dataclass
 class Phone:
-    """One phone, known by its token; survives reconnects."""
+    """One phone, known by its name; survives reconnects and token rotation."""
 
     name: str
-    token: str
     identity: Any = None
     node_id: int | None = None
     last_seen: float | None = None
     address: str = ""
     device: dict[str, Any] = field(default_factory=dict)
     task: Task | None = None
+    in_flight: int = 0
+    """Requests of this phone being served now (capped by the server)."""
 
 
 class Gateway:
@@ -93,8 +123,9 @@ class Gateway:
 
     Parameters
     ----------
-    tokens : dict[str, str]
-        ``{token: phone_name}``.
+    tokens : TokenTable | Mapping[str, str]
+        The phones' tokens: a :class:`~flowerbed.clients.bridge.tokens.TokenTable`
+        (reloaded when its file changes), or a fixed ``{token: phone_name}``.
     connector : NodeConnector
         Opens Flower node connections (the SuperLink, or a fake in tests).
     settings : GatewaySettings
@@ -105,7 +136,7 @@ class Gateway:
 
     def __init__(
         self,
-        tokens: dict[str, str],
+        tokens: TokenTable | Mapping[str, str],
         connector: NodeConnector,
         settings: GatewaySettings | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -113,25 +144,42 @@ class Gateway:
         self.settings = settings or GatewaySettings()
         self.connector = connector
         self.clock = clock
-        self.phones = {token: Phone(name, token) for token, name in tokens.items()}
-        self._by_name = {p.name: p for p in self.phones.values()}
+        self.tokens = (
+            tokens if isinstance(tokens, TokenTable) else TokenTable.from_tokens(tokens)
+        )
+        self._by_name: dict[str, Phone] = {}
         self._relays: dict[str, NodeRelay] = {}
         self._cond = threading.Condition()
         self._register_lock = threading.Lock()
+        self._listeners: list[Callable[[str], None]] = []
+        self.refusals = RateLimitedLog(log)
+        """Rate-limited log of refused and rejected requests."""
+
+    @property
+    def phones(self) -> dict[str, Phone]:
+        """Every phone seen or listed in the token table, by name."""
+        with self._cond:
+            for name in self.tokens.names():
+                self._by_name.setdefault(name, Phone(name))
+            return dict(self._by_name)
 
     # -- authentication ---------------------------------------------------------
     def authenticate(self, authorization: str | None, address: str) -> Phone:
-        """The phone of a ``Bearer`` token; 401 (logged with the address) otherwise."""
+        """The phone of a ``Bearer`` token; 401 (logged, rate-limited) otherwise."""
         scheme, _, token = (authorization or "").partition(" ")
-        phone = self.phones.get(token.strip()) if scheme.lower() == "bearer" else None
-        if phone is None:
-            log.warning(
+        token = token.strip()
+        name = self.tokens.lookup(token) if scheme.lower() == "bearer" else None
+        if name is None:
+            self.refusals.log(
+                "refused",
+                logging.WARNING,
                 "refused request from %s: %s",
                 address,
                 "no bearer token" if not token else "unknown token",
             )
             raise ProtocolError(401, "missing or unknown bearer token")
         with self._cond:
+            phone = self._by_name.setdefault(name, Phone(name))
             phone.last_seen = self.clock()
             phone.address = address
             self._cond.notify_all()
@@ -139,12 +187,11 @@ class Gateway:
 
     def phone(self, name: str) -> Phone:
         """The phone called ``name`` (KeyError lists the known names)."""
+        phones = self.phones
         try:
-            return self._by_name[name]
+            return phones[name]
         except KeyError:
-            raise KeyError(
-                f"no phone {name!r}; known: {sorted(self._by_name)}"
-            ) from None
+            raise KeyError(f"no phone {name!r}; known: {sorted(phones)}") from None
 
     # -- endpoints ------------------------------------------------------------------
     def hello(self, phone: Phone, body: Any) -> dict[str, Any]:
@@ -184,7 +231,7 @@ class Gateway:
                 self._relays[phone.name] = relay
                 relay.start()
         log.info(
-            "hello from phone %s (node %s) at %s: %s",
+            "hello from phone %s (node %s) at %s: %.300s",
             phone.name,
             phone.node_id,
             phone.address,
@@ -198,21 +245,17 @@ class Gateway:
             "chunk_bytes": self.settings.chunk_bytes,
         }
 
-    def poll(self, phone: Phone, wait_s: float) -> Task | None:
-        """``GET /v1/task``: the open task, waiting up to ``wait_s`` (capped)."""
+    def open_task(self, phone: Phone) -> Task | None:
+        """``GET /v1/task`` without waiting: the phone's open task, if any.
+
+        Counts as a sign of life (the phone's node stays active while it polls).
+        """
         if phone.node_id is None:
             raise ProtocolError(409, "say hello first: POST /v1/hello")
-        deadline = self.clock() + min(max(wait_s, 0.0), self.settings.max_poll_s)
         with self._cond:
-            while True:
-                task = phone.task
-                if task is not None and task.is_open():
-                    return task
-                remaining = deadline - self.clock()
-                if remaining <= 0:
-                    return None
-                self._cond.wait(timeout=min(remaining, 1.0))
-                phone.last_seen = self.clock()
+            phone.last_seen = self.clock()
+            task = phone.task
+        return task if task is not None and task.is_open() else None
 
     def task(self, phone: Phone, task_id: str) -> Task:
         """The phone's task ``task_id`` (open, or ended with an outcome); else 404."""
@@ -225,12 +268,18 @@ class Gateway:
             raise ProtocolError(404, f"unknown or expired task {task_id!r}")
         return task
 
+    def add_listener(self, callback: Callable[[str], None]) -> None:
+        """Call ``callback(phone_name)`` whenever a phone is offered a task."""
+        self._listeners.append(callback)
+
     # -- relay side -----------------------------------------------------------------
     def offer(self, phone_name: str, task: Task) -> None:
         """A relay hands its phone a new task; waiting polls wake up."""
         with self._cond:
             self._by_name[phone_name].task = task
             self._cond.notify_all()
+        for callback in self._listeners:
+            callback(phone_name)
 
     def wants_node(self, phone_name: str) -> bool:
         """Whether the phone's node should be online: seen lately, or a task open."""

@@ -106,6 +106,33 @@ class RelayTarget(Protocol):
     def wait_for_phone(self, phone_name: str, timeout: float) -> None: ...
 
 
+class StateDirError(ValueError):
+    """A ``--state-dir`` that cannot hold the phones' node keys."""
+
+
+def prepare_state_dir(path: Path) -> Path:
+    """Create ``path`` if needed, check it is a writable directory, drop ``*.tmp``.
+
+    Raises :class:`StateDirError` naming the path and the fault.
+    """
+    path = path.expanduser()
+    if path.exists() and not path.is_dir():
+        raise StateDirError(f"state dir {path} exists and is not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-probe.{os.getpid()}.tmp"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise StateDirError(
+            f"state dir {path} cannot be created or written: {err.strerror}"
+        ) from err
+    for stale in path.glob("*.tmp"):
+        log.info("removing %s, left by a gateway killed while writing it", stale)
+        stale.unlink(missing_ok=True)
+    return path
+
+
 class SuperLinkConnector:
     """Fleet API connections to a real SuperLink, with Flower's own client code.
 
@@ -120,7 +147,14 @@ class SuperLinkConnector:
         PEM bundle (or its path) to verify the SuperLink's certificate.
     state_dir : str | Path | None
         Keep each phone's node key here (``<phone>.pem``, mode 600) so node ids
-        survive gateway restarts; None keeps keys in memory only.
+        survive gateway restarts; None keeps keys in memory only. The directory is
+        created if missing and checked writable here, and temporary files a killed
+        gateway left in it (``*.tmp``) are removed.
+
+    Raises
+    ------
+    StateDirError
+        If ``state_dir`` is not a directory, or cannot be created or written.
     """
 
     def __init__(
@@ -133,7 +167,9 @@ class SuperLinkConnector:
         self.address = address
         self.insecure = insecure
         self.root_certificates = root_certificates
-        self.state_dir = Path(state_dir) if state_dir is not None else None
+        self.state_dir = (
+            prepare_state_dir(Path(state_dir)) if state_dir is not None else None
+        )
 
     def new_identity(self, phone_name: str) -> KeyPair:
         if self.state_dir is None:
@@ -143,10 +179,19 @@ class SuperLinkConnector:
             private_key = bytes_to_private_key(path.read_bytes())
             return private_key, private_key.public_key()
         private_key, public_key = generate_key_pairs()
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(private_key_to_bytes(private_key))
+        # Written whole or not at all: a kill mid-write leaves only a *.tmp file,
+        # which the next start removes.
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(private_key_to_bytes(private_key))
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         return private_key, public_key
 
     def register(self, identity: KeyPair) -> int:

@@ -4,7 +4,9 @@ A :class:`Task` is built from a Flower train/evaluate ``Message`` (arrays -> FBT
 blob, config -> JSON), lives while the phone downloads, trains and uploads, and ends
 in exactly one way: accepted (the reply carries the phone's arrays and metrics),
 failed (the reply carries an error), or expired (nothing is relayed; the strategy
-sees a straggler). See android_client/PROTOCOL.md for the phone's side.
+sees a straggler). The first outcome is final: once a phone has been told its result
+is accepted, nothing it (or anyone) sends later changes that. See
+android_client/PROTOCOL.md for the phone's side.
 """
 
 from __future__ import annotations
@@ -23,12 +25,13 @@ from flowerbed.clients.bridge.codec import (
     Layout,
     TensorCodecError,
     arrayrecord_to_tensors,
-    check_layout,
     decode_tensors,
     encode_tensors,
     layout_of,
     tensors_to_arrayrecord,
 )
+from flowerbed.strategies.utils import ReplyRejected
+from flowerbed.strategies.utils import check_metrics as check_reply_metrics
 from flwr.app import ConfigRecord, Error, Message, MetricRecord, RecordDict
 from flwr.app.message_type import MessageType
 from flwr.common.constant import ErrorCode
@@ -39,12 +42,19 @@ PHONE_ERROR_CODE = ErrorCode.CLIENT_APP_RAISED_EXCEPTION
 
 
 class ProtocolError(Exception):
-    """A request the gateway refuses: HTTP status, reason, optional extra JSON."""
+    """A request the gateway refuses: HTTP status, reason, optional extra JSON.
 
-    def __init__(self, status: int, reason: str, **extra: Any) -> None:
+    ``close`` asks the server to close the connection after the answer (the rest of
+    the request cannot be told from the next one).
+    """
+
+    def __init__(
+        self, status: int, reason: str, *, close: bool = False, **extra: Any
+    ) -> None:
         super().__init__(reason)
         self.status = status
         self.reason = reason
+        self.close = close
         self.extra = extra
 
     def body(self) -> dict[str, Any]:
@@ -109,6 +119,8 @@ class Task:
     def _require_open(self) -> None:
         if self.outcome is not None and self.outcome.status == "failed":
             raise ProtocolError(400, f"task already failed: {self.outcome.reason}")
+        if self.outcome is not None:
+            raise ProtocolError(409, "task already accepted; nothing more to send")
         if not self._open_locked() and self.outcome is None:
             raise ProtocolError(404, f"task {self.task_id} expired")
 
@@ -126,9 +138,16 @@ class Task:
                 self._done.set()
 
     def _finish(self, outcome: TaskOutcome) -> None:
+        if self.outcome is not None:  # the first outcome is final
+            return
         self.outcome = outcome
         self._upload = bytearray()
         self._done.set()
+
+    @property
+    def result_bytes(self) -> int:
+        """Exact size of a valid result blob: the arrays sent, same names and shapes."""
+        return len(self.arrays_blob)
 
     def describe(self) -> dict[str, Any]:
         """The task as the phone sees it (``GET /v1/task``)."""
@@ -153,18 +172,23 @@ class Task:
 
         Returns the bytes received so far. Raises :class:`ProtocolError` with 409
         (and ``received``) when ``offset`` is not where the upload stands, 413 (and
-        fails the task) when ``total`` exceeds ``max_upload_bytes``, 400 otherwise.
+        fails the task) when ``total`` exceeds ``max_upload_bytes``, 409 once the
+        task is accepted (it stays accepted), 400 otherwise (a ``total`` other than
+        :attr:`result_bytes` included: the result has the layout of the arrays
+        sent, so its size is known before the first byte).
         """
         with self._lock:
             self._require_open()
-            if self.outcome is not None:
-                raise ProtocolError(400, "task already completed; nothing to upload")
             if self.kind != MessageType.TRAIN:
                 raise ProtocolError(400, f"{self.kind} tasks upload no tensors")
             if total > max_upload_bytes:
                 self._refuse_locked(total, max_upload_bytes)
-            if total <= 0 or offset < 0:
-                raise ProtocolError(400, "offset must be >= 0 and total > 0")
+            if total != self.result_bytes or offset < 0:
+                raise ProtocolError(
+                    400,
+                    f"total must be {self.result_bytes} (the size of the arrays "
+                    f"sent) and offset >= 0; got total={total}, offset={offset}",
+                )
             if len(data) > chunk_bytes:
                 raise ProtocolError(
                     400, f"chunk of {len(data)} bytes exceeds chunk_bytes={chunk_bytes}"
@@ -190,7 +214,10 @@ class Task:
             return len(self._upload)
 
     def refuse_upload(self, total: int, max_upload_bytes: int) -> None:
-        """Fail the task for an upload of ``total`` bytes over the limit: 413."""
+        """Fail the task for an upload of ``total`` bytes over the limit: 413.
+
+        An accepted task stays accepted (409); a failed one answers 400.
+        """
         with self._lock:
             self._require_open()
             self._refuse_locked(total, max_upload_bytes)
@@ -201,52 +228,65 @@ class Task:
         raise ProtocolError(413, reason)
 
     def complete(self, metrics: Any) -> TaskOutcome:
-        """Validate the upload and metrics; accept, or fail and raise 400."""
+        """Validate the upload and metrics; accept, or fail and raise 400.
+
+        The blob is decoded outside the task's lock, so the lock is never held for
+        longer than a copy; when two completes race, the first outcome stands.
+        """
         with self._lock:
             if self.outcome is not None and self.outcome.status == "accepted":
                 return self.outcome  # a repeated complete (lost answer) is harmless
             self._require_open()
-            try:
-                clean = check_metrics(metrics, train=self.kind == MessageType.TRAIN)
-                tensors = None
-                if self.kind == MessageType.TRAIN:
-                    tensors = self._decoded_upload()
-            except (TensorCodecError, ValueError) as err:
-                self._finish(TaskOutcome("failed", f"malformed result: {err}"))
-                raise ProtocolError(400, f"malformed result: {err}") from err
+            blob = bytes(self._upload) if self._total == len(self._upload) else None
+            received = len(self._upload)
+        try:
+            clean = check_metrics(metrics, train=self.kind == MessageType.TRAIN)
+            tensors = None
+            if self.kind == MessageType.TRAIN:
+                if blob is None:
+                    raise TensorCodecError(
+                        f"upload incomplete: {received} of {self.result_bytes} bytes"
+                    )
+                tensors = self._decoded(blob)
             outcome = TaskOutcome("accepted", tensors=tensors, metrics=clean)
+        except (TensorCodecError, ValueError) as err:
+            outcome = TaskOutcome("failed", f"malformed result: {err}")
+        with self._lock:
+            if self.outcome is None and not self._open_locked():
+                raise ProtocolError(404, f"task {self.task_id} expired")
             self._finish(outcome)
-            return outcome
+            final = self.outcome
+        assert final is not None
+        if final.status != "accepted":
+            raise ProtocolError(400, final.reason)
+        return final
 
-    def _decoded_upload(self) -> list[tuple[str, np.ndarray]]:
-        received = len(self._upload)
-        if self._total is None or received != self._total:
-            raise TensorCodecError(
-                f"upload incomplete: {received} of {self._total or '?'} bytes"
-            )
-        tensors = decode_tensors(bytes(self._upload))
-        check_layout(tensors, self.layout)
+    def _decoded(self, blob: bytes) -> list[tuple[str, np.ndarray]]:
+        tensors = decode_tensors(blob, expected=self.layout)
         bad = [n for n, a in tensors if not np.all(np.isfinite(a))]
         if bad:
             raise TensorCodecError(f"tensors {bad} hold NaN or infinite values")
         return tensors
 
     def fail(self, reason: str) -> TaskOutcome:
-        """The phone gives up; the node relays an error reply."""
+        """The phone gives up; the node relays an error reply (409 once accepted)."""
         with self._lock:
             self._require_open()
-            if self.outcome is not None:
-                raise ProtocolError(400, "task already completed")
             outcome = TaskOutcome("failed", f"phone gave up: {reason}")
             self._finish(outcome)
             return outcome
 
 
 def check_metrics(metrics: Any, train: bool) -> dict[str, int | float]:
-    """Validate a phone's metrics: a JSON object of finite numbers.
+    """Validate a phone's metrics as the flowerbed strategies will, before relaying.
 
-    ``num-examples`` must be a positive number for train tasks (FedAvg weights by
-    it). Raises ``ValueError`` naming the offending key.
+    First the JSON shape: an object of finite numbers (no booleans, integers within
+    64 bits, what a Flower ``MetricRecord`` holds). Then the strategies' own check,
+    :func:`flowerbed.strategies.utils.check_metrics` (one implementation for both):
+    ``num-examples`` present, finite and > 0 for train tasks (FedAvg weights by
+    it), times and step counts finite and non-negative, and whatever ranges the
+    strategies enforce. Evaluate tasks may omit ``num-examples`` or report 0.
+    Raises ``ValueError`` naming the offending key.
     """
     if not isinstance(metrics, dict):
         raise ValueError("'metrics' must be a JSON object of numbers")
@@ -259,10 +299,14 @@ def check_metrics(metrics: Any, train: bool) -> dict[str, int | float]:
         if isinstance(value, int) and not -(2**63) <= value < 2**63:
             raise ValueError(f"metric {key!r} does not fit in 64 bits")
         clean[key] = value
-    if train:
-        examples = clean.get(keys.NUM_EXAMPLES)
-        if examples is None or examples <= 0:
-            raise ValueError(f"train metrics need '{keys.NUM_EXAMPLES}' > 0")
+    if train and keys.NUM_EXAMPLES not in clean:
+        raise ValueError(f"train metrics need '{keys.NUM_EXAMPLES}' > 0")
+    if keys.NUM_EXAMPLES in clean:
+        try:
+            check_reply_metrics(MetricRecord(dict(clean)), keys.NUM_EXAMPLES)
+        except ReplyRejected as err:
+            if train or err.fault:
+                raise ValueError(err.reason) from None
     return clean
 
 
