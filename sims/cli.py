@@ -130,8 +130,9 @@ def run(args: argparse.Namespace) -> int:
 def simulate(scenario: Scenario, console: Any) -> int:
     from flowerbed.data import DataError
     from flowerbed.sims.node import cached_dataset
+    from flowerbed.sims.population import check_population
     from flowerbed.sims.recorder import RoundRecord
-    from flowerbed.sims.scenario import run_scenario
+    from flowerbed.sims.scenario import default_workers, run_scenario
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -174,13 +175,18 @@ def simulate(scenario: Scenario, console: Any) -> int:
         )
 
     try:
-        cached_dataset(scenario.dataset, scenario.data_dir)  # fail before any training
+        data = cached_dataset(scenario.dataset, scenario.data_dir)  # fail early
+        check_population(
+            len(data.y_train), scenario.num_nodes, scenario.partition, scenario.dataset
+        )
     except DataError as err:
         console.print(f"[red]flowerbed sim: error:[/red] {err}")
         return 2
     with progress:
         task = progress.add_task("sim", total=scenario.num_rounds, acc="-", vtime="0s")
-        outcome = run_scenario(scenario.to_run_config(), on_round=on_round)
+        outcome = run_scenario(
+            scenario.to_run_config(), on_round=on_round, workers=default_workers()
+        )
     console.print(table)
     res = outcome.results
     ttt = res["time_to_target_s"]
@@ -190,7 +196,17 @@ def simulate(scenario: Scenario, console: Any) -> int:
         + (f"{ttt:.1f} s (virtual)" if ttt is not None else "not reached")
         + f"  |  energy {res['total_energy_j']:.1f} J"
     )
+    if res["failed_tasks"]:
+        console.print(
+            f"[yellow]{res['failed_tasks']} of "
+            f"{res['failed_tasks'] + res['trained_tasks']} train tasks failed:[/yellow]"
+        )
+        for error in res["errors"][:5]:
+            console.print(f"  {error['count']} x {error['example']}", markup=False)
     console.print(f"run folder: {outcome.run_dir}")
+    if not res["trained_tasks"]:
+        console.print("[red]flowerbed sim: every train task failed: nothing trained")
+        return 1
     return 0
 
 

@@ -132,16 +132,9 @@ class FleetGrid(Grid):
         self._nodes = {n.node_id: n for n in nodes}
         if len(self._nodes) != len(nodes):
             raise ValueError("node ids must be unique")
-        self._contexts = {
-            n.node_id: Context(
-                run_id=run_id,
-                node_id=n.node_id,
-                node_config=dict(n.node_config),
-                state=RecordDict(),
-                run_config=dict(run_config),
-            )
-            for n in nodes
-        }
+        self._run_config = dict(run_config)
+        self._run_id = run_id
+        self._contexts: dict[int, Context] = {}
         self._run = Run.create_empty(run_id)
         self._seq = itertools.count()
         self._in_flight: list[_Pending] = []
@@ -255,8 +248,23 @@ class FleetGrid(Grid):
                 )
         return [o for o in out if o is not None]
 
+    def context(self, node_id: int) -> Context:
+        """The node's Flower ``Context``, made when the node gets its first message.
+
+        A population's nodes that are never sampled cost no more than their
+        ``SimNode``: no context, no data, no model.
+        """
+        return _context_of(
+            self._contexts, self._nodes, self._run_config, self._run_id, node_id
+        )
+
+    @property
+    def nodes_contacted(self) -> int:
+        """How many nodes have been sent a message (in this process)."""
+        return len(self._contexts)
+
     def _context(self, message: Message) -> Context:
-        return self._contexts[message.metadata.dst_node_id]
+        return self.context(message.metadata.dst_node_id)
 
     def _run_train(self, tasks: Sequence[Message]) -> list[tuple[Message, float]]:
         assert self.batch_train is not None
@@ -277,30 +285,82 @@ class FleetGrid(Grid):
             self._pool = context.Pool(
                 self.workers,
                 initializer=_worker_init,
-                initargs=(self.batch_train, self._contexts, self._run.run_id),
+                initargs=(
+                    self.batch_train,
+                    self._nodes,
+                    self._run_config,
+                    self._run_id,
+                ),
             )
             weakref.finalize(self, self._pool.terminate)
         return self._pool
 
 
-_WORKER: tuple[BatchRunner, Mapping[int, Context]] | None = None
-"""This worker process's runner and node contexts (set by ``_worker_init``)."""
+def _context_of(
+    contexts: dict[int, Context],
+    nodes: Mapping[int, SimNode],
+    run_config: Mapping[str, bool | float | int | str],
+    run_id: int,
+    node_id: int,
+) -> Context:
+    if node_id not in contexts:
+        contexts[node_id] = Context(
+            run_id=run_id,
+            node_id=node_id,
+            node_config=dict(nodes[node_id].node_config),
+            state=RecordDict(),
+            run_config=dict(run_config),
+        )
+    return contexts[node_id]
+
+
+@dataclass
+class _Worker:
+    """A worker process's runner and the fleet it makes contexts for."""
+
+    runner: BatchRunner
+    nodes: Mapping[int, SimNode]
+    run_config: Mapping[str, bool | float | int | str]
+    run_id: int
+    contexts: dict[int, Context] = field(default_factory=dict)
+
+
+_WORKER: _Worker | None = None
+"""This worker process's state (set by ``_worker_init``)."""
 
 
 def _worker_init(
-    runner: BatchRunner, contexts: Mapping[int, Context], run_id: int
+    runner: BatchRunner,
+    nodes: Mapping[int, SimNode],
+    run_config: Mapping[str, bool | float | int | str],
+    run_id: int,
 ) -> None:
     global _WORKER
-    _WORKER = (runner, contexts)
+    _WORKER = _Worker(runner, nodes, run_config, run_id)
     TaskIdentity.run_id = run_id
     TaskIdentity.node_id = SUPERLINK_NODE_ID
     TaskIdentity.task_id = 0
 
 
 def _worker_run(tasks: Sequence[Message]) -> list[tuple[Message, float]]:
-    assert _WORKER is not None, "worker not initialised"
-    runner, contexts = _WORKER
-    return _run_batch(runner, [(m, contexts[m.metadata.dst_node_id]) for m in tasks])
+    worker = _WORKER
+    assert worker is not None, "worker not initialised"
+    return _run_batch(
+        worker.runner,
+        [
+            (
+                m,
+                _context_of(
+                    worker.contexts,
+                    worker.nodes,
+                    worker.run_config,
+                    worker.run_id,
+                    m.metadata.dst_node_id,
+                ),
+            )
+            for m in tasks
+        ],
+    )
 
 
 def _run_batch(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from flowerbed.sims.devices import DeviceProfile, get_device
 
@@ -35,6 +37,16 @@ def assign_devices(fleet: str, num_nodes: int, seed: int) -> list[DeviceProfile]
     Counts follow the mix by largest remainder (so 10 nodes of ``phones-10x`` are
     exactly 4/3/3), then a seeded shuffle decides which node gets which device.
     """
+    return [get_device(name) for name in _assignment(fleet, num_nodes, seed)]
+
+
+def device_of(fleet: str, num_nodes: int, seed: int, node: int) -> DeviceProfile:
+    """Device of node ``node`` (as :func:`assign_devices`; the draw is cached)."""
+    return get_device(_assignment(fleet, num_nodes, seed)[node])
+
+
+@functools.lru_cache(maxsize=8)
+def _assignment(fleet: str, num_nodes: int, seed: int) -> tuple[str, ...]:
     check_fleet_name(fleet)
     if num_nodes < 1:
         raise ValueError(f"num-nodes must be >= 1, got {num_nodes}")
@@ -48,4 +60,4 @@ def assign_devices(fleet: str, num_nodes: int, seed: int) -> list[DeviceProfile]
         counts[name] += 1
     names = [name for name in mix for _ in range(counts[name])]
     order = np.random.default_rng(seed).permutation(num_nodes)
-    return [get_device(names[i]) for i in order]
+    return tuple(names[i] for i in order)

@@ -21,7 +21,8 @@ from flowerbed.sims import vclock
 from flowerbed.sims.batched import NodeJob, batchable, train_many
 from flowerbed.sims.config import Scenario
 from flowerbed.sims.devices import DeviceProfile, get_device
-from flowerbed.sims.fleet import assign_devices
+from flowerbed.sims.fleet import device_of
+from flowerbed.sims.population import MIN_SAMPLES, drawn_shard, fits
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from torch import nn
 
@@ -56,17 +57,36 @@ def cached_dataset(name: str, data_dir: str) -> Dataset:
 
 
 @functools.lru_cache(maxsize=8)
-def _partitions(
-    scenario: Scenario, num_partitions: int
-) -> tuple[list[np.ndarray], list[np.ndarray]]:
+def _partition(scenario: Scenario, num_partitions: int, split: str) -> list[np.ndarray]:
+    """Disjoint shards of one split (training: the scenario's scheme; test: iid)."""
     data = cached_dataset(scenario.dataset, scenario.data_dir)
-    train = partition(
-        data.y_train, num_partitions, scenario.partition, scenario.alpha, scenario.seed
+    if split == "train":
+        return partition(
+            data.y_train,
+            num_partitions,
+            scenario.partition,
+            scenario.alpha,
+            scenario.seed,
+            MIN_SAMPLES["train"],
+        )
+    return partition(
+        data.y_test,
+        num_partitions,
+        "iid",
+        scenario.alpha,
+        scenario.seed,
+        MIN_SAMPLES["test"],
     )
-    test = partition(
-        data.y_test, num_partitions, "iid", scenario.alpha, scenario.seed, 1
-    )
-    return train, test
+
+
+def _shard(scenario: Scenario, num_partitions: int, pid: int, split: str) -> np.ndarray:
+    """A node's sample indices: its disjoint shard, or one it draws (population)."""
+    data = cached_dataset(scenario.dataset, scenario.data_dir)
+    labels = data.y_train if split == "train" else data.y_test
+    if fits(len(labels), num_partitions, split):
+        return _partition(scenario, num_partitions, split)[pid]
+    scheme = scenario.partition if split == "train" else "iid"
+    return drawn_shard(labels, pid, split, scheme, scenario.alpha, scenario.seed)
 
 
 @functools.lru_cache(maxsize=8)
@@ -83,21 +103,20 @@ def node_setup(
     if not 0 <= partition_id < num_partitions:
         raise ValueError(f"partition-id {partition_id} outside [0, {num_partitions})")
     data = cached_dataset(scenario.dataset, scenario.data_dir)
-    train, test = _partitions(scenario, num_partitions)
+    train = _shard(scenario, num_partitions, partition_id, "train")
+    test = _shard(scenario, num_partitions, partition_id, "test")
     if device in ("", OFFLINE):
-        profile = assign_devices(scenario.fleet, num_partitions, scenario.seed)[
-            partition_id
-        ]
+        profile = device_of(scenario.fleet, num_partitions, scenario.seed, partition_id)
     else:
         profile = get_device(device)
     factor, nbytes = _model_costs(scenario)
     return NodeSetup(
         partition_id,
         profile,
-        data.x_train[train[partition_id]],
-        data.y_train[train[partition_id]],
-        data.x_test[test[partition_id]],
-        data.y_test[test[partition_id]],
+        data.x_train[train],
+        data.y_train[train],
+        data.x_test[test],
+        data.y_test[test],
         factor,
         nbytes,
     )

@@ -46,8 +46,12 @@ def summarise(
     records: Sequence[RoundRecord],
     initial_accuracy: float,
     engine: str,
+    errors: Sequence[dict[str, Any]] = (),
 ) -> dict[str, Any]:
-    """The content of results.json."""
+    """The content of results.json.
+
+    ``errors``: failed train tasks grouped by kind (``RunRecorder.error_summary``).
+    """
     import flowerbed
     import flwr
     import torch
@@ -70,6 +74,9 @@ def summarise(
         "time_to_target_s": time_to_target(records, target),
         "total_energy_j": sum(r.energy_j for r in records),
         "total_virtual_time_s": records[-1].virtual_time_s if records else 0.0,
+        "failed_tasks": sum(len(r.failed) for r in records),
+        "trained_tasks": sum(len(r.participants) for r in records),
+        "errors": list(errors),
     }
 
 

@@ -13,7 +13,9 @@ reported duration, i.e. what a round that waits for all its nodes costs.
 
 from __future__ import annotations
 
+import re
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -99,6 +101,8 @@ class RunRecorder:
         self._round = 1
         self._virtual_s = 0.0
         self._wall_start = time.monotonic()
+        self.error_counts: Counter[str] = Counter()
+        self.error_examples: dict[str, str] = {}
 
     def sent(self, message_id: str, message: Message) -> None:
         if message.metadata.message_type.startswith("train"):
@@ -110,7 +114,9 @@ class RunRecorder:
             return  # not a train reply
         bucket = self._bucket
         if reply.has_error():
-            bucket.failed.append(self._partition_of.get(sent.node_id, sent.node_id))
+            node = self._partition_of.get(sent.node_id, sent.node_id)
+            bucket.failed.append(node)
+            self._note_error(node, reply.error.reason or f"code {reply.error.code}")
             return
         metrics = next(iter(reply.content.metric_records.values()), MetricRecord())
         pid = int(metrics.get(keys.PARTITION_ID, sent.node_id))  # type: ignore[arg-type]
@@ -119,6 +125,24 @@ class RunRecorder:
         energy = metrics.get(keys.ENERGY_J, 0.0)
         bucket.energy_j += float(energy) if isinstance(energy, (int, float)) else 0.0
         bucket.slowest_s = max(bucket.slowest_s, reply_duration(reply))
+
+    def _note_error(self, node: int, reason: str) -> None:
+        kind = _error_kind(reason)
+        self.error_counts[kind] += 1
+        self.error_examples.setdefault(
+            kind, f"round {self._round}, node {node}: {reason}"
+        )
+
+    def error_summary(self) -> list[dict[str, object]]:
+        """Failed train tasks grouped by kind of error, most frequent first.
+
+        Each entry: ``kind`` (the reason with its numbers replaced by ``#``),
+        ``count`` and ``example`` (one full reason, with its node and round).
+        """
+        return [
+            {"kind": kind, "count": count, "example": self.error_examples[kind]}
+            for kind, count in self.error_counts.most_common()
+        ]
 
     def evaluate_fn(self, server_round: int, arrays: ArrayRecord) -> MetricRecord:
         """Central evaluation on the held-out test set; closes the round's record."""
@@ -152,3 +176,9 @@ class RunRecorder:
         if self.on_round is not None:
             self.on_round(record)
         return MetricRecord({"accuracy": acc, "loss": loss})
+
+
+def _error_kind(reason: str) -> str:
+    """``reason`` with its numbers (node ids, rounds, seconds) replaced by ``#``."""
+    first = reason.strip().splitlines()[-1] if reason.strip() else reason
+    return re.sub(r"\d+(\.\d+)?(e[-+]?\d+)?", "#", first)[:300]

@@ -22,6 +22,7 @@ from flowerbed.sims.config import Scenario
 from flowerbed.sims.engine import FleetGrid, SimNode
 from flowerbed.sims.node import DEVICE_KEY, cached_dataset, train_batch
 from flowerbed.sims.outputs import summarise, write_run_folder
+from flowerbed.sims.population import check_population
 from flowerbed.sims.recorder import RoundRecord, RunRecorder
 from flwr.app import ArrayRecord, ConfigRecord
 from flwr.serverapp import Grid
@@ -112,6 +113,9 @@ def run_server(
     np.random.seed(scenario.seed)
     torch.manual_seed(scenario.seed)
     data = cached_dataset(scenario.dataset, scenario.data_dir)
+    check_population(
+        len(data.y_train), scenario.num_nodes, scenario.partition, scenario.dataset
+    )
     model = build_model(
         scenario.model, data.in_channels, data.image_size, data.num_classes
     )
@@ -135,7 +139,11 @@ def run_server(
         evaluate_fn=recorder.evaluate_fn,
     )
     results = summarise(
-        scenario.to_run_config(), recorder.records, recorder.initial_accuracy, engine
+        scenario.to_run_config(),
+        recorder.records,
+        recorder.initial_accuracy,
+        engine,
+        recorder.error_summary(),
     )
     run_dir = (
         write_run_folder(scenario.output_dir, results, recorder.records)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
-from flowerbed.clients.training import train_steps
+from flowerbed.clients.training import TrainStats, train_steps
 from flowerbed.data import load_dataset
 from flowerbed.models import build_model
 from flowerbed.sims import node
@@ -40,6 +43,23 @@ def _digits_jobs(model: nn.Module) -> list[NodeJob]:
     return jobs
 
 
+def _with_onednn(
+    fn: Callable[..., TrainStats], *args: Any, **kwargs: Any
+) -> TrainStats:
+    """Run ``fn`` with oneDNN on, as train_many runs.
+
+    PyTorch's two CPU convolution paths differ by ~1e-3 in MobileNet's weights
+    after one SGD step on digits (measured), whether batched or not: the
+    comparison is only meaningful on the same path.
+    """
+    before = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = True  # type: ignore[assignment]
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        torch.backends.mkldnn.enabled = before  # type: ignore[assignment]
+
+
 @pytest.mark.parametrize("name", ["lenet", "mobilenet"])
 def test_batched_training_equals_training_each_node_alone(name: str) -> None:
     model = build_model(name, 1, 8, 10)
@@ -48,7 +68,8 @@ def test_batched_training_equals_training_each_node_alone(name: str) -> None:
     for job, (weights, stats) in zip(jobs, batched, strict=True):
         alone = build_model(name, 1, 8, 10)
         alone.load_state_dict(job.weights)
-        expected = train_steps(
+        expected = _with_onednn(
+            train_steps,
             alone,
             job.x,
             job.y,
@@ -109,7 +130,7 @@ def _train_messages(grid: object, server_round: int) -> list[Message]:
 
 def test_train_batch_answers_each_message_as_train_does() -> None:
     grid = build_fleet_grid(RUN, batch=False)
-    contexts = {n: grid._contexts[n] for n in grid.get_node_ids()}
+    contexts = {n: grid.context(n) for n in grid.get_node_ids()}
     messages = _train_messages(grid, server_round=1)
     tasks = [(m, contexts[m.metadata.dst_node_id]) for m in messages]
     batched = node.train_batch(tasks)
