@@ -1,6 +1,6 @@
 """Model zoo shared by simulation, board clients and the Android export.
 
-Two families, chosen by the run config key ``model``:
+Image models, chosen by the run config key ``model``:
 
 - ``lenet``: LeNet-5-style CNN (LeCun et al., "Gradient-based learning applied to
   document recognition", Proc. IEEE 1998), two 5x5 conv + pool stages, three FC layers.
@@ -8,10 +8,22 @@ Two families, chosen by the run config key ``model``:
   "MobileNets", arXiv:1704.04861, Sec. 3.1), narrow enough for phones. No batch
   norm: with a handful of samples per node, batch statistics are noise, and
   federated averaging of running statistics is ill-defined.
+
+Models for 1-D data (N x C x L, ``mnist1d`` and ``synthetic``):
+
+- ``cnn1d``: three 1-D convolutions and a linear head, the CNN family Greydanus
+  ("Scaling down deep learning", 2020, Sec. 3) trains on MNIST-1D.
+- ``mlp``: two hidden layers of 100 ReLU units (the same paper's MLP baseline).
+- ``logreg``: multinomial logistic regression, FedProx's model for its Synthetic
+  data (Li et al., MLSys 2020, Sec. 5.1).
+
+``CHARGED_MODELS`` are published architectures whose byte size and compute the
+virtual clock can charge in place of the small model actually trained.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -79,7 +91,121 @@ class MobileNetV1Small(nn.Module):
         return self.classifier(self.features(x))
 
 
-MODELS: dict[str, ModelFactory] = {"lenet": LeNet, "mobilenet": MobileNetV1Small}
+class ConvNet1D(nn.Module):
+    """Three 1-D convolutions (25 channels, kernel 5, stride 2) and a linear head."""
+
+    input_dims = 1
+
+    def __init__(self, in_channels: int, length: int, num_classes: int) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv1d(in_channels, 25, 5, stride=2, padding=1),
+            nn.ReLU(),
+            nn.Conv1d(25, 25, 3, stride=2, padding=1),
+            nn.ReLU(),
+            nn.Conv1d(25, 25, 3, stride=2, padding=1),
+            nn.ReLU(),
+        )
+        with torch.no_grad():
+            flat = self.features(torch.zeros(1, in_channels, length)).numel()
+        self.classifier = nn.Sequential(nn.Flatten(), nn.Linear(flat, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x))
+
+
+class MLP1D(nn.Module):
+    """Two hidden layers of 100 ReLU units over the flattened sequence."""
+
+    input_dims = 1
+
+    def __init__(self, in_channels: int, length: int, num_classes: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Flatten(),
+            nn.Linear(in_channels * length, 100),
+            nn.ReLU(),
+            nn.Linear(100, 100),
+            nn.ReLU(),
+            nn.Linear(100, num_classes),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+class LogReg1D(nn.Module):
+    """Multinomial logistic regression over the flattened sequence."""
+
+    input_dims = 1
+
+    def __init__(self, in_channels: int, length: int, num_classes: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Flatten(), nn.Linear(in_channels * length, num_classes)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+MODELS: dict[str, ModelFactory] = {
+    "lenet": LeNet,
+    "mobilenet": MobileNetV1Small,
+    "cnn1d": ConvNet1D,
+    "mlp": MLP1D,
+    "logreg": LogReg1D,
+}
+
+
+def model_dims(name: str) -> int:
+    """Spatial dimensions a model takes (2: images, 1: sequences)."""
+    return int(getattr(MODELS[name], "input_dims", 2))
+
+
+CHARGED_MODELS: dict[str, tuple[int, int, str]] = {
+    "mobilenet-v1": (
+        4_200_000,
+        569_000_000,
+        "1.0 MobileNet-224: 4.2 M parameters, 569 M multiply-adds per 224x224 image "
+        "(Howard et al., arXiv:1704.04861, Table 8)",
+    ),
+    "mobilenet-v1-0.5-160": (
+        1_320_000,
+        76_000_000,
+        "0.5 MobileNet-160: 1.32 M parameters, 76 M multiply-adds per 160x160 image "
+        "(Howard et al., arXiv:1704.04861, Table 9)",
+    ),
+    "resnet-18": (
+        11_700_000,
+        1_800_000_000,
+        "ResNet-18: 11.7 M parameters, 1.8 G multiply-adds per 224x224 image "
+        "(He et al., CVPR 2016, Table 1; parameters as torchvision's resnet18)",
+    ),
+}
+"""Published architectures the virtual clock can charge instead of the trained
+model: name -> (parameters, forward multiply-adds per sample, source). Bytes are
+4 x parameters (float32)."""
+
+
+def charged_costs(name: str) -> tuple[float, int]:
+    """(cost factor relative to :data:`REFERENCE_MODEL`, bytes) of a charged model.
+
+    cost factor = forward MACs / the reference's forward MACs (training is ~3x the
+    forward pass for both, see :func:`cost_factor`); bytes = 4 x parameters.
+    """
+    try:
+        params, macs, _ = CHARGED_MODELS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown charged model {name!r}; valid choices: "
+            f"{', '.join(CHARGED_MODELS)}"
+        ) from None
+    ref_name, ref_c, ref_s, ref_k = REFERENCE_MODEL
+    ref = forward_macs(build_model(ref_name, ref_c, ref_s, ref_k), ref_c, ref_s)
+    return macs / ref, 4 * params
+
+
 REFERENCE_MODEL = ("lenet", 1, 28, 10)
 """The model device profiles quote per-sample seconds for: LeNet on 28x28x1 MNIST."""
 
@@ -93,7 +219,7 @@ def he_init(model: nn.Module) -> nn.Module:
     hundreds of plain-SGD steps.
     """
     for mod in model.modules():
-        if isinstance(mod, (nn.Conv2d, nn.Linear)):
+        if isinstance(mod, (nn.Conv1d, nn.Conv2d, nn.Linear)):
             nn.init.kaiming_normal_(mod.weight, nonlinearity="relu")
             if mod.bias is not None:
                 nn.init.zeros_(mod.bias)
@@ -118,14 +244,16 @@ def forward_macs(model: nn.Module, in_channels: int, image_size: int) -> int:
 
     Conv: out_elements x (in_channels / groups) x kernel_h x kernel_w;
     linear: in_features x out_features (the standard count, e.g. MobileNets Sec. 3.1).
+    A 1-D model (``input_dims = 1``) is fed a sequence of length ``image_size``.
     """
     total = 0
+    dims = int(getattr(model, "input_dims", 2))
 
     def conv_hook(mod: nn.Module, _inp: object, out: torch.Tensor) -> None:
         nonlocal total
-        assert isinstance(mod, nn.Conv2d)
-        kh, kw = mod.kernel_size
-        total += out.numel() * (mod.in_channels // mod.groups) * kh * kw
+        assert isinstance(mod, (nn.Conv1d, nn.Conv2d))
+        kernel = math.prod(mod.kernel_size)
+        total += out.numel() * (mod.in_channels // mod.groups) * kernel
 
     def linear_hook(mod: nn.Module, _inp: object, _out: torch.Tensor) -> None:
         nonlocal total
@@ -134,13 +262,13 @@ def forward_macs(model: nn.Module, in_channels: int, image_size: int) -> int:
 
     handles = []
     for mod in model.modules():
-        if isinstance(mod, nn.Conv2d):
+        if isinstance(mod, (nn.Conv1d, nn.Conv2d)):
             handles.append(mod.register_forward_hook(conv_hook))
         elif isinstance(mod, nn.Linear):
             handles.append(mod.register_forward_hook(linear_hook))
     try:
         with torch.no_grad():
-            model(torch.zeros(1, in_channels, image_size, image_size))
+            model(torch.zeros(1, in_channels, *([image_size] * dims)))
     finally:
         for handle in handles:
             handle.remove()

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 
-from flowerbed.data import DATASETS, PARTITIONS
-from flowerbed.models import MODELS
+from flowerbed.data import DATASET_DIMS, DATASETS, PARTITIONS
+from flowerbed.models import CHARGED_MODELS, MODELS, model_dims
 from flowerbed.sims.fleet import FLEETS
 
 STRATEGY_NAMES = ("fedavg", "fedprox", "runtime-weighted", "deadline", "fedbuff")
@@ -47,6 +47,11 @@ class Scenario:
     round_timeout_s: float = 3600.0
     deadline_s: float = 0.0
     proximal_mu: float = 0.01
+    charge_as: str = ""
+    """A published model (``flowerbed.models.CHARGED_MODELS``) whose bytes and
+    compute the virtual clock charges instead of the trained model's; "" for none."""
+    affinity: float = 0.9
+    """``device`` partition: share of a node's samples from its group's classes."""
 
     @classmethod
     def keys(cls) -> list[str]:
@@ -94,11 +99,19 @@ class Scenario:
             "strategy": (self.strategy, STRATEGY_NAMES),
             "partition": (self.partition, PARTITIONS),
         }
+        if self.charge_as:
+            choices["charge-as"] = (self.charge_as, tuple(CHARGED_MODELS))
         for key, (value, valid) in choices.items():
             if value not in valid:
                 raise ConfigError(
                     f"unknown {key} {value!r}; valid choices: {', '.join(valid)}"
                 )
+        if model_dims(self.model) != DATASET_DIMS[self.dataset]:
+            fits = [m for m in MODELS if model_dims(m) == DATASET_DIMS[self.dataset]]
+            raise ConfigError(
+                f"model {self.model!r} does not take {self.dataset!r} samples; "
+                f"valid choices for this dataset: {', '.join(fits)}"
+            )
         ranges: list[tuple[str, float, bool, str]] = [
             ("num-nodes", self.num_nodes, self.num_nodes >= 1, ">= 1"),
             ("num-rounds", self.num_rounds, self.num_rounds >= 1, ">= 1"),
@@ -132,6 +145,7 @@ class Scenario:
             ),
             ("deadline-s", self.deadline_s, self.deadline_s >= 0, ">= 0 (0: none)"),
             ("proximal-mu", self.proximal_mu, self.proximal_mu >= 0, ">= 0"),
+            ("affinity", self.affinity, 0 < self.affinity <= 1, "in (0, 1]"),
         ]
         for key, number, ok, rule in ranges:
             if not ok:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import numpy as np
 from flowerbed.sims.devices import DeviceProfile, get_device
@@ -61,3 +62,13 @@ def _assignment(fleet: str, num_nodes: int, seed: int) -> tuple[str, ...]:
     names = [name for name in mix for _ in range(counts[name])]
     order = np.random.default_rng(seed).permutation(num_nodes)
     return tuple(names[i] for i in order)
+
+
+def speed_groups(devices: Sequence[DeviceProfile]) -> list[int]:
+    """Group of each node for the ``device`` partition: 0 (slow) for devices slower
+    than the fleet's median device, 1 (fast) for the rest."""
+    if not devices:
+        return []
+    speeds = sorted(d.relative_speed for d in devices)
+    median = speeds[len(speeds) // 2]
+    return [0 if d.relative_speed < median else 1 for d in devices]

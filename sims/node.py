@@ -16,12 +16,12 @@ import torch
 from flowerbed import keys
 from flowerbed.clients.training import TrainStats, evaluate, train_steps
 from flowerbed.data import Dataset, load_dataset, partition
-from flowerbed.models import build_model, cost_factor, model_num_bytes
+from flowerbed.models import build_model, charged_costs, cost_factor, model_num_bytes
 from flowerbed.sims import vclock
 from flowerbed.sims.batched import NodeJob, batchable, train_many
 from flowerbed.sims.config import Scenario
 from flowerbed.sims.devices import DeviceProfile, get_device
-from flowerbed.sims.fleet import device_of
+from flowerbed.sims.fleet import assign_devices, device_of, speed_groups
 from flowerbed.sims.population import MIN_SAMPLES, drawn_shard, fits
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from torch import nn
@@ -61,6 +61,11 @@ def _partition(scenario: Scenario, num_partitions: int, split: str) -> list[np.n
     """Disjoint shards of one split (training: the scenario's scheme; test: iid)."""
     data = cached_dataset(scenario.dataset, scenario.data_dir)
     if split == "train":
+        groups = (
+            speed_groups(assign_devices(scenario.fleet, num_partitions, scenario.seed))
+            if scenario.partition == "device"
+            else None
+        )
         return partition(
             data.y_train,
             num_partitions,
@@ -68,6 +73,9 @@ def _partition(scenario: Scenario, num_partitions: int, split: str) -> list[np.n
             scenario.alpha,
             scenario.seed,
             MIN_SAMPLES["train"],
+            groups=groups,
+            writers=data.train_writers,
+            affinity=scenario.affinity,
         )
     return partition(
         data.y_test,
@@ -91,6 +99,8 @@ def _shard(scenario: Scenario, num_partitions: int, pid: int, split: str) -> np.
 
 @functools.lru_cache(maxsize=8)
 def _model_costs(scenario: Scenario) -> tuple[float, int]:
+    if scenario.charge_as:
+        return charged_costs(scenario.charge_as)
     data = cached_dataset(scenario.dataset, scenario.data_dir)
     shape = (data.in_channels, data.image_size, data.num_classes)
     model = build_model(scenario.model, *shape)

@@ -66,3 +66,16 @@ def test_sim_refuses_bad_input_before_training_and_writes_nothing(
     printed = " ".join(capsys.readouterr().out.split())
     assert "flowerbed sim: error:" in printed and message in printed
     assert not out.exists()
+
+
+def test_a_model_must_take_the_datasets_samples() -> None:
+    from flowerbed.sims.config import ConfigError, Scenario
+
+    with pytest.raises(ConfigError, match="model 'lenet' does not take 'mnist1d'"):
+        Scenario.from_run_config({"dataset": "mnist1d"})
+    with pytest.raises(ConfigError, match="unknown charge-as 'vgg'; valid choices"):
+        Scenario.from_run_config({"charge-as": "vgg"})
+    ok = Scenario.from_run_config(
+        {"dataset": "mnist1d", "model": "mlp", "charge-as": "mobilenet-v1"}
+    )
+    assert ok.charge_as == "mobilenet-v1"

@@ -121,6 +121,130 @@ def test_torchvision_download_path() -> None:
 @pytest.mark.parametrize(("channels", "size"), [(1, 8), (1, 28), (3, 32)])
 def test_models_fit_every_dataset_shape(name: str, channels: int, size: int) -> None:
     import torch
+    from flowerbed.models import model_dims
 
     model = build_model(name, channels, size, 10)
-    assert model(torch.zeros(2, channels, size, size)).shape == (2, 10)
+    shape = (2, channels, *([size] * model_dims(name)))
+    assert model(torch.zeros(shape)).shape == (2, 10)
+
+
+def test_mnist1d_is_generated_locally_with_more_samples_and_repeats() -> None:
+    import random
+
+    from flowerbed.data import make_mnist1d
+
+    np.random.seed(123)
+    random.seed(123)
+    before = (np.random.random(), random.random())
+    np.random.seed(123)
+    random.seed(123)
+    d = make_mnist1d(num_samples=600, num_test=100)
+    assert d.x_train.shape == (500, 1, 40) and d.x_test.shape == (100, 1, 40)
+    assert d.x_train.dtype == np.float32 and d.y_train.dtype == np.int64
+    # balanced over the ten templates: 60 signals per class in all
+    counts = np.bincount(np.concatenate([d.y_train, d.y_test]), minlength=10)
+    assert counts.tolist() == [60] * 10
+    again = make_mnist1d(num_samples=600, num_test=100)
+    assert np.array_equal(d.x_train, again.x_train)
+    assert np.array_equal(d.y_test, again.y_test)
+    # the package seeds the global generators; they are given back untouched
+    np.random.seed(123)
+    random.seed(123)
+    make_mnist1d(num_samples=600, num_test=100)
+    assert (np.random.random(), random.random()) == before
+
+
+def test_synthetic_follows_fedprox_recipe_per_writer() -> None:
+    from flowerbed.data import make_synthetic
+
+    d = make_synthetic(1.0, 1.0, 5, seed=3, max_samples=100)
+    rng = np.random.default_rng(3)
+    sizes = np.minimum(50 + rng.lognormal(4.0, 2.0, 5).astype(np.int64), 100)
+    assert d.train_writers is not None and d.test_writers is not None
+    for k in range(5):
+        n_test = round(0.2 * sizes[k])
+        assert int((d.test_writers == k).sum()) == n_test
+        assert int((d.train_writers == k).sum()) == sizes[k] - n_test
+    assert d.x_train.shape[1:] == (1, 60) and set(np.unique(d.y_train)) <= set(
+        range(10)
+    )
+    again = make_synthetic(1.0, 1.0, 5, seed=3, max_samples=100)
+    assert np.array_equal(d.x_train, again.x_train)
+
+
+def test_synthetic_inputs_have_the_papers_diagonal_covariance() -> None:
+    from flowerbed.data import make_synthetic
+
+    # One writer with many samples: per-coordinate variance is j ** -1.2. The
+    # first seed whose power-law size is >= 5,000 (the generator's first draw).
+    seed = next(
+        s
+        for s in range(1000)
+        if 50 + int(np.random.default_rng(s).lognormal(4.0, 2.0)) >= 5_000
+    )
+    d = make_synthetic(0.0, 0.0, 1, seed=seed, max_samples=20_000)
+    x = np.concatenate([d.x_train, d.x_test])[:, 0, :]
+    assert len(x) >= 5_000
+    expected = np.arange(1, 61) ** -1.2
+    assert np.allclose(x.var(axis=0), expected, rtol=0.25)
+
+
+def test_group_label_shares_by_hand() -> None:
+    from flowerbed.data import group_label_shares
+
+    pi = group_label_shares(10, 2, 0.9)
+    assert pi[0].tolist() == pytest.approx([0.18] * 5 + [0.02] * 5)
+    assert pi[1].tolist() == pytest.approx([0.02] * 5 + [0.18] * 5)
+    with pytest.raises(ValueError, match="affinity must be in"):
+        group_label_shares(10, 2, 0.0)
+
+
+def test_device_partition_puts_the_slow_classes_on_the_slow_devices() -> None:
+    labels = np.repeat(np.arange(10), 100)
+    groups = [0, 0, 0, 0, 1, 1, 1, 1, 1, 1]
+    parts = partition(labels, 10, "device", seed=2, groups=groups)
+    assert sorted(np.concatenate(parts).tolist()) == list(range(1000))
+    slow = np.concatenate(parts[:4])
+    fast = np.concatenate(parts[4:])
+    # classes 0-4: slow demand 4 x 0.18 = 0.72, fast 6 x 0.02 = 0.12, so the slow
+    # devices hold 0.72 / 0.84 = 85.7% of each of those classes
+    held = np.bincount(labels[slow], minlength=10)[:5] / 100
+    assert held == pytest.approx([0.72 / 0.84] * 5, abs=0.02)
+    # classes 5-9: slow demand 4 x 0.02 = 0.08 of 1.16 -> 6.9%
+    assert np.bincount(labels[slow], minlength=10)[5:] / 100 == pytest.approx(
+        [0.08 / 1.16] * 5, abs=0.02
+    )
+    # the fast devices' data: 5 x 100 x 0.12/0.84 slow-class samples of
+    # 5 x 100 x (0.12/0.84 + 1.08/1.16) in all = 13.3%, rarely seen
+    fast_share_of_slow_classes = np.isin(labels[fast], range(5)).mean()
+    expected = (0.12 / 0.84) / (0.12 / 0.84 + 1.08 / 1.16)
+    assert fast_share_of_slow_classes == pytest.approx(expected, abs=0.01)
+    again = partition(labels, 10, "device", seed=2, groups=groups)
+    assert all(np.array_equal(a, b) for a, b in zip(parts, again, strict=True))
+    with pytest.raises(ValueError, match="needs one group per node"):
+        partition(labels, 10, "device", seed=2, groups=[0, 1])
+
+
+def test_natural_partition_keeps_each_writer_whole() -> None:
+    labels = np.zeros(8, dtype=np.int64)
+    writers = np.array([0, 0, 1, 1, 2, 2, 3, 3])
+    parts = partition(labels, 2, "natural", writers=writers, min_size=1)
+    assert [p.tolist() for p in parts] == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    with pytest.raises(ValueError, match="needs the data's writers"):
+        partition(labels, 2, "natural")
+
+
+def test_one_dimensional_models_count_their_work() -> None:
+    from flowerbed.models import charged_costs, forward_macs
+
+    logreg = build_model("logreg", 1, 40, 10)
+    assert forward_macs(logreg, 1, 40) == 400  # 40 inputs x 10 outputs
+    cnn = build_model("cnn1d", 1, 40, 10)
+    # conv1: 19 x 5 x 1, conv2: 10 x 3 x 25 (x25 out), conv3: 5 x 3 x 25, head 125x10
+    assert forward_macs(cnn, 1, 40) == 25 * 19 * 5 + 25 * 10 * 75 + 25 * 5 * 75 + 1250
+    factor, nbytes = charged_costs("mobilenet-v1")
+    assert nbytes == 4 * 4_200_000
+    lenet = forward_macs(build_model("lenet", 1, 28, 10), 1, 28)
+    assert factor == pytest.approx(569_000_000 / lenet)
+    with pytest.raises(ValueError, match="unknown charged model 'vgg'"):
+        charged_costs("vgg")
