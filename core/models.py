@@ -239,40 +239,48 @@ def build_model(
     return he_init(factory(in_channels, image_size, num_classes))
 
 
-def forward_macs(model: nn.Module, in_channels: int, image_size: int) -> int:
-    """Multiply-accumulates of one forward pass on one sample (conv and linear).
+def count_macs(module: nn.Module, x: torch.Tensor) -> int:
+    """Multiply-accumulates of ``module(x)`` for the whole input batch.
 
-    Conv: out_elements x (in_channels / groups) x kernel_h x kernel_w;
-    linear: in_features x out_features (the standard count, e.g. MobileNets Sec. 3.1).
-    A 1-D model (``input_dims = 1``) is fed a sequence of length ``image_size``.
+    Conv (1-D and 2-D): output elements x (in_channels / groups) x kernel size;
+    linear: output elements x in_features (the standard count, e.g. MobileNets
+    Sec. 3.1). Other layers (activations, pooling, normalisation) count 0.
     """
     total = 0
-    dims = int(getattr(model, "input_dims", 2))
 
     def conv_hook(mod: nn.Module, _inp: object, out: torch.Tensor) -> None:
         nonlocal total
-        assert isinstance(mod, (nn.Conv1d, nn.Conv2d))
+        assert isinstance(mod, nn.Conv1d | nn.Conv2d)
         kernel = math.prod(mod.kernel_size)
         total += out.numel() * (mod.in_channels // mod.groups) * kernel
 
-    def linear_hook(mod: nn.Module, _inp: object, _out: torch.Tensor) -> None:
+    def linear_hook(mod: nn.Module, _inp: object, out: torch.Tensor) -> None:
         nonlocal total
         assert isinstance(mod, nn.Linear)
-        total += mod.in_features * mod.out_features
+        total += out.numel() * mod.in_features
 
     handles = []
-    for mod in model.modules():
-        if isinstance(mod, (nn.Conv1d, nn.Conv2d)):
+    for mod in module.modules():
+        if isinstance(mod, nn.Conv1d | nn.Conv2d):
             handles.append(mod.register_forward_hook(conv_hook))
         elif isinstance(mod, nn.Linear):
             handles.append(mod.register_forward_hook(linear_hook))
     try:
         with torch.no_grad():
-            model(torch.zeros(1, in_channels, *([image_size] * dims)))
+            module(x)
     finally:
         for handle in handles:
             handle.remove()
     return total
+
+
+def forward_macs(model: nn.Module, in_channels: int, image_size: int) -> int:
+    """Multiply-accumulates of one forward pass on one sample (:func:`count_macs`).
+
+    A 1-D model (``input_dims = 1``) is fed a sequence of length ``image_size``.
+    """
+    dims = int(getattr(model, "input_dims", 2))
+    return count_macs(model, torch.zeros(1, in_channels, *([image_size] * dims)))
 
 
 def cost_factor(
@@ -295,3 +303,184 @@ def cost_factor(
 def model_num_bytes(model: nn.Module) -> int:
     """Bytes of the model's state (what travels down and up each round)."""
     return sum(t.numel() * t.element_size() for t in model.state_dict().values())
+
+
+# ---------------------------------------------------------------------------------
+# Layered models for pipeline training (flowerbed.parallel)
+# ---------------------------------------------------------------------------------
+#
+# A pipeline cuts a model between its top-level layers, so these are
+# ``nn.Sequential`` whose children are the units a stage may hold. Each child
+# takes one tensor and returns one tensor; anything that must stay together
+# (a residual block, a conv with its activation and pooling) is one child.
+
+
+def _conv_block(in_ch: int, out_ch: int, pool: bool) -> nn.Sequential:
+    parts: list[nn.Module] = [nn.Conv2d(in_ch, out_ch, 3, padding=1), nn.ReLU()]
+    if pool:
+        parts.append(nn.MaxPool2d(2))
+    return nn.Sequential(*parts)
+
+
+def vgg_small(
+    in_channels: int = 3, image_size: int = 32, num_classes: int = 10, width: int = 16
+) -> nn.Sequential:
+    """VGG-style CNN for 32x32 images: 8 conv layers in 4 stages, 2 FC layers.
+
+    Simonyan and Zisserman, "Very deep convolutional networks", ICLR 2015: stacks
+    of 3x3 convolutions, channels doubling after each 2x2 max-pool; here widths
+    ``w, w | 2w, 2w | 4w, 4w | 8w, 8w`` (w = ``width``) and a 2-layer classifier,
+    11 top-level layers (conv blocks keep their ReLU and pool). No batch norm (see
+    the module docstring).
+    """
+    if image_size % 16:
+        raise ValueError(
+            f"vgg_small needs an image size divisible by 16, got {image_size}"
+        )
+    w = width
+    plan = [
+        (in_channels, w, False),
+        (w, w, True),
+        (w, 2 * w, False),
+        (2 * w, 2 * w, True),
+    ]
+    plan += [
+        (2 * w, 4 * w, False),
+        (4 * w, 4 * w, True),
+        (4 * w, 8 * w, False),
+        (8 * w, 8 * w, True),
+    ]
+    side = image_size // 16
+    return nn.Sequential(
+        *(_conv_block(i, o, p) for i, o, p in plan),
+        nn.Flatten(),
+        nn.Sequential(nn.Linear(8 * w * side * side, 16 * w), nn.ReLU()),
+        nn.Linear(16 * w, num_classes),
+    )
+
+
+def har_cnn(
+    in_channels: int = 9, length: int = 128, num_classes: int = 6, width: int = 32
+) -> nn.Sequential:
+    """1-D CNN for inertial time series (human-activity recognition).
+
+    Six 1-D convolution blocks (kernel 5, ReLU, stride-2 pooling after every
+    second), global average pooling and a linear head, in the manner of the 1-D
+    CNNs for HAR (Ignatov, "Real-time human activity recognition from accelerometer
+    data using CNNs", Applied Soft Computing 2018), deep enough to pipeline: 8
+    top-level layers.
+    """
+    if length % 8:
+        raise ValueError(f"har_cnn needs a length divisible by 8, got {length}")
+    w = width
+    chans = [
+        (in_channels, w),
+        (w, w),
+        (w, 2 * w),
+        (2 * w, 2 * w),
+        (2 * w, 4 * w),
+        (4 * w, 4 * w),
+    ]
+    blocks: list[nn.Module] = []
+    for index, (i, o) in enumerate(chans):
+        parts: list[nn.Module] = [nn.Conv1d(i, o, 5, padding=2), nn.ReLU()]
+        if index % 2 == 1:
+            parts.append(nn.MaxPool1d(2))
+        blocks.append(nn.Sequential(*parts))
+    return nn.Sequential(
+        *blocks,
+        nn.Sequential(nn.AdaptiveAvgPool1d(1), nn.Flatten()),
+        nn.Linear(4 * w, num_classes),
+    )
+
+
+def deep_mlp(
+    in_features: int = 64, num_classes: int = 10, hidden: int = 64, depth: int = 6
+) -> nn.Sequential:
+    """A flatten layer, ``depth`` hidden linear+ReLU layers and a linear head.
+
+    The cheapest model with enough layers to pipeline (tests, quick local runs).
+    """
+    layers: list[nn.Module] = [nn.Flatten()]
+    width = in_features
+    for _ in range(depth):
+        layers.append(nn.Sequential(nn.Linear(width, hidden), nn.ReLU()))
+        width = hidden
+    layers.append(nn.Linear(width, num_classes))
+    return nn.Sequential(*layers)
+
+
+SEQUENTIAL_MODELS: dict[str, Callable[..., nn.Sequential]] = {
+    "vgg": vgg_small,
+    "har-cnn": har_cnn,
+    "deep-mlp": deep_mlp,
+}
+"""Layered models by name; ``build_sequential`` also takes ``"module:function"``."""
+
+
+class ModelCutError(ValueError):
+    """A model that cannot be cut into pipeline stages as asked."""
+
+
+def build_sequential(
+    name: str, args: dict[str, object] | None = None, seed: int | None = None
+) -> nn.Sequential:
+    """Build a layered model: a name from :data:`SEQUENTIAL_MODELS` or ``"pkg.mod:fn"``.
+
+    ``fn(**args)`` must return an ``nn.Sequential`` (raises :class:`ModelCutError`
+    otherwise); conv and linear layers are He-initialised, from ``seed`` if given,
+    so every process building the same spec gets the same weights.
+    """
+    import importlib
+
+    args = dict(args or {})
+    if name in SEQUENTIAL_MODELS:
+        factory: Callable[..., nn.Module] = SEQUENTIAL_MODELS[name]
+    elif ":" in name:
+        module, _, attr = name.partition(":")
+        try:
+            factory = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as err:
+            raise ValueError(f"model {name!r} cannot be imported: {err}") from err
+    else:
+        raise ValueError(
+            f"unknown layered model {name!r}; valid choices: "
+            f"{', '.join(sorted(SEQUENTIAL_MODELS))}, or 'package.module:function'"
+        )
+    if seed is not None:
+        torch.manual_seed(seed)
+    try:
+        model = factory(**args)
+    except TypeError as err:
+        raise ValueError(
+            f"model {name!r} does not accept arguments {args}: {err}"
+        ) from err
+    if not isinstance(model, nn.Sequential):
+        raise ModelCutError(
+            f"model {name!r} is a {type(model).__name__}, not an nn.Sequential: a "
+            "pipeline cuts between top-level layers, so wrap the model's parts in "
+            "an nn.Sequential (keep each residual block whole as one layer)"
+        )
+    return he_init(model)  # type: ignore[return-value]
+
+
+def layer_shapes(model: nn.Sequential, sample: torch.Tensor) -> list[tuple[int, ...]]:
+    """Shapes of the input and of every layer's output for ``sample`` (a batch).
+
+    Entry ``i`` is the input of layer ``i``; the last is the model's output. Raises
+    :class:`ModelCutError` naming the layer whose output is not a single tensor
+    (such a layer cannot end a stage).
+    """
+    shapes = [tuple(sample.shape)]
+    x = sample
+    with torch.no_grad():
+        for index, layer in enumerate(model):
+            x = layer(x)
+            if not isinstance(x, torch.Tensor):
+                raise ModelCutError(
+                    f"layer {index} ({type(layer).__name__}) returns a "
+                    f"{type(x).__name__}, not one tensor: it cannot be a cut point; "
+                    "merge it with the layer that consumes its outputs"
+                )
+            shapes.append(tuple(x.shape))
+    return shapes

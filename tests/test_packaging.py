@@ -31,16 +31,16 @@ def test_wheel_holds_only_the_flowerbed_namespace(tmp_path: Path) -> None:
         "flowerbed",
         f"{wheel.name.split('-')[0]}-{wheel.name.split('-')[1]}.dist-info",
     }
-    for module in ("strategies", "clients", "sims", "bench", "core"):
+    for module in ("strategies", "clients", "sims", "bench", "core", "parallel"):
         assert not any(n.startswith(f"{module}/") for n in names)
-    for package in ("strategies", "clients", "sims", "bench"):
+    for package in ("strategies", "clients", "sims", "bench", "parallel"):
         assert f"flowerbed/{package}/__init__.py" in names
     assert "flowerbed/strategies/cluster_selection/__init__.py" in names
     assert "flowerbed/cli.py" in names
 
 
 def test_generic_names_do_not_import_outside_the_source_tree(tmp_path: Path) -> None:
-    names = ("strategies", "sims", "clients", "bench", "core")
+    names = ("strategies", "sims", "clients", "bench", "core", "parallel")
     code = f"import importlib.util as u; print([m for m in {names} if u.find_spec(m)])"
     done = subprocess.run(
         [sys.executable, "-c", code],

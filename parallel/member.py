@@ -1,0 +1,160 @@
+"""What a member of a span job is given and what it hands back.
+
+The board's ClientApp (:mod:`flowerbed.clients.span_app`) turns a Flower message
+into a :class:`MemberPlan` plus a :class:`MemberContext` (what the board knows
+about itself: its advertised address, its disk store, its data, an emulated
+speed), calls the mode's runner (:mod:`flowerbed.parallel.modes`) and turns the
+:class:`MemberResult` into the reply. A runner never raises for a lost peer: it
+returns ``ok=False`` with the failure, so the strategy always hears from every
+survivor (an error reply is kept for problems of the plan or the board).
+
+Moving states between members goes through :func:`exchange_ring` (every member
+sends to its successor and receives from its predecessor at once: replication)
+and :func:`send_state` / :func:`recv_state` (one pair: layers moving at a
+segment start). States travel as serialised bytes, so names, dtypes and shapes
+arrive intact whatever the layer holds.
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .emulation import DeviceSpeed
+from .group import check_bindable
+from .store import LayerStore, State
+
+MetricValue = int | float | list[int] | list[float]
+
+
+@dataclass
+class MemberContext:
+    """What a board knows about itself (from its node_config).
+
+    Attributes
+    ----------
+    address : str
+        The address its peers reach (node_config ``address``).
+    store_root : Path
+        Folder of its on-disk :class:`LayerStore` (node_config ``state-dir``).
+    node_id : int
+        Flower's node id (for logs).
+    speed : DeviceSpeed, optional
+        Emulated device speed (simulation and tests only).
+    local_data : callable, optional
+        Loads the board's own training data ``(x, y)`` (node_config
+        ``dataset-path``); None when the board has none, and jobs then use their
+        built-in dataset.
+    label : str
+        Free-form device label (node_config ``device``).
+    """
+
+    address: str
+    store_root: Path
+    node_id: int = 0
+    speed: DeviceSpeed | None = None
+    local_data: Callable[[], tuple[np.ndarray, np.ndarray]] | None = None
+    label: str = ""
+
+    def store(self, job: str) -> LayerStore:
+        return LayerStore(self.store_root, job)
+
+    def check_address(self) -> None:
+        """Raise :class:`RendezvousError` unless this machine owns its address."""
+        check_bindable(self.address, 0)
+
+
+@dataclass
+class MemberResult:
+    """A member's answer for one segment (or one query).
+
+    ``arrays`` holds the model state the member reports (full-model names),
+    ``optimizer`` its optimiser state (same names), ``metrics`` its measurements.
+    ``ok`` is False when the segment stopped early; ``failure`` then says why and
+    ``metrics`` carries ``span-failed-step`` and ``span-consistent-step``.
+    """
+
+    ok: bool
+    metrics: dict[str, MetricValue]
+    arrays: dict[str, np.ndarray] = field(default_factory=dict)
+    optimizer: dict[str, np.ndarray] = field(default_factory=dict)
+    failure: str = ""
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def state_to_bytes(state: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    buffer = io.BytesIO()
+    torch.save({k: v.detach().contiguous() for k, v in state.items()}, buffer)
+    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+
+
+def bytes_to_state(payload: torch.Tensor) -> State:
+    return dict(torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True))
+
+
+def send_state(state: Mapping[str, torch.Tensor], dst: int) -> int:
+    """Send ``state`` to rank ``dst``; return the bytes sent."""
+    import torch.distributed as dist
+
+    payload = state_to_bytes(state)
+    dist.send(torch.tensor([payload.numel()], dtype=torch.int64), dst)
+    dist.send(payload, dst)
+    return int(payload.numel())
+
+
+def recv_state(src: int) -> State:
+    """Receive a state sent by :func:`send_state` from rank ``src``."""
+    import torch.distributed as dist
+
+    size = torch.zeros(1, dtype=torch.int64)
+    dist.recv(size, src)
+    payload = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.recv(payload, src)
+    return bytes_to_state(payload)
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """Outcome of :func:`exchange_ring`: the predecessor's state and the timing."""
+
+    received: State
+    sent_bytes: int
+    seconds: float
+
+
+def exchange_ring(
+    state: Mapping[str, torch.Tensor], rank: int, world_size: int
+) -> Exchange:
+    """Send ``state`` to the ring successor, receive the predecessor's, at once.
+
+    Sizes first, then payloads, each as a pair of non-blocking send/receive, so no
+    member waits on another's send (no deadlock whatever the order of arrival).
+    ``seconds`` is the payload exchange's duration after a barrier, so it measures
+    the link rather than the slowest member's arrival.
+    """
+    import torch.distributed as dist
+
+    succ, pred = (rank + 1) % world_size, (rank - 1) % world_size
+    payload = state_to_bytes(state)
+    size_out = torch.tensor([payload.numel()], dtype=torch.int64)
+    size_in = torch.zeros(1, dtype=torch.int64)
+    works = [dist.isend(size_out, succ), dist.irecv(size_in, pred)]
+    for work in works:
+        if work is not None:
+            work.wait()
+    incoming = torch.empty(int(size_in.item()), dtype=torch.uint8)
+    dist.barrier()
+    begin = time.perf_counter()
+    works = [dist.isend(payload, succ), dist.irecv(incoming, pred)]
+    for work in works:
+        if work is not None:
+            work.wait()
+    seconds = time.perf_counter() - begin
+    return Exchange(bytes_to_state(incoming), int(payload.numel()), seconds)

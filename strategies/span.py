@@ -1,0 +1,523 @@
+"""SpanJobStrategy: the Flower side of jobs that span devices.
+
+Flower is the control plane of a job whose members exchange tensors peer-to-peer
+(:mod:`flowerbed.parallel`): this base class finds the members and their
+advertised addresses, profiles them with a query, sends each member its plan and
+its share of the weights per segment, gathers the replies, and tells apart the
+three ways a segment can end badly:
+
+- a member reports a **lost peer** (``span-ok = 0``): the members who do not
+  answer within a grace period after that are **lost** (their board died);
+  the grace is the plan's operation timeout (every survivor leaves the group
+  within it once a peer is gone) or, when the loss happened while joining, the
+  join timeout, plus ``reply_margin_s`` for Flower's reply path;
+- a member answers with an **error** (bad plan, rendezvous port in use, address
+  not its own): it is alive, the plan was wrong; a port reported in use is
+  skipped from then on;
+- a reply that is **malformed** (missing or non-finite metrics, arrays of the
+  wrong shape): rejected and logged, its sender treated like a lost member for
+  this segment (its layers are recovered from replicas), never the end of the job.
+
+Subclasses (``PipelineTraining``; the large-batch and fused-tile jobs) decide
+what a plan says and how replies combine into the model; they call
+:meth:`discover`, :meth:`profile_members` and :meth:`run_segment`. Rendezvous
+ports rotate over ``rendezvous_port .. rendezvous_port + rendezvous_ports - 1``,
+one per segment (a gloo group cannot shrink, so each segment has a new group).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from logging import INFO, WARNING
+from typing import Any
+
+import numpy as np
+from flowerbed import keys
+from flowerbed.clock import Clock, clock_of
+from flowerbed.parallel.group import STORE_GRACE_S, segment_port
+from flowerbed.parallel.plan import MemberPlan, check_address
+from flwr.app import (
+    Array,
+    ArrayRecord,
+    ConfigRecord,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
+from flwr.common.constant import ErrorCode
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import FedAvg
+from flwr.supercore import log
+
+from .utils import (
+    WAIT_FOR_NODES_S,
+    InFlight,
+    MetricsAccumulator,
+    ReplyRejected,
+    check_evaluate_reply,
+)
+
+GONE_CODES = (
+    ErrorCode.MESSAGE_UNAVAILABLE,
+    ErrorCode.REPLY_MESSAGE_UNAVAILABLE,
+    ErrorCode.NODE_UNAVAILABLE,
+    ErrorCode.CLIENT_APP_CRASHED,
+)
+"""Flower error codes that mean the member's node or process is gone (lost), as
+opposed to an error its ClientApp reported (alive, plan or board problem)."""
+
+DEFAULT_RENDEZVOUS_PORT = 29500
+DEFAULT_RENDEZVOUS_PORTS = 50
+DEFAULT_JOIN_TIMEOUT_S = 60.0
+DEFAULT_TIMEOUT_S = 60.0
+DEFAULT_REPLY_MARGIN_S = 15.0
+
+
+@dataclass
+class SpanMember:
+    """A node that can take part: its id, advertised address and profile."""
+
+    node_id: int
+    address: str
+    label: str = ""
+    metrics: dict[str, Any] = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class SegmentReply:
+    """One member's checked segment reply."""
+
+    node_id: int
+    ok: bool
+    metrics: dict[str, Any]
+    arrays: dict[str, np.ndarray]
+    optimizer: dict[str, np.ndarray]
+    failure: str = ""
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class SegmentOutcome:
+    """What became of a segment's members.
+
+    ``replies``: checked replies (``ok`` or a reported lost peer); ``errors``:
+    error replies, by node (member alive, plan or board problem); ``rejected``:
+    malformed replies, by node; ``lost``: members that never answered.
+    """
+
+    replies: dict[int, SegmentReply] = field(default_factory=dict)
+    errors: dict[int, str] = field(default_factory=dict)
+    rejected: dict[int, str] = field(default_factory=dict)
+    lost: set[int] = field(default_factory=set)
+    seconds: float = 0.0
+
+    @property
+    def complete(self) -> bool:
+        """Every member finished its segment."""
+        return (
+            not self.errors
+            and not self.rejected
+            and not self.lost
+            and all(r.ok for r in self.replies.values())
+        )
+
+    @property
+    def failed_members(self) -> set[int]:
+        """Members whose state after the segment cannot be used (lost, malformed)."""
+        return set(self.lost) | set(self.rejected)
+
+
+def _finite(value: object) -> bool:
+    if isinstance(value, list):
+        return all(_finite(v) for v in value)
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+    )
+
+
+def check_segment_reply(reply: Message) -> SegmentReply:
+    """Validate a span reply; raise :class:`ReplyRejected` saying what is wrong.
+
+    Every metric must be a finite number (or list of them) and ``span-ok`` 0 or 1;
+    every array finite. Which arrays a reply must hold is the subclass's check.
+    """
+    content = reply.content
+    if keys.METRICS not in content.metric_records:
+        raise ReplyRejected(f"no {keys.METRICS!r} MetricRecord")
+    metrics = dict(content.metric_records[keys.METRICS])
+    for key, value in metrics.items():
+        if not _finite(value):
+            raise ReplyRejected(f"metric {key!r} is not a finite number ({value!r})")
+    ok = metrics.get(keys.SPAN_OK)
+    if ok not in (0, 1):
+        raise ReplyRejected(f"metric {keys.SPAN_OK!r} must be 0 or 1, got {ok!r}")
+    arrays: dict[str, dict[str, np.ndarray]] = {}
+    for name in (keys.ARRAYS, keys.SPAN_OPTIMIZER):
+        arrays[name] = {}
+        if name in content.array_records:
+            for key, array in content.array_records[name].items():
+                try:
+                    decoded: np.ndarray = array.numpy()
+                except Exception as err:
+                    raise ReplyRejected(
+                        f"array {key!r} cannot be decoded: {err}"
+                    ) from err
+                if decoded.dtype.kind in "fc" and not np.isfinite(decoded).all():
+                    raise ReplyRejected(f"array {key!r} contains NaN or Inf")
+                arrays[name][key] = decoded
+    info = (
+        dict(content.config_records[keys.SPAN_RECORD])
+        if keys.SPAN_RECORD in content.config_records
+        else {}
+    )
+    return SegmentReply(
+        node_id=reply.metadata.src_node_id,
+        ok=ok == 1,
+        metrics=metrics,
+        arrays=arrays[keys.ARRAYS],
+        optimizer=arrays[keys.SPAN_OPTIMIZER],
+        failure=str(info.get("failure", "")),
+        info=info,
+    )
+
+
+def arrayrecord(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
+    return ArrayRecord({k: Array(np.asarray(v)) for k, v in arrays.items()})
+
+
+class SpanJobStrategy(FedAvg):
+    """Base of strategies whose members train one job together (see module doc).
+
+    Parameters
+    ----------
+    (FedAvg's parameters, same defaults; ``fraction_train`` and
+    ``min_train_nodes`` bound how many members a job takes), and:
+    rendezvous_port : int (default: 29500)
+        First port of the rendezvous range; rank 0's board must accept
+        connections on it (and gloo's own ephemeral ports) from the others.
+    rendezvous_ports : int (default: 50)
+        Size of the range; segment ``n`` uses port ``first + n % size``.
+    join_timeout_s : float (default: 60)
+        How long members wait for each other to join a segment's group
+        (covers Flower's delivery skew: SuperNodes poll every few seconds and
+        start a process per message).
+    timeout_s : float (default: 60)
+        How long one collective or send/receive may take before a peer counts as
+        lost.
+    reply_margin_s : float (default: 15)
+        Extra seconds for replies to travel through Flower after a loss.
+    """
+
+    mode = "probe"
+    """The plan mode this strategy's members run (a key of parallel.modes)."""
+
+    # pylint: disable=too-many-arguments
+    def __init__(
+        self,
+        fraction_train: float = 1.0,
+        fraction_evaluate: float = 1.0,
+        min_train_nodes: int = 2,
+        min_evaluate_nodes: int = 2,
+        min_available_nodes: int = 2,
+        weighted_by_key: str = keys.NUM_EXAMPLES,
+        arrayrecord_key: str = keys.ARRAYS,
+        configrecord_key: str = keys.CONFIG,
+        train_metrics_aggr_fn: Callable[[list[RecordDict], str], MetricRecord]
+        | None = None,
+        evaluate_metrics_aggr_fn: Callable[[list[RecordDict], str], MetricRecord]
+        | None = None,
+        *,
+        rendezvous_port: int = DEFAULT_RENDEZVOUS_PORT,
+        rendezvous_ports: int = DEFAULT_RENDEZVOUS_PORTS,
+        join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        reply_margin_s: float = DEFAULT_REPLY_MARGIN_S,
+    ) -> None:
+        super().__init__(
+            fraction_train,
+            fraction_evaluate,
+            min_train_nodes,
+            min_evaluate_nodes,
+            min_available_nodes,
+            weighted_by_key,
+            arrayrecord_key,
+            configrecord_key,
+            train_metrics_aggr_fn,
+            evaluate_metrics_aggr_fn,
+        )
+        segment_port(rendezvous_port, rendezvous_ports, 0)  # raises when out of range
+        for name, value in (
+            ("join_timeout_s", join_timeout_s),
+            ("timeout_s", timeout_s),
+        ):
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be > 0, got {value}")
+        if not (math.isfinite(reply_margin_s) and reply_margin_s >= 0):
+            raise ValueError(f"reply_margin_s must be >= 0, got {reply_margin_s}")
+        self.rendezvous_port = rendezvous_port
+        self.rendezvous_ports = rendezvous_ports
+        self.join_timeout_s = float(join_timeout_s)
+        self.timeout_s = float(timeout_s)
+        self.reply_margin_s = float(reply_margin_s)
+        self.bad_ports: set[int] = set()
+        self._segment = 0
+        self._inflight: InFlight | None = None
+        self._clock: Clock | None = None
+
+    # ------------------------------------------------------------------ plumbing
+    def attach(self, grid: Grid) -> None:
+        """Use ``grid`` (its clock, its in-flight bookkeeping) from now on."""
+        self._clock = clock_of(grid)
+        self._inflight = InFlight(grid, self._clock)
+
+    @property
+    def clock(self) -> Clock:
+        if self._clock is None:
+            raise RuntimeError("call attach(grid) first")
+        return self._clock
+
+    @property
+    def inflight(self) -> InFlight:
+        if self._inflight is None:
+            raise RuntimeError("call attach(grid) first")
+        return self._inflight
+
+    def next_segment(self) -> tuple[int, int]:
+        """A new segment number and its rendezvous port (skipping bad ports)."""
+        for _ in range(self.rendezvous_ports):
+            self._segment += 1
+            port = segment_port(
+                self.rendezvous_port, self.rendezvous_ports, self._segment
+            )
+            if port not in self.bad_ports:
+                return self._segment, port
+        raise RuntimeError(
+            f"every rendezvous port {self.rendezvous_port}.."
+            f"{self.rendezvous_port + self.rendezvous_ports - 1} was reported in use; "
+            "free some or choose another range (rendezvous_port)"
+        )
+
+    # ------------------------------------------------------------------ members
+    def discover(self, grid: Grid, count: int, timeout: float) -> list[int]:
+        """Node ids once ``min_available_nodes`` are connected (at most ``count``)."""
+        give_up = self.clock.now() + timeout
+        nodes = sorted(grid.get_node_ids())
+        while len(nodes) < self.min_available_nodes and self.clock.now() < give_up:
+            log(
+                INFO,
+                "waiting for nodes: %d connected, %d needed",
+                len(nodes),
+                self.min_available_nodes,
+            )
+            self.clock.wait(WAIT_FOR_NODES_S)
+            nodes = sorted(grid.get_node_ids())
+        return nodes[:count]
+
+    def profile_members(
+        self,
+        grid: Grid,
+        node_ids: Iterable[int],
+        request: Mapping[str, Any],
+        timeout: float,
+    ) -> tuple[dict[int, SpanMember], dict[int, str]]:
+        """Query ``node_ids`` with ``request`` (a span query); return members, errors.
+
+        A node whose reply is an error (no or a foreign ``address``, no data ...)
+        or malformed, or that does not answer within ``timeout``, is left out
+        and its reason logged and returned.
+        """
+        config = ConfigRecord({keys.SPAN_QUERY: json.dumps(dict(request))})
+        ids = list(node_ids)
+        messages = [
+            Message(
+                RecordDict({keys.CONFIG: config}),
+                dst_node_id=node_id,
+                message_type=MessageType.QUERY,
+                ttl=timeout,
+            )
+            for node_id in ids
+        ]
+        sent = self.inflight.push(messages, 0)
+        members: dict[int, SpanMember] = {}
+        errors: dict[int, str] = {}
+        for reply, ticket, _ in self.inflight.replies(
+            self.clock.now() + timeout, kind=MessageType.QUERY
+        ):
+            node_id = ticket.node_id
+            try:
+                if reply.has_error():
+                    raise ReplyRejected(reply.error.reason or "error reply")
+                checked = check_segment_reply(reply)
+                address = check_address(checked.info.get("address"), "reply address")
+            except (ReplyRejected, ValueError) as err:
+                errors[node_id] = str(err)
+                log(WARNING, "node %d cannot take part: %s", node_id, err)
+                continue
+            members[node_id] = SpanMember(
+                node_id=node_id,
+                address=address,
+                label=str(checked.info.get("device", "")),
+                metrics=checked.metrics,
+                info=checked.info,
+            )
+        missing = [n for n in ids if n not in members and n not in errors]
+        for node_id in missing:
+            errors[node_id] = f"no answer to the profiling query within {timeout:g} s"
+            log(WARNING, "node %d: %s", node_id, errors[node_id])
+        self.inflight.forget(sent)
+        return members, errors
+
+    # ------------------------------------------------------------------ segments
+    def segment_messages(
+        self,
+        plans: Mapping[int, MemberPlan],
+        arrays: Mapping[int, Mapping[str, np.ndarray]],
+        optimizer: Mapping[int, Mapping[str, np.ndarray]],
+        config: ConfigRecord,
+        ttl: float,
+    ) -> list[Message]:
+        """One train message per member: ``config`` plus its plan, and its arrays."""
+        messages = []
+        for node_id, plan in plans.items():
+            record = ConfigRecord(dict(config))
+            record.update(plan.to_config())
+            content = RecordDict({self.configrecord_key: record})
+            if arrays.get(node_id):
+                content[self.arrayrecord_key] = arrayrecord(arrays[node_id])
+            if optimizer.get(node_id):
+                content[keys.SPAN_OPTIMIZER] = arrayrecord(optimizer[node_id])
+            messages.append(
+                Message(
+                    content,
+                    dst_node_id=node_id,
+                    message_type=MessageType.TRAIN,
+                    ttl=ttl,
+                )
+            )
+        return messages
+
+    def run_segment(
+        self,
+        messages: Iterable[Message],
+        server_round: int,
+        timeout: float,
+        check: Callable[[SegmentReply], None] | None = None,
+    ) -> SegmentOutcome:
+        """Push a segment's messages and gather what becomes of every member.
+
+        Waits for every member, at most ``timeout``; once a member reports a lost
+        peer or errs, waits at most the grace period (module doc) for the rest,
+        who then count as lost. ``check`` may reject a reply (raise
+        :class:`ReplyRejected`) on mode-specific grounds.
+        """
+        start = self.clock.now()
+        sent = self.inflight.push(messages, server_round)
+        members = {self.inflight.tickets[i].node_id for i in sent}
+        outcome = SegmentOutcome()
+        until = start + timeout
+
+        def grace(join: bool) -> None:
+            nonlocal until
+            until = min(until, self.clock.now() + self._grace(join=join))
+
+        replies = self.inflight.replies(
+            start + timeout,
+            kind=MessageType.TRAIN,
+            done=lambda: self.clock.now() >= until,
+        )
+        for reply, ticket, _ in replies:
+            node_id = ticket.node_id
+            if reply.has_error():
+                reason = reply.error.reason or f"error code {reply.error.code}"
+                if reply.error.code in GONE_CODES:
+                    log(WARNING, "segment: node %d is gone: %s", node_id, reason)
+                    continue  # counted as lost below
+                outcome.errors[node_id] = reason
+                log(
+                    WARNING,
+                    "segment: node %d answered with an error: %s",
+                    node_id,
+                    reason,
+                )
+                port = _port_in_use(reason)
+                if port is not None:
+                    self.bad_ports.add(port)
+                grace(join=True)
+                continue
+            try:
+                checked = check_segment_reply(reply)
+                if check is not None:
+                    check(checked)
+            except ReplyRejected as err:
+                outcome.rejected[node_id] = err.reason
+                log(
+                    WARNING,
+                    "segment: rejected reply from node %d: %s",
+                    node_id,
+                    err.reason,
+                )
+                grace(join=False)
+                continue
+            outcome.replies[node_id] = checked
+            if not checked.ok:
+                log(
+                    INFO,
+                    "segment: node %d lost a peer: %s",
+                    node_id,
+                    checked.failure,
+                )
+                grace(join=checked.failure.startswith("join"))
+        answered = set(outcome.replies) | set(outcome.errors) | set(outcome.rejected)
+        # Members whose node or ClientApp is gone (Flower's error codes) never
+        # appear in ``answered`` and are lost with the silent ones.
+        outcome.lost = members - answered
+        if outcome.lost:
+            log(
+                WARNING,
+                "segment: no reply from nodes %s: counted as lost",
+                sorted(outcome.lost),
+            )
+        self.inflight.forget(sent)
+        outcome.seconds = self.clock.now() - start
+        return outcome
+
+    def _grace(self, *, join: bool) -> float:
+        bound = self.join_timeout_s + STORE_GRACE_S if join else self.timeout_s
+        return bound + self.reply_margin_s
+
+    # ------------------------------------------------------------------ evaluation
+    def aggregate_evaluate(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> MetricRecord | None:
+        """Average evaluation metrics, rejecting bad replies (logged)."""
+        acc = MetricsAccumulator(self.weighted_by_key)
+        for reply in replies:
+            try:
+                metrics = check_evaluate_reply(reply, self.weighted_by_key)
+            except ReplyRejected as err:
+                log(
+                    WARNING,
+                    "round %d: rejected evaluate reply from node %d: %s",
+                    server_round,
+                    reply.metadata.src_node_id,
+                    err.reason,
+                )
+                continue
+            acc.add(metrics, float(metrics[self.weighted_by_key]))  # type: ignore[arg-type]
+        return acc.result(self.evaluate_metrics_aggr_fn)
+
+
+def _port_in_use(reason: str) -> int | None:
+    marker = "rendezvous port "
+    if marker in reason and "in use" in reason:
+        tail = reason.split(marker, 1)[1].split()[0]
+        if tail.isdigit():
+            return int(tail)
+    return None
