@@ -6,15 +6,17 @@ scenario named by the run config (``flowerbed.sims.scenario.run_server``).
 
 from __future__ import annotations
 
-from logging import ERROR
+from types import TracebackType
 
+from flowerbed.data import DataError
 from flowerbed.sims import node
 from flowerbed.sims.config import ConfigError, Scenario
+from flowerbed.sims.outputs import OutputDirError, check_output_dir
+from flowerbed.sims.population import check_population
 from flowerbed.sims.scenario import run_server
 from flwr.app import Context
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
-from flwr.supercore import log
 
 client_app = ClientApp()
 client_app.train()(node.train)
@@ -24,14 +26,38 @@ client_app.query()(node.profile)
 server_app = ServerApp()
 
 
+class RunFailed(Exception):
+    """Ends the ServerApp with one line that says what was wrong.
+
+    Flower logs the exception that ends a ServerApp with its traceback
+    (``log(..., exc_info=ex)``) and marks the run failed. The traceback of a bad
+    run-config value or a missing folder only hides the message, so this exception
+    reports none: Flower's log shows ``RunFailed: <message>``, once.
+    """
+
+    @property  # type: ignore[override]
+    def __traceback__(self) -> TracebackType | None:
+        return None
+
+    @__traceback__.setter
+    def __traceback__(self, value: TracebackType | None) -> None:
+        pass
+
+
 @server_app.main()
 def main(grid: Grid, context: Context) -> None:
-    """Check the run config before anything trains, then run the scenario."""
+    """Check the run config, the data and the output folder before anything trains,
+    then run the scenario; fail the run if no update was ever applied."""
     try:
         scenario = Scenario.from_run_config(context.run_config)
-    except ConfigError as err:
-        log(ERROR, "flowerbed: %s", err)
-        raise
+        data = node.cached_dataset(scenario.dataset, scenario.data_dir)
+        nodes = len(list(grid.get_node_ids())) or scenario.num_nodes
+        check_population(len(data.y_train), nodes, scenario.partition, scenario.dataset)
+        check_output_dir(scenario.output_dir)
+    except (ConfigError, DataError, OutputDirError) as err:
+        raise RunFailed(f"flowerbed: {err}") from None
     outcome = run_server(grid, scenario)
     run_dir = outcome.run_dir.resolve() if outcome.run_dir else None
     print(f"flowerbed: run folder written to {run_dir}", flush=True)
+    if outcome.problem is not None:
+        raise RunFailed(f"flowerbed: {outcome.problem}")

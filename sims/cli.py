@@ -29,49 +29,109 @@ OPTION_KEYS = {
 
 
 def register(subparsers: Any) -> None:
+    from flowerbed.data import DATASETS, PARTITIONS
+    from flowerbed.sims.config import LIMITS, MODEL_NAMES, STRATEGY_NAMES
+    from flowerbed.sims.fleet import FLEETS
+
     p = subparsers.add_parser(
         "sim",
         help="simulate a heterogeneous fleet on the in-process engine",
         description="Train on a simulated fleet of unequal devices. Time is virtual: "
         "each node reports how long its device would have taken. Writes a run "
-        "folder (results.json, rounds.csv, accuracy.png).",
+        "folder (results.json, rounds.csv, accuracy.png). Every option is a "
+        "run-config key of `flwr run .` (docs/simulation.md); -c takes them in "
+        "Flower's syntax.",
+        epilog=f"fleets: {', '.join(FLEETS)}. strategies: {', '.join(STRATEGY_NAMES)}. "
+        f"models: {', '.join(MODEL_NAMES)}. datasets: {', '.join(DATASETS)} "
+        f"(mnist and cifar10 from --data-dir). partitions: {', '.join(PARTITIONS)}.",
     )
     d = Scenario()
-    p.add_argument("--fleet", help=f"fleet mix (default {d.fleet})")
-    p.add_argument("--nodes", type=int, help=f"number of nodes (default {d.num_nodes})")
-    p.add_argument("--rounds", type=int, help=f"rounds (default {d.num_rounds})")
-    p.add_argument("--strategy", help=f"strategy (default {d.strategy})")
-    p.add_argument("--model", help=f"model: lenet or mobilenet (default {d.model})")
-    p.add_argument("--dataset", help=f"digits, mnist or cifar10 (default {d.dataset})")
-    p.add_argument("--data-dir", help="folder holding mnist/cifar10 files")
-    p.add_argument("--partition", help=f"iid or dirichlet (default {d.partition})")
-    p.add_argument("--alpha", type=float, help=f"Dirichlet alpha (default {d.alpha})")
-    p.add_argument("--seed", type=int, help=f"random seed (default {d.seed})")
+
+    def rng(key: str) -> str:
+        return LIMITS[key].describe()
+
     p.add_argument(
-        "--target", type=float, help=f"target accuracy (default {d.target_accuracy})"
+        "--fleet", help=f"fleet mix: {', '.join(FLEETS)} (default {d.fleet})"
     )
-    p.add_argument("--local-steps", type=int, help=f"default {d.local_steps}")
+    p.add_argument(
+        "--nodes",
+        type=int,
+        help=f"number of nodes, {rng('num-nodes')} (default {d.num_nodes})",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        help=f"rounds, {rng('num-rounds')} (default {d.num_rounds})",
+    )
+    p.add_argument(
+        "--strategy",
+        help=f"strategy: {', '.join(STRATEGY_NAMES)} (default {d.strategy})",
+    )
+    p.add_argument(
+        "--model", help=f"model: {', '.join(MODEL_NAMES)} (default {d.model})"
+    )
+    p.add_argument(
+        "--dataset", help=f"dataset: {', '.join(DATASETS)} (default {d.dataset})"
+    )
+    p.add_argument("--data-dir", help="folder holding the mnist or cifar10 files")
+    p.add_argument(
+        "--partition",
+        help=f"data partition: {', '.join(PARTITIONS)} (default {d.partition})",
+    )
+    p.add_argument(
+        "--alpha",
+        type=float,
+        help=f"Dirichlet alpha, {rng('alpha')} (default {d.alpha})",
+    )
+    p.add_argument(
+        "--seed", type=int, help=f"random seed, {rng('seed')} (default {d.seed})"
+    )
+    p.add_argument(
+        "--target",
+        type=float,
+        help=f"target accuracy, {rng('target-accuracy')} (default {d.target_accuracy})",
+    )
+    p.add_argument(
+        "--local-steps",
+        type=int,
+        help=f"local steps per task, {rng('local-steps')} (default {d.local_steps})",
+    )
     p.add_argument(
         "--dropout",
         type=float,
-        help="per-task dropout probability for every node (default: device profiles)",
+        help="per-task dropout probability for every node, <= 1; negative: the "
+        "device profiles' own rates (default)",
     )
-    p.add_argument("--deadline", type=float, help="deadline-s sent to nodes (0: none)")
-    p.add_argument("--out", help=f"output folder (default {d.output_dir})")
+    p.add_argument(
+        "--deadline",
+        type=float,
+        help=f"deadline-s sent to nodes, {rng('deadline-s')} (default 0)",
+    )
+    p.add_argument(
+        "--out", help=f"output folder, created if missing (default {d.output_dir})"
+    )
     p.add_argument(
         "-c",
+        "--run-config",
         "--config",
+        dest="config",
         action="append",
         default=[],
-        metavar="KEY=VALUE",
-        help="any run-config key, as in pyproject.toml (repeatable)",
+        metavar="CONFIG",
+        help="run config exactly as `flwr run -c` takes it: space-separated "
+        "key=value pairs with TOML values (strings quoted: "
+        "\"fleet='phones-10x' num-rounds=20\"), or a .toml file; repeatable; "
+        "options above win",
     )
     p.add_argument("-v", "--verbose", action="store_true", help="show Flower's log")
     p.set_defaults(func=run)
 
     dl = subparsers.add_parser(
         "download",
-        help="fetch MNIST or CIFAR-10 once into a folder (needs the vision extra)",
+        help="fetch MNIST or CIFAR-10 once into a folder (needs torchvision)",
+        description="Download MNIST or CIFAR-10 with torchvision into DIR, for "
+        "`--data-dir DIR` / run config data-dir. Needs torchvision built for the "
+        "installed torch: from a checkout, pip install -e '.[vision]'.",
     )
     dl.add_argument("dataset", help="mnist or cifar10")
     dl.add_argument("data_dir", metavar="DIR", help="folder to fill")
@@ -90,27 +150,35 @@ def run_download(args: argparse.Namespace) -> int:
     return 0
 
 
-def _parse_value(text: str) -> Any:
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return text
+def parse_run_config(items: list[str]) -> dict[str, Any]:
+    """``-c`` values parsed by Flower's own parser (``flwr run -c``'s syntax)."""
+    import click
+    from flwr.common.config import parse_config_args
+
+    try:
+        return dict(parse_config_args(items or None))
+    except click.ClickException as err:
+        raise ConfigError(f"-c {' '.join(items)!r}: {err.message}") from None
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"-c {' '.join(items)!r}: {err}") from None
 
 
 def run_config_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    config: dict[str, Any] = {}
-    for item in args.config:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ConfigError(f"--config expects KEY=VALUE, got {item!r}")
-        config[key.strip()] = _parse_value(value.strip())
+    """The run config: ``-c`` first, then the options given (they win)."""
+    config = parse_run_config(args.config)
     for option, key in OPTION_KEYS.items():
         value = getattr(args, option)
         if value is not None:
             config[key] = value
     return config
+
+
+def error_line(err: ConfigError, args: argparse.Namespace) -> str:
+    """The one error line, naming the option the user typed for the key."""
+    for option, key in OPTION_KEYS.items():
+        if key == err.key and getattr(args, option, None) is not None:
+            return f"--{option.replace('_', '-')}: {err}"
+    return str(err)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -120,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         scenario = Scenario.from_run_config(run_config_from_args(args))
     except ConfigError as err:
-        console.print(f"[red]flowerbed sim: error:[/red] {err}")
+        print(f"flowerbed sim: error: {error_line(err, args)}", file=sys.stderr)
         return 2
     if not args.verbose:
         logging.getLogger("flwr").setLevel(logging.WARNING)
@@ -130,6 +198,7 @@ def run(args: argparse.Namespace) -> int:
 def simulate(scenario: Scenario, console: Any) -> int:
     from flowerbed.data import DataError
     from flowerbed.sims.node import cached_dataset
+    from flowerbed.sims.outputs import OutputDirError, check_output_dir
     from flowerbed.sims.population import check_population
     from flowerbed.sims.recorder import RoundRecord
     from flowerbed.sims.scenario import default_workers, run_scenario
@@ -174,13 +243,14 @@ def simulate(scenario: Scenario, console: Any) -> int:
             vtime=f"{r.virtual_time_s:.1f}s",
         )
 
-    try:
-        data = cached_dataset(scenario.dataset, scenario.data_dir)  # fail early
+    try:  # fail before any training
+        data = cached_dataset(scenario.dataset, scenario.data_dir)
         check_population(
             len(data.y_train), scenario.num_nodes, scenario.partition, scenario.dataset
         )
-    except DataError as err:
-        console.print(f"[red]flowerbed sim: error:[/red] {err}")
+        check_output_dir(scenario.output_dir)
+    except (DataError, OutputDirError) as err:
+        print(f"flowerbed sim: error: {err}", file=sys.stderr)
         return 2
     with progress:
         task = progress.add_task("sim", total=scenario.num_rounds, acc="-", vtime="0s")
@@ -190,9 +260,14 @@ def simulate(scenario: Scenario, console: Any) -> int:
     console.print(table)
     res = outcome.results
     ttt = res["time_to_target_s"]
+    final = res["final_accuracy"]
     console.print(
-        f"final accuracy {100 * res['final_accuracy']:.1f}%  |  time to "
-        f"{100 * scenario.target_accuracy:.0f}%: "
+        (
+            "no round completed"
+            if final is None
+            else f"final accuracy {100 * final:.1f}%"
+        )
+        + f"  |  time to {100 * scenario.target_accuracy:.0f}%: "
         + (f"{ttt:.1f} s (virtual)" if ttt is not None else "not reached")
         + f"  |  energy {res['total_energy_j']:.1f} J"
     )
@@ -204,8 +279,8 @@ def simulate(scenario: Scenario, console: Any) -> int:
         for error in res["errors"][:5]:
             console.print(f"  {error['count']} x {error['example']}", markup=False)
     console.print(f"run folder: {outcome.run_dir}")
-    if not res["trained_tasks"]:
-        console.print("[red]flowerbed sim: every train task failed: nothing trained")
+    if outcome.problem is not None:
+        print(f"flowerbed sim: error: {outcome.problem}", file=sys.stderr)
         return 1
     return 0
 

@@ -3,24 +3,123 @@
 The run config keys and defaults are those of pyproject.toml's
 ``[tool.flwr.app.config]``; ``flowerbed sim`` and ``flwr run .`` read the same keys.
 Every check happens before any data is loaded or any node trains, and each failure
-is one line naming the key, the bad value and the valid choices.
+is one line naming the key, the bad value and the valid choices or range
+(:data:`LIMITS`). This module imports nothing heavy (no torch, no Flower), so
+``flowerbed sim --help`` can list the choices.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 
 from flowerbed.data import DATASET_DIMS, DATASETS, PARTITIONS
-from flowerbed.models import CHARGED_MODELS, MODELS, model_dims
 from flowerbed.sims.fleet import FLEETS
 
 STRATEGY_NAMES = ("fedavg", "fedprox", "runtime-weighted", "deadline", "fedbuff")
 """Strategies a scenario can name; see ``flowerbed.sims.scenario.build_strategy``."""
+MODEL_NAMES = ("lenet", "mobilenet", "cnn1d", "mlp", "logreg")
+"""Models a scenario can name: the keys of ``flowerbed.models.MODELS`` (a test checks
+they agree; spelled here so that checking a config does not import torch)."""
+SEED_MAX = 2**32 - 1
+"""Largest seed: numpy's legacy ``np.random.seed`` (which the run seeds) takes
+``[0, 2**32 - 1]``."""
+MAX_SECONDS = 7 * 24 * 3600.0
+"""Longest deadline or round timeout (a week): longer is a typo, and ``inf`` or
+values near the float limit overflow the clocks' arithmetic."""
+
+
+@dataclass(frozen=True)
+class Limit:
+    """The valid range of a numeric key: ``low``/``high`` (None: unbounded),
+    inclusive or not, and why the bound is there."""
+
+    low: float | None
+    high: float | None
+    low_open: bool = False
+    high_open: bool = False
+    note: str = ""
+
+    def admits(self, value: float) -> bool:
+        if not math.isfinite(value):
+            return False
+        if self.low is not None and (
+            value < self.low or (self.low_open and value == self.low)
+        ):
+            return False
+        return not (
+            self.high is not None
+            and (value > self.high or (self.high_open and value == self.high))
+        )
+
+    def describe(self) -> str:
+        """``in (0, 10]``, ``>= 1``, ... as the error message says it."""
+
+        def num(x: float) -> str:
+            return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+        if self.low is not None and self.high is not None:
+            text = (
+                f"in {'(' if self.low_open else '['}{num(self.low)}, "
+                f"{num(self.high)}{')' if self.high_open else ']'}"
+            )
+        elif self.low is not None:
+            text = f"{'>' if self.low_open else '>='} {num(self.low)}"
+        else:
+            assert self.high is not None
+            text = f"{'<' if self.high_open else '<='} {num(self.high)}"
+        return f"{text} ({self.note})" if self.note else text
+
+
+LIMITS: dict[str, Limit] = {
+    "num-nodes": Limit(1, None),
+    "num-rounds": Limit(1, 1_000_000, note="a million rounds is a typo"),
+    "alpha": Limit(0, 1e6, low_open=True, note="1e6 is already IID"),
+    "batch-size": Limit(
+        1,
+        65_536,
+        note="larger than every dataset flowerbed ships (MNIST has 60,000 "
+        "training images)",
+    ),
+    "local-steps": Limit(1, 100_000),
+    "learning-rate": Limit(
+        0, 10, low_open=True, note="SGD steps above 10 diverge on every model here"
+    ),
+    "fraction-train": Limit(0, 1, low_open=True),
+    "dropout": Limit(
+        None, 1, note="a probability; negative: the device profiles' own rates"
+    ),
+    "target-accuracy": Limit(0, 1, low_open=True),
+    "seed": Limit(0, SEED_MAX, note="numpy's seed range"),
+    "round-timeout-s": Limit(0, MAX_SECONDS, low_open=True, note="at most a week"),
+    "deadline-s": Limit(0, MAX_SECONDS, note="0: none; at most a week"),
+    "proximal-mu": Limit(
+        0, 1000, note="FedProx's mu; papers use 0.001-1, larger freezes the model"
+    ),
+    "affinity": Limit(0, 1, low_open=True, note="a share of a node's samples"),
+}
+"""Valid range of every numeric run-config key (NaN and infinities never are)."""
 
 
 class ConfigError(ValueError):
-    """A run-config value that cannot be used; the message is one actionable line."""
+    """A run-config value that cannot be used; the message is one actionable line.
+
+    ``key`` is the run-config key at fault, when there is one (so a command line can
+    name its own option for it).
+    """
+
+    def __init__(self, message: str, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+TYPE_NAMES = {
+    bool: "true or false",
+    int: "an integer",
+    float: "a number",
+    str: "a string",
+}
 
 
 @dataclass(frozen=True)
@@ -66,10 +165,16 @@ class Scenario:
         for key, value in run_config.items():
             if key not in known:
                 raise ConfigError(
-                    f"unknown run-config key {key!r}; valid keys: {', '.join(known)}"
+                    f"unknown run-config key {key!r}; valid keys: {', '.join(known)}",
+                    key,
                 )
             field = known[key]
             default = field.default
+            wanted = TYPE_NAMES[type(default)]
+            if isinstance(value, bool) and not isinstance(default, bool):
+                raise ConfigError(
+                    f"run-config {key!r} must be {wanted}, got {value!r}", key
+                )
             try:
                 if isinstance(default, bool):
                     values[field.name] = bool(value)
@@ -81,10 +186,9 @@ class Scenario:
                     values[field.name] = float(value)  # type: ignore[arg-type]
                 else:
                     values[field.name] = str(value)
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, OverflowError):
                 raise ConfigError(
-                    f"run-config {key!r} must be a {type(default).__name__}, "
-                    f"got {value!r}"
+                    f"run-config {key!r} must be {wanted}, got {value!r}", key
                 ) from None
         scenario = cls(**values)  # type: ignore[arg-type]
         scenario.check()
@@ -94,62 +198,44 @@ class Scenario:
         """Raise :class:`ConfigError` for the first unusable value."""
         choices = {
             "fleet": (self.fleet, tuple(FLEETS)),
-            "model": (self.model, tuple(MODELS)),
+            "model": (self.model, MODEL_NAMES),
             "dataset": (self.dataset, DATASETS),
             "strategy": (self.strategy, STRATEGY_NAMES),
             "partition": (self.partition, PARTITIONS),
         }
         if self.charge_as:
+            from flowerbed.models import CHARGED_MODELS
+
             choices["charge-as"] = (self.charge_as, tuple(CHARGED_MODELS))
         for key, (value, valid) in choices.items():
             if value not in valid:
                 raise ConfigError(
-                    f"unknown {key} {value!r}; valid choices: {', '.join(valid)}"
+                    f"unknown {key} {value!r}; valid choices: {', '.join(valid)}", key
                 )
+        from flowerbed.models import model_dims
+
         if model_dims(self.model) != DATASET_DIMS[self.dataset]:
-            fits = [m for m in MODELS if model_dims(m) == DATASET_DIMS[self.dataset]]
+            fits = [
+                m for m in MODEL_NAMES if model_dims(m) == DATASET_DIMS[self.dataset]
+            ]
             raise ConfigError(
                 f"model {self.model!r} does not take {self.dataset!r} samples; "
-                f"valid choices for this dataset: {', '.join(fits)}"
+                f"valid choices for this dataset: {', '.join(fits)}",
+                "model",
             )
-        ranges: list[tuple[str, float, bool, str]] = [
-            ("num-nodes", self.num_nodes, self.num_nodes >= 1, ">= 1"),
-            ("num-rounds", self.num_rounds, self.num_rounds >= 1, ">= 1"),
-            ("alpha", self.alpha, self.alpha > 0, "> 0"),
-            ("batch-size", self.batch_size, self.batch_size >= 1, ">= 1"),
-            ("local-steps", self.local_steps, self.local_steps >= 1, ">= 1"),
-            ("learning-rate", self.learning_rate, self.learning_rate > 0, "> 0"),
-            (
-                "fraction-train",
-                self.fraction_train,
-                0 < self.fraction_train <= 1,
-                "in (0, 1]",
-            ),
-            (
-                "dropout",
-                self.dropout,
-                self.dropout < 0 or self.dropout <= 1,
-                "in [0, 1], or negative for the device profiles' own rates",
-            ),
-            (
-                "target-accuracy",
-                self.target_accuracy,
-                0 < self.target_accuracy <= 1,
-                "in (0, 1]",
-            ),
-            (
-                "round-timeout-s",
-                self.round_timeout_s,
-                self.round_timeout_s > 0,
-                "> 0",
-            ),
-            ("deadline-s", self.deadline_s, self.deadline_s >= 0, ">= 0 (0: none)"),
-            ("proximal-mu", self.proximal_mu, self.proximal_mu >= 0, ">= 0"),
-            ("affinity", self.affinity, 0 < self.affinity <= 1, "in (0, 1]"),
-        ]
-        for key, number, ok, rule in ranges:
-            if not ok:
-                raise ConfigError(f"run-config {key!r} must be {rule}, got {number!r}")
+        values = self.to_run_config()
+        for key, limit in LIMITS.items():
+            number = values[key]
+            assert isinstance(number, int | float)
+            if not limit.admits(number):
+                raise ConfigError(
+                    f"run-config {key!r} must be {limit.describe()}, got {number!r}",
+                    key,
+                )
+        if not self.output_dir.strip():
+            raise ConfigError(
+                "run-config 'output-dir' must name a folder, got ''", "output-dir"
+            )
 
     def to_run_config(self) -> dict[str, object]:
         """The scenario as Flower run config (kebab-case keys)."""

@@ -33,6 +33,27 @@ CSV_COLUMNS = (
 )
 
 
+class OutputDirError(ValueError):
+    """The output folder cannot be created or written; the message names it."""
+
+
+def check_output_dir(output_dir: str | Path) -> Path:
+    """Create ``output_dir`` and prove it writable (a file is made and removed), so a
+    run never trains only to lose its results; raises :class:`OutputDirError`."""
+    root = Path(output_dir).expanduser()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f".flowerbed-write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise OutputDirError(
+            f"run-config 'output-dir' {str(root)!r} cannot be written: "
+            f"{err.strerror or err}"
+        ) from None
+    return root
+
+
 def time_to_target(records: Sequence[RoundRecord], target: float) -> float | None:
     """Virtual time of the first round whose accuracy reaches ``target``, else None."""
     for record in records:

@@ -21,7 +21,7 @@ from flowerbed.models import build_model
 from flowerbed.sims.config import Scenario
 from flowerbed.sims.engine import FleetGrid, SimNode
 from flowerbed.sims.node import DEVICE_KEY, cached_dataset, train_batch
-from flowerbed.sims.outputs import summarise, write_run_folder
+from flowerbed.sims.outputs import check_output_dir, summarise, write_run_folder
 from flowerbed.sims.population import check_population
 from flowerbed.sims.recorder import RoundRecord, RunRecorder
 from flwr.app import ArrayRecord, ConfigRecord
@@ -83,6 +83,45 @@ class RunOutcome:
     records: list[RoundRecord]
     results: dict[str, Any]
     run_dir: Path | None
+    problem: str | None = None
+    """Why the run trained nothing (no update ever changed the global model), else
+    None; callers exit non-zero with it."""
+
+
+def no_update_reason(
+    records: Sequence[RoundRecord],
+    initial: Sequence[np.ndarray],
+    final: ArrayRecord | None,
+) -> str | None:
+    """Why no update was applied, or None if the global model changed.
+
+    The final model equal to the initial one, bit for bit, means no update was
+    folded in (an SGD update that changes nothing does not happen in practice).
+    """
+    after = final.to_numpy_ndarrays() if final is not None else []
+    # Flower's Strategy.start leaves Result.arrays empty until an aggregation
+    # returns arrays; ours return the last global model.
+    if after and (
+        len(after) != len(initial)
+        or any(
+            a.shape != b.shape or not np.array_equal(a, b)
+            for a, b in zip(initial, after, strict=True)
+        )
+    ):
+        return None
+    failed = sum(len(r.failed) for r in records)
+    replied = sum(len(r.participants) for r in records)
+    if replied:
+        why = f"{replied} replies arrived but the strategy applied none"
+    elif failed:
+        why = f"all {failed} train tasks failed"
+    else:
+        why = "no successful train reply arrived"
+    return (
+        f"no update was applied ({len(records)} round(s) completed): {why}; the "
+        "global model is the initial one (check dropout, deadline-s and "
+        "round-timeout-s)"
+    )
 
 
 def run_server(
@@ -109,6 +148,8 @@ def run_server(
             num_connected,
         )
         scenario = replace(scenario, num_nodes=num_connected)
+    if write:
+        check_output_dir(scenario.output_dir)  # before anything trains
     random.seed(scenario.seed)
     np.random.seed(scenario.seed)
     torch.manual_seed(scenario.seed)
@@ -130,9 +171,11 @@ def run_server(
     )
     if scenario.deadline_s > 0:
         train_config[keys.DEADLINE_S] = scenario.deadline_s
-    strategy.start(
+    initial_arrays = ArrayRecord(model.state_dict())
+    initial = initial_arrays.to_numpy_ndarrays()  # a copy the strategy cannot touch
+    result = strategy.start(
         grid=recorder.grid,
-        initial_arrays=ArrayRecord(model.state_dict()),
+        initial_arrays=initial_arrays,
         num_rounds=scenario.num_rounds,
         timeout=scenario.round_timeout_s,
         train_config=train_config,
@@ -150,7 +193,8 @@ def run_server(
         if write
         else None
     )
-    return RunOutcome(recorder.records, results, run_dir)
+    problem = no_update_reason(recorder.records, initial, result.arrays)
+    return RunOutcome(recorder.records, results, run_dir, problem)
 
 
 def build_fleet_grid(

@@ -69,7 +69,9 @@ def test_sim_shows_why_tasks_failed_and_exits_non_zero_when_all_did(
 ) -> None:
     args = ["sim", "--nodes", "3", "--rounds", "1", "--dropout", "1"]
     code = main([*args, "--out", str(tmp_path)])
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
     assert code == 1
-    assert "every train task failed" in out
-    assert "dropped out in round 1" in out  # the nodes' own reason
+    assert "no update was applied (1 round(s) completed): all 3 train tasks failed" in (
+        captured.err
+    )
+    assert "dropped out in round 1" in captured.out  # the nodes' own reason
