@@ -126,7 +126,7 @@ def _load_raw(name: str, data_dir: str | Path) -> Dataset:
         raise DataError(
             f"dataset {name!r} is read from a local folder: set run config "
             f"'data-dir' (download it once with `flowerbed download {name} DIR`, "
-            "which needs the 'vision' extra)"
+            "which needs torchvision)"
         )
     root = Path(data_dir).expanduser()
     if name == "mnist":
@@ -526,8 +526,10 @@ def download(name: str, data_dir: str | Path) -> Path:
         import torchvision  # noqa: F401
     except Exception as err:
         raise DataError(
-            f"downloading {name} needs torchvision: pip install 'flowerbed[vision]' "
-            f"({err})"
+            f"downloading {name} needs torchvision ({err}): from a flowerbed "
+            "checkout, pip install -e '.[vision]'. torchvision must be built for "
+            "the installed torch: with a CPU torch, add --extra-index-url "
+            "https://download.pytorch.org/whl/cpu so pip picks the matching build"
         ) from err
     root = Path(data_dir).expanduser()
     root.mkdir(parents=True, exist_ok=True)
