@@ -1,7 +1,9 @@
 """The Flower apps ``flwr run .`` starts: a simulated fleet and its server.
 
 ``client_app`` is a simulated node (``flowerbed.sims.node``); ``server_app`` runs the
-scenario named by the run config (``flowerbed.sims.scenario.run_server``).
+scenario named by the run config (``flowerbed.sims.scenario.run_server``) on the grid
+Flower hands it, wrapped in a :class:`~flowerbed.sims.virtual_grid.VirtualTimeGrid`
+so that strategies see the simulated devices' time, as on the in-process engine.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from flowerbed.sims.config import ConfigError, Scenario
 from flowerbed.sims.outputs import OutputDirError, check_output_dir
 from flowerbed.sims.population import check_population
 from flowerbed.sims.scenario import run_server
+from flowerbed.sims.virtual_grid import VirtualTimeGrid
 from flwr.app import Context
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
@@ -56,7 +59,8 @@ def main(grid: Grid, context: Context) -> None:
         check_output_dir(scenario.output_dir)
     except (ConfigError, DataError, OutputDirError) as err:
         raise RunFailed(f"flowerbed: {err}") from None
-    outcome = run_server(grid, scenario)
+    # Flower's engine answers on wall time; strategies see the device's time.
+    outcome = run_server(VirtualTimeGrid(grid), scenario)
     run_dir = outcome.run_dir.resolve() if outcome.run_dir else None
     print(f"flowerbed: run folder written to {run_dir}", flush=True)
     if outcome.problem is not None:

@@ -29,6 +29,7 @@ import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.pool import Pool
+from typing import Protocol
 
 from flowerbed import keys
 from flowerbed.clock import collect_replies
@@ -49,10 +50,16 @@ BatchRunner = Callable[[Sequence[tuple[Message, Context]]], list[Message | Excep
 """Runs many train tasks; returns each one's reply or the exception it raised."""
 
 
+class Arrivals(Protocol):
+    """What a virtual clock asks its engine: when the next reply arrives."""
+
+    def next_arrival_after(self, t: float) -> float | None: ...
+
+
 class VirtualClock:
     """Virtual seconds since the run started; only the engine's events move it."""
 
-    def __init__(self, engine: FleetGrid) -> None:
+    def __init__(self, engine: Arrivals) -> None:
         self._engine = engine
         self._now = 0.0
 
@@ -83,9 +90,73 @@ class SimNode:
 @dataclass(order=True)
 class _Pending:
     arrival: float
+    partition: int
     seq: int
     message_id: str = field(compare=False)
     reply: Message = field(compare=False)
+
+
+class ArrivalQueue:
+    """Replies waiting for the virtual clock to reach their arrival time.
+
+    Replies arriving at the same virtual time come out in the order of the
+    ``partition-id`` they report (then in push order): node ids differ between
+    engines, partition ids do not, so equal-time replies are ordered alike
+    everywhere.
+    """
+
+    def __init__(self) -> None:
+        self._in_flight: list[_Pending] = []
+        self._arrived: dict[str, Message] = {}
+        self._seq = itertools.count()
+
+    def schedule(
+        self,
+        sent_at: float,
+        message: Message,
+        message_id: str,
+        reply: Message,
+        after_s: float,
+    ) -> None:
+        """Queue ``reply`` to ``message`` to arrive ``after_s`` after ``sent_at``.
+
+        A reply later than the message's TTL is dropped and replaced by the error
+        Flower's SuperLink sends when a TTL expires, at the expiry time.
+        """
+        ttl = message.metadata.ttl
+        if after_s > ttl:
+            reply = Message(
+                Error(
+                    ErrorCode.REPLY_MESSAGE_UNAVAILABLE,
+                    f"no reply within the message's TTL of {ttl:g} s",
+                ),
+                reply_to=message,
+            )
+            after_s = ttl
+        partition = -1
+        if not reply.has_error():
+            for record in reply.content.metric_records.values():
+                value = record.get(keys.PARTITION_ID)
+                if isinstance(value, int):
+                    partition = value
+        heapq.heappush(
+            self._in_flight,
+            _Pending(sent_at + after_s, partition, next(self._seq), message_id, reply),
+        )
+
+    def take(self, now: float, message_ids: Iterable[str]) -> list[Message]:
+        """The replies to ``message_ids`` that have arrived by ``now``."""
+        while self._in_flight and self._in_flight[0].arrival <= now:
+            item = heapq.heappop(self._in_flight)
+            self._arrived[item.message_id] = item.reply
+        wanted = set(message_ids)
+        found = [mid for mid in self._arrived if mid in wanted]
+        return [self._arrived.pop(mid) for mid in found]
+
+    def next_arrival_after(self, t: float) -> float | None:
+        """Virtual time of the first queued reply arriving strictly after ``t``."""
+        later = [p.arrival for p in self._in_flight if p.arrival > t]
+        return min(later) if later else None
 
 
 class FleetGrid(Grid):
@@ -137,8 +208,7 @@ class FleetGrid(Grid):
         self._contexts: dict[int, Context] = {}
         self._run = Run.create_empty(run_id)
         self._seq = itertools.count()
-        self._in_flight: list[_Pending] = []
-        self._arrived: dict[str, Message] = {}
+        self._queue = ArrivalQueue()
         self.messages_run = 0
         # Messages built by strategies need a task identity, as inside a ServerApp.
         if TaskIdentity._run_id is None:
@@ -176,38 +246,19 @@ class FleetGrid(Grid):
                 raise ValueError(
                     f"message for unknown node {message.metadata.dst_node_id}"
                 )
-        seqs = [next(self._seq) for _ in batch]
-        ids = [f"sim-{seq:09d}" for seq in seqs]
+        ids = [f"sim-{next(self._seq):09d}" for _ in batch]
         for message, message_id in zip(batch, ids, strict=True):
             message.metadata.__dict__["_message_id"] = message_id
         outcomes = self._run_all(batch)
-        for message, seq, message_id, (reply, after_s) in zip(
-            batch, seqs, ids, outcomes, strict=True
+        now = self.clock.now()
+        for message, message_id, (reply, after_s) in zip(
+            batch, ids, outcomes, strict=True
         ):
-            ttl = message.metadata.ttl
-            if after_s > ttl:  # too late: the reply is dropped, the TTL expires
-                reply = Message(
-                    Error(
-                        ErrorCode.REPLY_MESSAGE_UNAVAILABLE,
-                        f"no reply within the message's TTL of {ttl:g} s",
-                    ),
-                    reply_to=message,
-                )
-                after_s = ttl
-            heapq.heappush(
-                self._in_flight,
-                _Pending(self.clock.now() + after_s, seq, message_id, reply),
-            )
+            self._queue.schedule(now, message, message_id, reply, after_s)
         return ids
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        now = self.clock.now()
-        while self._in_flight and self._in_flight[0].arrival <= now:
-            item = heapq.heappop(self._in_flight)
-            self._arrived[item.message_id] = item.reply
-        wanted = set(message_ids)
-        found = [mid for mid in self._arrived if mid in wanted]
-        return [self._arrived.pop(mid) for mid in found]
+        return self._queue.take(self.clock.now(), message_ids)
 
     def send_and_receive(
         self, messages: Iterable[Message], *, timeout: float | None = None
@@ -217,8 +268,7 @@ class FleetGrid(Grid):
     # --- engine -------------------------------------------------------------------
     def next_arrival_after(self, t: float) -> float | None:
         """Virtual time of the first in-flight reply arriving strictly after ``t``."""
-        later = [p.arrival for p in self._in_flight if p.arrival > t]
-        return min(later) if later else None
+        return self._queue.next_arrival_after(t)
 
     def close(self) -> None:
         """Stop the worker processes (if any); the grid can start them again."""
@@ -243,7 +293,7 @@ class FleetGrid(Grid):
                 out[i] = outcome
         for i, message in enumerate(messages):
             if out[i] is None:
-                out[i] = _outcome(
+                out[i] = task_outcome(
                     message, _call(self.client_app, message, self._context(message))
                 )
         return [o for o in out if o is not None]
@@ -371,7 +421,7 @@ def _run_batch(
         raise RuntimeError(
             f"batch_train answered {len(results)} of {len(tasks)} messages"
         )
-    return [_outcome(m, r) for (m, _), r in zip(tasks, results, strict=True)]
+    return [task_outcome(m, r) for (m, _), r in zip(tasks, results, strict=True)]
 
 
 def _call(app: ClientApp, message: Message, context: Context) -> Message | Exception:
@@ -381,16 +431,18 @@ def _call(app: ClientApp, message: Message, context: Context) -> Message | Excep
         return err
 
 
-def _outcome(message: Message, result: Message | Exception) -> tuple[Message, float]:
+def task_outcome(
+    message: Message, result: Message | Exception
+) -> tuple[Message, float]:
     """A task's reply (or the error Flower would send) and its virtual delay."""
     if isinstance(result, NodeDropout):
         if result.silent:
             return Message(
-                Error(ErrorCode.REPLY_MESSAGE_UNAVAILABLE, str(result)),
+                Error(ErrorCode.REPLY_MESSAGE_UNAVAILABLE, result.reason),
                 reply_to=message,
             ), math.inf
         return Message(
-            Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, str(result)),
+            Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, result.reason),
             reply_to=message,
         ), result.after_s
     if isinstance(result, Exception):  # a crashing ClientApp: an error reply

@@ -19,9 +19,12 @@ floor((D - down_s - up_s) / step_s) steps and reports that partial work.
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 from flowerbed.sims.devices import DeviceProfile
+
+_DROPOUT_TAG = re.compile(r" ?\[flowerbed-dropout silent=([01]) after-s=([^\]]+)\]")
 
 
 class NodeDropout(Exception):
@@ -30,12 +33,38 @@ class NodeDropout(Exception):
     ``silent``: the node vanished and never replies (the engine lets the message's
     TTL expire). Otherwise the node reports an error ``after_s`` virtual seconds
     after dispatch.
+
+    Its text ends in a tag carrying ``silent`` and ``after_s``, so that where the
+    exception only survives as text -- Flower's simulation engine turns it into an
+    error reply's reason -- :meth:`from_text` recovers it
+    (:class:`flowerbed.sims.virtual_grid.VirtualTimeGrid` does).
     """
 
     def __init__(self, reason: str, *, silent: bool, after_s: float) -> None:
-        super().__init__(reason)
+        super().__init__(
+            f"{reason} [flowerbed-dropout silent={int(silent)} after-s={after_s!r}]"
+        )
+        self.reason = reason
         self.silent = silent
         self.after_s = after_s
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_dropout, (self.reason, self.silent, self.after_s))
+
+    @classmethod
+    def from_text(cls, text: str) -> NodeDropout | None:
+        """The dropout whose text ``text`` contains, or None."""
+        found = _DROPOUT_TAG.search(text)
+        if found is None:
+            return None
+        # Flower prefixes "...Exception ClientAppException occurred. Message: "
+        reason = text[: found.start()].splitlines()[-1].rpartition("Message: ")[2]
+        silent, after_s = found.groups()
+        return cls(reason, silent=silent == "1", after_s=float(after_s))
+
+
+def _dropout(reason: str, silent: bool, after_s: float) -> NodeDropout:
+    return NodeDropout(reason, silent=silent, after_s=after_s)
 
 
 def transfer_seconds(num_bytes: int, mbps: float) -> float:

@@ -1,11 +1,15 @@
 """The in-process engine and Flower's simulation engine (Ray) agree for a seed.
 
-The same scenario runs twice: once with ``flwr run`` against a real
+The same scenario runs twice per strategy: once with ``flwr run`` against a real
 ``flower-superlink --simulation`` (Flower's Ray engine, its own node ids and reply
-order), once on ``FleetGrid``. Nodes draw their device, data and dropouts from
-(seed, partition-id, round), so each round must have the same participants, and the
-final accuracies must be within one point (aggregation order differs, so floating
-point sums may differ in the last bits).
+order, behind :class:`~flowerbed.sims.virtual_grid.VirtualTimeGrid`), once on
+``FleetGrid``. Nodes draw their device, data and dropouts from (seed, partition-id,
+round), and both engines release replies in virtual-time order, so each round must
+have the same participants at the same virtual time -- for FedAvg, and for the
+strategies whose rounds depend on reply order and timing (DeadlineFedAvg's deadline
+and first-K, FedBuff's buffer) -- and the final accuracies must be within one point
+(Ray trains node by node, the in-process engine batched; sums differ in the last
+bits).
 """
 
 import json
@@ -26,20 +30,35 @@ SCENARIO = {
 }
 
 
+STRATEGIES = ("fedavg", "deadline", "fedbuff")
+
+
 @pytest.mark.slow
-def test_same_participants_and_accuracy_on_both_engines(tmp_path: Path) -> None:
-    ray_out = tmp_path / "ray-runs"
+def test_same_participants_rounds_and_accuracy_on_both_engines(
+    tmp_path: Path,
+) -> None:
+    ray: dict[str, dict] = {}
     with Federation(tmp_path / "ray") as fed:
         fed.start_superlink(simulated_supernodes=SCENARIO["num-nodes"])
-        run = fed.run(ROOT, {**SCENARIO, "output-dir": str(ray_out)}, timeout=600)
-        assert run.status == "finished:completed", run.log[-3000:]
-    [ray_dir] = ray_out.iterdir()
-    ray = json.loads((ray_dir / "results.json").read_text())
+        for strategy in STRATEGIES:
+            out = tmp_path / f"ray-{strategy}"
+            config = {**SCENARIO, "strategy": strategy, "output-dir": str(out)}
+            run = fed.run(ROOT, config, timeout=600)
+            assert run.status == "finished:completed", run.log[-3000:]
+            [run_dir] = out.iterdir()
+            ray[strategy] = json.loads((run_dir / "results.json").read_text())
 
-    local = run_scenario(SCENARIO, write=False).results
-
-    assert ray["engine"] == "flower-simulation" and local["engine"] == "in-process"
-    ray_rounds = [r["participants"] for r in ray["rounds"]]
-    assert ray_rounds == [r["participants"] for r in local["rounds"]]
-    assert any(len(p) < SCENARIO["num-nodes"] for p in ray_rounds)  # dropouts happened
-    assert abs(ray["final_accuracy"] - local["final_accuracy"]) <= 0.01
+    for strategy in STRATEGIES:
+        local = run_scenario({**SCENARIO, "strategy": strategy}, write=False).results
+        remote = ray[strategy]
+        assert remote["engine"] == "flower-simulation"
+        assert local["engine"] == "in-process"
+        rounds = [(r["participants"], r["virtual_time_s"]) for r in remote["rounds"]]
+        assert rounds == [
+            (r["participants"], r["virtual_time_s"]) for r in local["rounds"]
+        ], strategy
+        assert abs(remote["final_accuracy"] - local["final_accuracy"]) <= 0.01
+    # the seed drops nodes: the engines agree on who vanished and when
+    assert any(
+        len(r["participants"]) < SCENARIO["num-nodes"] for r in ray["fedavg"]["rounds"]
+    )
