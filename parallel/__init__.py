@@ -41,9 +41,17 @@ Pipeline training (FTPipeHD, Chen et al., arXiv 2110.02781):
   layer comes from after a loss (pure).
 - :mod:`~flowerbed.parallel.pipeline` — the member's side: profile, run a segment.
 
-Pure modules (plan, partition, makespan, recovery) import neither torch nor
-torch.distributed, so strategies, the virtual clock and the benchmark share them.
-Nothing here imports :mod:`flowerbed.sims`.
+Large-batch synchronous training (S1; Goyal et al. 2017, LARS/LAMB):
+
+- :mod:`~flowerbed.parallel.large_batch` — batch shares proportional to speed,
+  the loss scale that makes unequal shares one large batch, the linear-scaling
+  and warm-up schedule (pure).
+- :mod:`~flowerbed.parallel.optim` — momentum SGD, LARS and LAMB on named NumPy
+  arrays (pure).
+
+Pure modules (plan, partition, makespan, recovery, large_batch, optim) import
+neither torch nor torch.distributed, so strategies, the virtual clock and the
+benchmark share them. Nothing here imports :mod:`flowerbed.sims`.
 """
 
 from __future__ import annotations
