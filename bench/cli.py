@@ -219,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     started = time.monotonic()
     results = bench(names, args, out, console)
-    from .report import PAGE, headline_sentence
+    from .report import PAGE, headline_sentence, target_lines
 
     failed = []
     for name in names:
@@ -228,6 +228,8 @@ def run(args: argparse.Namespace) -> int:
             failed.append(f"{name} ({data['error']})")
         if name == "suite" and "headline" in data:
             console.print(headline_sentence(data["headline"]))
+            for line in target_lines(data["targets"]):
+                console.print(line)
             if data["errors"]:
                 console.print(
                     f"[yellow]{len(data['errors'])} suite runs failed; see "

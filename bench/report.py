@@ -14,6 +14,8 @@ from typing import Any
 
 RESULTS_DIR = "benchmarks"
 PAGE = "BENCHMARKS.md"
+CI_PCT = 95
+EQUAL_ROUNDS_TEXT = ("10", "25", "50")
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -26,17 +28,13 @@ def _fmt(value: float | None, spec: str = ".3g") -> str:
     return "–" if value is None else format(value, spec)
 
 
-def _cell(s: Mapping[str, Any], spec: str = ".3g", scale: float = 1.0) -> str:
-    """``median [min–max]`` of a spread, with the runs that had no value."""
-    if s["median"] is None:
-        text = "not reached" if s.get("missing") else "–"
-    else:
-        med, lo, hi = (scale * s[k] for k in ("median", "min", "max"))
-        text = format(med, spec)
-        if s["n"] > 1:
-            text += f" [{format(lo, spec)}–{format(hi, spec)}]"
-    if s.get("missing") and s["median"] is not None:
-        text += f" ({s['missing']} not reached)"
+def _ci(c: Mapping[str, Any], key: str, spec: str) -> str:
+    """``value [low, high]`` of a confidence interval dictionary."""
+    if c.get(key) is None:
+        return "–"
+    text = format(c[key], spec)
+    if c.get("low") is not None:
+        text += f" [{format(c['low'], spec)}, {format(c['high'], spec)}]"
     return text
 
 
@@ -44,52 +42,87 @@ def headline_sentence(h: Mapping[str, Any]) -> str:
     """One sentence of the headline, for the console and the page."""
     if not h.get("available"):
         return f"Headline: not available ({h.get('reason', 'no data')})."
-    met = "meets" if h["target_met"] else "does not meet"
     return (
-        f"Headline on {h['fleet']}: {h['best_strategy']} reaches the target "
-        f"{h['median_speedup']:.2f}x faster (median) than {h['reference']}, final "
-        f"accuracy {h['final_accuracy_diff_points']:+.2f} points; this {met} the "
-        f"target (>= {h['target_speedup']:g}x, >= "
-        f"-{h['target_max_accuracy_drop_points']:g} points). Time-to-target / ideal: "
-        f"{_fmt(h['best_over_ideal'], '.2f')} for {h['best_strategy']}, "
-        f"{_fmt(h['reference_over_ideal'], '.2f')} for {h['reference']}."
+        f"Headline on {h['workload']} ({len(h['seeds'])} seeds): the best flowerbed "
+        f"default, {h['flowerbed']}, reaches {100 * h['target_fraction']:.0f}% of "
+        f"the converged accuracy ({100 * h['target_accuracy']:.1f}%) "
+        f"{_ci(h['speedup'], 'geomean', '.2f')}x as fast as the best-tuned Flower "
+        f"configuration, {h['flower']} (geometric mean of per-seed speed-ups, "
+        f"{CI_PCT}% CI); final accuracy "
+        f"{_ci(h['final_accuracy_diff_points'], 'mean', '+.1f')} points"
+        + (
+            f"; accuracy on the slow devices' data "
+            f"{_ci(h['slow_accuracy_diff_points'], 'mean', '+.1f')} points against "
+            f"Flower's best timeout ({h['flower_best_timeout']})"
+            if "slow_accuracy_diff_points" in h
+            else ""
+        )
+        + "."
     )
 
 
-def plot_fleet(cells: Sequence[Mapping[str, Any]], fleet: str, path: Path) -> None:
-    """Accuracy against virtual time, one colour per strategy, one line per seed."""
+def target_lines(targets: Sequence[Mapping[str, Any]]) -> list[str]:
+    """One line per target: met or not, with its figures."""
+    lines = []
+    for t in targets:
+        figures = ", ".join(
+            f"{k} {_fmt(v, '.2f') if isinstance(v, float) or v is None else v}"
+            for k, v in t.items()
+            if k not in ("name", "text", "met")
+        )
+        lines.append(
+            f"- **{'met' if t['met'] else 'not met'}**: {t['text']} ({figures})."
+        )
+    return lines
+
+
+def _median_curve(
+    runs: Sequence[Mapping[str, Any]], grid: Sequence[float]
+) -> list[float]:
+    """Median over seeds of each run's accuracy at each time of ``grid``."""
+    from flowerbed.bench.suite import accuracy_at_time
+
+    out = []
+    for t in grid:
+        values = sorted(
+            accuracy_at_time(r["curve"], t, r["initial_accuracy"]) for r in runs
+        )
+        out.append(values[len(values) // 2])
+    return out
+
+
+def plot_workload(
+    cells: Sequence[Mapping[str, Any]], workload: str, path: Path
+) -> None:
+    """Median accuracy over seeds against virtual time, one line per configuration
+    (dashed: Flower's baselines; solid: flowerbed's defaults)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    runs = [c for c in cells if c["workload"] == workload]
     fig, ax = plt.subplots(figsize=(8, 5), dpi=100)
-    strategies = list(
-        dict.fromkeys(c["strategy"] for c in cells if c["fleet"] == fleet)
-    )
-    cmap = plt.get_cmap("tab10")
-    for i, strategy in enumerate(strategies):
-        style = "--" if strategy.startswith("flwr-") else "-"
-        runs = [c for c in cells if c["fleet"] == fleet and c["strategy"] == strategy]
-        for j, run in enumerate(runs):
-            points = [(t, 100 * a) for t, a in run["curve"] if t > 0]
-            if not points:
-                continue
-            ax.plot(
-                [p[0] for p in points],
-                [p[1] for p in points],
-                style,
-                color=cmap(i % 10),
-                alpha=0.8,
-                linewidth=1.2,
-                label=strategy if j == 0 else None,
-            )
-    ax.set_xscale("log")
-    ax.set_xlabel("virtual time (s, log scale)")
-    ax.set_ylabel("central test accuracy (%)")
-    ax.set_title(f"{fleet}: accuracy against virtual time (one line per seed)")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7, loc="lower right")
+    configs = list(dict.fromkeys(c["config"] for c in runs))
+    end = max((c["budget_s"] for c in runs), default=1.0)
+    grid = [end * i / 200 for i in range(1, 201)]
+    cmap = plt.get_cmap("tab20")
+    for i, name in enumerate(configs):
+        mine = [c for c in runs if c["config"] == name]
+        style = "--" if mine[0]["family"] == "flower" else "-"
+        ax.plot(
+            grid,
+            [100 * a for a in _median_curve(mine, grid)],
+            style,
+            color=cmap(i % 20),
+            linewidth=1.4,
+            label=name,
+        )
+    ax.set_xlabel("virtual time (s)")
+    ax.set_ylabel("central test accuracy (%), median over seeds")
+    ax.set_title(f"{workload}: accuracy against virtual time")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right", ncol=2)
     fig.tight_layout()
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.png")
     fig.savefig(tmp)
@@ -97,44 +130,141 @@ def plot_fleet(cells: Sequence[Mapping[str, Any]], fleet: str, path: Path) -> No
     os.replace(tmp, path)
 
 
+def _spread(
+    values: Sequence[float | None],
+    spec: str,
+    scale: float = 1.0,
+    absent: str = "not reached",
+) -> str:
+    """``median [min–max]`` over seeds; missing values are counted."""
+    present = sorted(scale * v for v in values if v is not None)
+    missing = len(values) - len(present)
+    if not present or missing * 2 >= len(values):
+        if not missing:
+            return "–"
+        suffix = " missed" if absent == "not reached" else ""
+        return f"{absent} ({missing}/{len(values)}{suffix})"
+    med = (
+        present[len(present) // 2]
+        if len(present) % 2
+        else ((present[len(present) // 2 - 1] + present[len(present) // 2]) / 2)
+    )
+    text = format(med, spec)
+    if len(present) > 1:
+        text += f" [{format(present[0], spec)}–{format(present[-1], spec)}]"
+    if missing:
+        text += f" ({missing} missed)"
+    return text
+
+
 def _suite_tables(results: Mapping[str, Any]) -> list[str]:
     lines: list[str] = []
     settings = results["settings"]
-    summary = results["summary"]
-    for fleet in settings["fleets"]:
-        table = summary.get(fleet, {})
-        desc = settings["fleet_descriptions"][fleet]
+    for name in settings["workloads"]:
+        summary = results["summary"].get(name)
+        desc = settings["workload_descriptions"][name]
         lines += [
-            f"### {fleet}",
+            f"### {name}",
             "",
-            f"{desc['description']}; mix `{desc['fleet']}`, per-task dropout "
-            f"{desc['dropout']:g}.",
-            "",
-            f"![accuracy against virtual time on {fleet}]"
-            f"({RESULTS_DIR}/accuracy-{fleet}.png)",
-            "",
-            "| strategy | time to target (s) | speed-up vs "
-            f"{settings['reference']} | final accuracy (%) | accuracy diff (points) "
-            "| energy (J) | EDP (J·s) | rounds to target | updates discarded |",
-            "|---|---|---|---|---|---|---|---|---|",
-        ]
-        for strategy in settings["strategies"]:
-            e = table.get(strategy)
-            if e is None:
-                lines.append(f"| {strategy} | failed (see Errors) |||||||| ")
-                continue
-            lines.append(
-                f"| {strategy} | {_cell(e['time_to_target_s'])} "
-                f"| {_cell(e['speedup'], '.2f')} "
-                f"| {_cell(e['final_accuracy'], '.1f', 100)} "
-                f"| {_cell(e['final_accuracy_diff'], '+.1f', 100)} "
-                f"| {_cell(e['energy_j'], '.3g')} "
-                f"| {_cell(e['edp_js'], '.3g')} "
-                f"| {_cell(e['rounds_to_target'], '.0f')} "
-                f"| {_cell(e['updates_discarded'], '.0f')} |"
+            f"{desc['description']}. Model `{desc['model']}` trained for real; "
+            + (
+                f"the clock charges every task as `{desc['charge_as']}` "
+                "(bytes and compute, see below). "
+                if desc["charge_as"]
+                else "the clock charges the trained model itself. "
             )
+            + f"Population {desc['population']} devices of fleet `{desc['fleet']}`, "
+            f"cohort {desc['cohort']} per round (fraction_train "
+            f"{desc['fraction_train']:.3g}"
+            + (
+                " of the eligible devices, diurnal availability"
+                if desc["availability"]
+                else ""
+            )
+            + f"), {desc['local_steps']} local steps of {desc['batch_size']} "
+            f"samples at learning rate {desc['learning_rate']:g}; budget "
+            f"{desc['budget_rounds']} median task times of virtual time.",
+            "",
+        ]
+        if summary is None:
+            lines += ["No successful run.", ""]
+            continue
+        targets = summary["targets"]
+        conv = summary["converged_accuracy"]
+        lines += [
+            f"Converged accuracy (median over seeds of the best any configuration "
+            f"held at the end): {100 * conv:.1f}%. Targets: "
+            + ", ".join(
+                f"{100 * float(f):.0f}% of it = {100 * t:.1f}%"
+                for f, t in targets.items()
+            )
+            + ".",
+            "",
+            f"![accuracy against virtual time on {name}]"
+            f"({RESULTS_DIR}/accuracy-{name}.png)",
+            "",
+            "| configuration | timeout (s) | "
+            + " | ".join(f"time to {100 * float(f):.0f}% (s)" for f in targets)
+            + " | accuracy at budget (%) | "
+            + " | ".join(f"at round {r} (%)" for r in EQUAL_ROUNDS_TEXT)
+            + " | slow devices' data (%) | energy (kJ) | data moved (GB) | rounds |",
+            "|---|---|"
+            + "---|" * len(targets)
+            + "---|"
+            + "---|" * len(EQUAL_ROUNDS_TEXT)
+            + "---|---|---|---|",
+        ]
+        for config in settings["strategies"]:
+            e = summary["configs"].get(config)
+            if e is None:
+                continue
+            timeout = "all" if e["timeout_s"] is None else f"{e['timeout_s']:.1f}"
+            lines.append(
+                f"| {config} | {timeout} | "
+                + " | ".join(_spread(e["ttt"][str(f)], ".3g") for f in targets)
+                + f" | {_spread(e['final_accuracy'], '.1f', 100)} | "
+                + " | ".join(
+                    _spread(e["accuracy_at_rounds"][r], ".1f", 100, "not run")
+                    for r in EQUAL_ROUNDS_TEXT
+                )
+                + f" | {_spread(e['final_slow_accuracy'], '.1f', 100)}"
+                f" | {_spread(e['energy_j'], '.3g', 1e-3)}"
+                f" | {_spread(e['bytes'], '.3g', 1e-9)}"
+                f" | {_spread(e['rounds'], '.0f')} |"
+            )
+        comp = results["comparisons"].get(name, {})
+        if comp.get("available"):
+            lines += ["", _comparison_line(comp)]
         lines.append("")
     return lines
+
+
+def _comparison_line(c: Mapping[str, Any]) -> str:
+    text = (
+        f"Best flowerbed default `{c['flowerbed']}` against the best-tuned Flower "
+        f"configuration `{c['flower']}` (chosen with hindsight on these seeds), "
+        f"target {100 * c['target_accuracy']:.1f}%: speed-up "
+        f"{_ci(c['speedup'], 'geomean', '.2f')}x (per seed: "
+        + ", ".join(f"{x:.2f}" for x in c["speedups"])
+        + f"; reached {c['reached_flowerbed']} and {c['reached_flower']} of "
+        f"{len(c['seeds'])}); final accuracy "
+        f"{_ci(c['final_accuracy_diff_points'], 'mean', '+.1f')} points; energy "
+        "Flower / flowerbed "
+        f"{_ci(c['energy_ratio_flower_over_flowerbed'], 'geomean', '.2f')}x"
+    )
+    if "slow_accuracy_diff_points" in c:
+        text += (
+            "; slow devices' data "
+            f"{_ci(c['slow_accuracy_diff_points'], 'mean', '+.1f')} points "
+            f"against `{c['flower_best_timeout']}`"
+        )
+    if c.get("ideal_s"):
+        text += (
+            f". Transfer-aware ideal {c['ideal_s']:.3g} s: flowerbed "
+            f"{_fmt(c['flowerbed_over_ideal'], '.2f')}x, Flower "
+            f"{_fmt(c['flower_over_ideal'], '.2f')}x of it"
+        )
+    return text + "."
 
 
 def _aggregation_lines(agg: Mapping[str, Any]) -> list[str]:
@@ -314,59 +444,87 @@ def _definitions(results: Mapping[str, Any]) -> list[str]:
     lines = [
         "## How to read this",
         "",
-        f"- Every cell: {s['num_nodes']} nodes, {s['num_rounds']} rounds (FedBuff: "
-        f"2 model versions per round, so it folds as many updates), "
-        f"{s['local_steps']} local steps of 16 samples at learning rate "
-        f"{s['learning_rate']:g}, LeNet-5 on `digits` (IID), "
-        f"seeds {', '.join(map(str, s['seeds']))}, target accuracy "
-        f"{100 * s['target']:.0f}%. Time is the in-process engine's virtual time: "
-        "what the devices would have taken; this machine's load does not change it.",
-        "- Cells show the median over seeds and [min–max]. Speed-up and accuracy "
-        f"difference pair each seed's run with {s['reference']} on the same seed.",
-        "- Energy: what the nodes reported (busy power x compute + idle power x "
-        "transfer) for every train task they finished, used or discarded (after "
-        "the run the engine's clock runs on to collect replies still in flight; "
-        "replies dropped when their message's TTL expired and failed tasks report "
-        "nothing). `results.json` also holds `energy_used_updates_j`, the part in "
-        "replies received in time. EDP: energy x virtual duration of the run "
-        "(Gonzalez and Horowitz, IEEE JSSC 1996).",
-        "- Updates discarded: train tasks dispatched minus updates folded into a "
-        "global model (failures, vanished nodes, replies after the round closed or "
-        "too stale, work in flight when the run ended).",
-        "- Ideal time-to-target: samples the reference needed to reach the target "
-        "divided by the fleet's summed training throughput (every node computing "
-        "all the time, communication free).",
+        f"- Seeds {', '.join(map(str, s['seeds']))}; every configuration runs on the "
+        "same seeds (same devices, data split, availability and failures). Time is "
+        "the in-process engine's virtual time: what the devices would have taken; "
+        "this machine's load does not change it. A run stops at its workload's "
+        "virtual-time budget or at 3x the budget's rounds.",
+        '- Cells show the median over seeds and [min–max]; "missed" counts seeds '
+        "that never reached the target in the budget. Confidence intervals "
+        f"({CI_PCT}%) are Student-t intervals over the seeds' paired values: on the "
+        "logarithm of per-seed speed-ups (reported as a geometric mean) and on "
+        "per-seed accuracy differences. A run that never reached the target counts "
+        "at the budget in speed-ups (which flatters the one that missed).",
+        "- Converged accuracy: the median over seeds of the best accuracy any "
+        "configuration held at the end of its run (median of its last five "
+        "evaluations). Targets are fractions of it, so the headline target "
+        "sits near what the workload converges to within the budget.",
+        "- Accuracy at budget: the newest model evaluated by the budget's virtual "
+        "time (equal virtual time). At round r: equal rounds (FedBuff: model "
+        "versions). Slow devices' data: the central test set weighted as the slow "
+        "devices' data is (device-correlated labels: their label shares; "
+        "Synthetic: their writers' test samples; IID: the whole test set).",
+        "- Energy: what the devices reported (busy power x compute + idle power x "
+        "transfer, `flowerbed.sims.vclock.energy_joules`) for every train task they "
+        "finished, used or not (the clock runs on after the run to collect work in "
+        "flight); tasks lost mid-way report none. Data moved: charged model bytes "
+        "x (tasks dispatched + replies received).",
+        "- Transfer-aware ideal: the updates the best-tuned Flower configuration "
+        "folded up to its median time to the target, delivered by the cohort's "
+        "devices working back to back, each task costing its full virtual time "
+        "(download, local steps, upload): ideal = updates / (cohort x mean over "
+        "the fleet of 1 / task time).",
+        "- Flower's timeout sweep: `start(timeout=...)` at the 25th, 50th and "
+        "75th percentiles of the population's task times (1% above them; a "
+        "percentile whose time equals a lower one's is the same run and is "
+        "skipped); the best Flower configuration per workload is picked with "
+        "hindsight by median time to the headline target. flowerbed's "
+        "strategies run with their defaults (`flowerbed sim --strategy NAME`), "
+        "one setting for every workload.",
+        "- Availability: devices are eligible (idle, charging, on Wi-Fi) by "
+        "`flowerbed.sims.availability.DiurnalAvailability` (30% on average, 4x "
+        "more at 02:00 local than at 14:00, redrawn every 10 virtual minutes); "
+        "each task then fails as its device profile says (per-task fault plus the "
+        "end of an exponential online session, half of the failures silent).",
         "",
-        "Strategies:",
+        "Charged models (virtual clock only; the model trained is the small one "
+        "named per workload):",
         "",
     ]
+    from flowerbed.models import CHARGED_MODELS
+
+    for name, (_, _, source) in CHARGED_MODELS.items():
+        lines.append(f"- `{name}`: {source}")
+    lines += ["", "Configurations:", ""]
     for name, desc in s["strategy_descriptions"].items():
-        lines.append(f"- `{name}`: {desc}")
+        lines.append(f"- `{name}` ({s['strategy_families'][name]}): {desc}")
     lines.append("")
     return lines
 
 
 def suite_lines(data: Mapping[str, Any]) -> list[str]:
-    """The suite section: headline, one table per fleet, errors, definitions."""
+    """The suite section: headline, targets, one table per workload, errors,
+    definitions."""
     if "settings" not in data:
         return ["## Headline", "", f"Not measured: {data.get('error')}", ""]
-    h = data["headline"]
-    lines = ["## Headline", "", headline_sentence(h), ""]
-    if h.get("available"):
-        lines += [
-            f"Median virtual time to {100 * data['settings']['target']:.0f}%: "
-            f"{h['reference']} {_fmt(h['reference_time_to_target_s'])} s, "
-            f"{h['best_strategy']} {_fmt(h['best_time_to_target_s'])} s, ideal "
-            f"{_fmt(h['ideal_time_to_target_s'])} s.",
+    if "workloads" not in data["settings"]:
+        return [
+            "## Headline",
+            "",
+            "The suite section holds results of an earlier format: rerun "
+            "`flowerbed bench --sections suite --publish`.",
             "",
         ]
-    lines += ["## Strategies on unequal fleets", ""]
+    lines = ["## Headline", "", headline_sentence(data["headline"]), ""]
+    lines += ["## Targets", ""]
+    lines += target_lines(data["targets"]) or ["- no target could be evaluated"]
+    lines += ["", "## Strategies on unequal fleets", ""]
     lines += _suite_tables(data)
     if data["errors"]:
         lines += ["### Errors", ""]
         for e in data["errors"]:
             lines.append(
-                f"- {e['fleet']} / {e['strategy']} / seed {e['seed']}: "
+                f"- {e['workload']} / {e['config']} / seed {e['seed']}: "
                 f"`{e['error'][:300]}`"
             )
         lines.append("")

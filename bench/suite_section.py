@@ -1,9 +1,10 @@
-"""Section "suite": every fleet x strategy x seed on the in-process engine.
+"""Section "suite": every workload x configuration x seed on the in-process engine.
 
 Runs :func:`flowerbed.bench.suite.run_cell` for each cell (in ``--jobs`` worker
-processes), summarises the seeds, picks the headline, and plots accuracy against
-virtual time per fleet. Its options: ``--seeds``, ``--nodes``, ``--rounds``,
-``--fleets``, ``--strategies``, ``--jobs``.
+processes), summarises the seeds per workload, compares the best flowerbed
+default with the best-tuned Flower configuration, checks the targets, and plots
+median accuracy against virtual time per workload. Its options: ``--seeds``,
+``--workloads``, ``--strategies``, ``--jobs``.
 """
 
 from __future__ import annotations
@@ -20,60 +21,52 @@ from typing import Any
 from .sections import SectionRun
 
 TITLE = "Strategies on unequal fleets"
-FULL_NODES = 50
-FULL_ROUNDS = 8
-FULL_LOCAL_STEPS = 10
-QUICK_NODES = 4
-QUICK_ROUNDS = 2
-QUICK_LOCAL_STEPS = 2
-LEARNING_RATE = 0.05
-TARGET_ACCURACY = 0.85
+FULL_SEEDS = 5
+QUICK_SEEDS = 1
 
 
 @dataclass
 class SuitePlan:
     """The cells one run of the section measures."""
 
-    fleets: list[str]
+    workloads: list[str]
     strategies: list[str]
     seeds: list[int]
-    num_nodes: int
-    num_rounds: int
-    local_steps: int
-    learning_rate: float
-    target: float
     jobs: int
     quick: bool
 
     @property
     def cells(self) -> list[tuple[str, str, int]]:
         return [
-            (f, s, seed)
+            (w, s, seed)
             for seed in self.seeds
-            for f in self.fleets
+            for w in self.workloads
             for s in self.strategies
         ]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from flowerbed.bench.suite import FLEETS, STRATEGIES
+    from flowerbed.bench.suite import CONFIGS, DEFAULT_CONFIGS, WORKLOADS
 
     g = p.add_argument_group("suite section")
-    g.add_argument("--seeds", type=int, help="seeds per cell (default 3; quick 1)")
-    g.add_argument("--nodes", type=int, help=f"nodes per fleet (default {FULL_NODES})")
-    g.add_argument("--rounds", type=int, help=f"rounds per run (default {FULL_ROUNDS})")
     g.add_argument(
-        "--fleets",
-        help=f"comma-separated subset of: {', '.join(FLEETS)} (default all)",
+        "--seeds",
+        type=int,
+        help=f"seeds per cell (default {FULL_SEEDS}; quick {QUICK_SEEDS})",
+    )
+    g.add_argument(
+        "--workloads",
+        help=f"comma-separated subset of: {', '.join(WORKLOADS)} (default all)",
     )
     g.add_argument(
         "--strategies",
-        help=f"comma-separated subset of: {', '.join(STRATEGIES)} (default all)",
+        help=f"comma-separated subset of: {', '.join(CONFIGS)} (default: "
+        f"{', '.join(DEFAULT_CONFIGS)})",
     )
     g.add_argument(
         "--jobs",
         type=int,
-        help="worker processes for the suite (default: CPU count; quick: 1)",
+        help="worker processes for the suite (default: CPU count)",
     )
 
 
@@ -86,38 +79,22 @@ def split(text: str | None) -> list[str] | None:
 
 def plan_from_args(args: argparse.Namespace) -> SuitePlan:
     """Check the options; raise ``ValueError`` naming the bad one."""
-    from flowerbed.bench.suite import FLEETS, STRATEGIES, resolve
+    from flowerbed.bench.suite import CONFIGS, DEFAULT_CONFIGS, WORKLOADS, resolve
 
     quick = bool(args.quick)
-    seeds = args.seeds if args.seeds is not None else (1 if quick else 3)
-    nodes = (
-        args.nodes if args.nodes is not None else (QUICK_NODES if quick else FULL_NODES)
+    seeds = (
+        args.seeds if args.seeds is not None else (QUICK_SEEDS if quick else FULL_SEEDS)
     )
-    rounds = (
-        args.rounds
-        if args.rounds is not None
-        else (QUICK_ROUNDS if quick else FULL_ROUNDS)
-    )
-    jobs = args.jobs if args.jobs is not None else (1 if quick else os.cpu_count() or 1)
-    for name, value, low in (
-        ("--seeds", seeds, 1),
-        ("--nodes", nodes, 2),
-        ("--rounds", rounds, 1),
-        ("--jobs", jobs, 1),
-    ):
-        if value < low:
-            raise ValueError(f"{name} must be >= {low}, got {value}")
+    jobs = args.jobs if args.jobs is not None else os.cpu_count() or 1
+    for name, value in (("--seeds", seeds), ("--jobs", jobs)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
     return SuitePlan(
-        fleets=resolve(split(args.fleets) or FLEETS, FLEETS, "fleet"),
+        workloads=resolve(split(args.workloads) or WORKLOADS, WORKLOADS, "workload"),
         strategies=resolve(
-            split(args.strategies) or STRATEGIES, STRATEGIES, "strategy"
+            split(args.strategies) or DEFAULT_CONFIGS, CONFIGS, "strategy"
         ),
         seeds=list(range(1, seeds + 1)),
-        num_nodes=nodes,
-        num_rounds=rounds,
-        local_steps=QUICK_LOCAL_STEPS if quick else FULL_LOCAL_STEPS,
-        learning_rate=LEARNING_RATE,
-        target=TARGET_ACCURACY,
         jobs=jobs,
         quick=quick,
     )
@@ -133,35 +110,34 @@ def quiet() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
-def _cell(
-    fleet: str,
-    strategy: str,
-    seed: int,
-    nodes: int,
-    rounds: int,
-    steps: int,
-    lr: float,
-    target: float,
-) -> dict[str, Any]:
-    from flowerbed.bench.suite import run_cell
+def _cell(workload: str, config: str, seed: int, quick: bool) -> dict[str, Any]:
+    from flowerbed.bench import suite
 
     quiet()
     started = time.monotonic()
     try:
-        out = run_cell(
-            fleet,
-            strategy,
-            seed,
-            num_nodes=nodes,
-            num_rounds=rounds,
-            local_steps=steps,
-            learning_rate=lr,
-            target=target,
-        )
+        w = suite.WORKLOADS[workload]
+        if quick:
+            w = suite.quick_workload(w)
+        c = suite.CONFIGS[config]
+        timeout = None
+        if c.quantile is not None:
+            times = suite.task_seconds(suite.scenario_of(w, seed))
+            timeouts = suite.quantile_timeouts(times)
+            if c.quantile not in timeouts:
+                return {
+                    "workload": workload,
+                    "config": config,
+                    "seed": seed,
+                    "skipped": "same timeout as a lower quantile on this fleet",
+                    "run_wall_s": time.monotonic() - started,
+                }
+            timeout = timeouts[c.quantile]
+        out = suite.run_cell(w, c, seed, timeout)
     except Exception as err:  # a crashing strategy is a result, not the end
         out = {
-            "fleet": fleet,
-            "strategy": strategy,
+            "workload": workload,
+            "config": config,
             "seed": seed,
             "error": f"{type(err).__name__}: {err}",
         }
@@ -173,19 +149,7 @@ def run_suite(
     plan: SuitePlan, on_done: Callable[[dict[str, Any]], None]
 ) -> list[dict[str, Any]]:
     """Run every cell (``plan.jobs`` processes); ``on_done`` is called per cell."""
-    args = [
-        (
-            f,
-            s,
-            seed,
-            plan.num_nodes,
-            plan.num_rounds,
-            plan.local_steps,
-            plan.learning_rate,
-            plan.target,
-        )
-        for f, s, seed in plan.cells
-    ]
+    args = [(w, s, seed, plan.quick) for w, s, seed in plan.cells]
     cells: list[dict[str, Any]] = []
     if plan.jobs == 1:
         for a in args:
@@ -201,39 +165,46 @@ def run_suite(
             cells.append(future.result())
             on_done(cells[-1])
     order = {c: i for i, c in enumerate(plan.cells)}
-    cells.sort(key=lambda c: order[(c["fleet"], c["strategy"], c["seed"])])
+    cells.sort(key=lambda c: order[(c["workload"], c["config"], c["seed"])])
     return cells
 
 
 def run(ctx: SectionRun) -> dict[str, Any]:
     from flowerbed.bench import suite
-    from flowerbed.bench.report import plot_fleet
+    from flowerbed.bench.report import plot_workload
 
     plan = plan_from_args(ctx.args)
     step = ctx.tracker(len(plan.cells))
 
     def done(cell: dict[str, Any]) -> None:
         status = "error" if "error" in cell else f"{cell['run_wall_s']:.0f}s"
-        step(f"{cell['fleet']} / {cell['strategy']} / seed {cell['seed']}: {status}")
+        step(f"{cell['workload']} / {cell['config']} / seed {cell['seed']}: {status}")
 
     cells = run_suite(plan, done)
-    ok = [c for c in cells if "error" not in c]
-    summary = suite.summarise_cells(ok)
-    for fleet in plan.fleets:
-        plot_fleet(ok, fleet, ctx.data_dir / f"accuracy-{fleet}.png")
+    ok = [c for c in cells if "error" not in c and "skipped" not in c]
+    for workload in plan.workloads:
+        if any(c["workload"] == workload for c in ok):
+            plot_workload(ok, workload, ctx.data_dir / f"accuracy-{workload}.png")
+    workloads = {
+        w: suite.quick_workload(suite.WORKLOADS[w])
+        if plan.quick
+        else suite.WORKLOADS[w]
+        for w in plan.workloads
+    }
     return {
         "settings": {
             **asdict(plan),
-            "reference": suite.REFERENCE,
-            "fleet_descriptions": {f: asdict(suite.FLEETS[f]) for f in plan.fleets},
-            "strategy_descriptions": {
-                s: suite.STRATEGIES[s].description for s in plan.strategies
+            "workload_descriptions": {
+                w: suite.workload_description(wl) for w, wl in workloads.items()
             },
+            "strategy_descriptions": {
+                s: suite.CONFIGS[s].description for s in plan.strategies
+            },
+            "strategy_families": {s: suite.CONFIGS[s].family for s in plan.strategies},
         },
         "cells": cells,
         "errors": [c for c in cells if "error" in c],
-        "summary": summary,
-        "headline": suite.headline(ok, summary),
+        **suite.analyse(plan.workloads, ok, plan.quick),
     }
 
 

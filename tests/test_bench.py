@@ -1,46 +1,25 @@
-"""``flowerbed bench``: the quick run's structure, the statistics, the headline.
+"""``flowerbed bench``: the quick run's structure, the suite's statistics, the sweep.
 
 Structure only: no test looks at how fast anything ran.
 """
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from flowerbed.bench import machinery as bench_machinery
-from flowerbed.bench import suite as bench_suite
+from flowerbed.bench import suite
 from flowerbed.bench.cli import sections_from_args
 from flowerbed.bench.machinery_section import PARTS
-from flowerbed.bench.suite import (
-    FLEETS,
-    REFERENCE,
-    STRATEGIES,
-    headline,
-    spread,
-    summarise_cells,
-)
 from flowerbed.cli import main
 
 
-def _cell(strategy: str, seed: int, ttt: float | None, acc: float) -> dict[str, Any]:
-    return {
-        "fleet": "phones-10x",
-        "strategy": strategy,
-        "seed": seed,
-        "time_to_target_s": ttt,
-        "final_accuracy": acc,
-        "energy_j": 10.0,
-        "edp_js": 20.0,
-        "rounds": 5,
-        "rounds_to_target": 3,
-        "updates_discarded": 0,
-        "samples_to_target": 1000,
-        "fleet_throughput_sps": 500.0,
-    }
-
-
-def test_quick_bench_writes_page_results_and_one_plot_per_fleet(tmp_path: Path) -> None:
+def test_quick_bench_writes_page_results_and_one_plot_per_workload(
+    tmp_path: Path,
+) -> None:
     out = tmp_path / "docs"
     assert main(["bench", "--quick", "--out", str(out)]) == 0
 
@@ -50,112 +29,159 @@ def test_quick_bench_writes_page_results_and_one_plot_per_fleet(tmp_path: Path) 
     for entry in results["sections"].values():
         for key in ("created", "command", "machine", "versions", "wall_s", "data"):
             assert key in entry
-        assert entry["machine"]["cpu_count"] >= 1
-        assert entry["command"].startswith("flowerbed ")
-    suite = results["sections"]["suite"]["data"]
-    settings = suite["settings"]
+    data = results["sections"]["suite"]["data"]
+    settings = data["settings"]
     assert settings["quick"] and settings["seeds"] == [1]
-    assert settings["fleets"] == list(FLEETS)
-    assert settings["strategies"] == list(STRATEGIES)
-    assert len(suite["cells"]) == len(FLEETS) * len(STRATEGIES)
-    for cell in suite["cells"]:
-        if "error" in cell:
+    assert settings["workloads"] == list(suite.WORKLOADS)
+    assert settings["strategies"] == suite.DEFAULT_CONFIGS
+    assert len(data["cells"]) == len(suite.WORKLOADS) * len(suite.DEFAULT_CONFIGS)
+    assert data["errors"] == []
+    for cell in data["cells"]:
+        if "skipped" in cell:
+            assert suite.CONFIGS[cell["config"]].quantile is not None
             continue
-        assert cell["rounds"] == 2 * STRATEGIES[cell["strategy"]].versions_per_round
-        assert cell["updates_discarded"] == (
-            cell["updates_dispatched"] - cell["updates_folded"]
-        )
         assert cell["updates_folded"] <= cell["updates_dispatched"]
-        assert cell["edp_js"] == pytest.approx(
-            cell["energy_j"] * cell["virtual_time_s"]
-        )
-    for fleet in FLEETS:
-        png = out / "benchmarks" / f"accuracy-{fleet}.png"
+        assert cell["rounds"] == len(cell["curve"]) >= 1
+        times = [p[1] for p in cell["curve"]]
+        assert times == sorted(times)
+        # the run stops at the budget: only its last round may end past it
+        assert all(t < cell["budget_s"] for t in times[:-1])
+        assert cell["bytes"] > 0 and cell["energy_j"] > 0
+    for workload in suite.WORKLOADS:
+        png = out / "benchmarks" / f"accuracy-{workload}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "available" in suite["headline"]
+        assert set(data["summary"][workload]["configs"]) <= set(suite.CONFIGS)
+    assert data["headline"]["available"]
+    assert [t["name"] for t in data["targets"]] == ["device-correlated", "iid", "ideal"]
     machinery = results["sections"]["machinery"]["data"]
     assert list(machinery) == list(PARTS)
-    agg = machinery["aggregation"]
-    assert {p["method"] for p in agg["points"]} == {"streaming", "flower"}
     assert machinery["engines"]["skipped"]
-    assert machinery["gateway"]["skipped"]
     assert "objectives" in results["sections"]["selection"]["data"]
 
     page = (out / "BENCHMARKS.md").read_text()
-    for entry in results["sections"].values():
-        assert entry["created"] in page
-        assert entry["command"] in page
-    for fleet in FLEETS:
-        assert f"### {fleet}" in page
-        assert f"benchmarks/accuracy-{fleet}.png" in page
-    for heading in ("## Headline", "## Machinery cost", "## Cluster selection"):
+    for workload in suite.WORKLOADS:
+        assert f"### {workload}" in page
+        assert f"benchmarks/accuracy-{workload}.png" in page
+    for heading in ("## Headline", "## Targets", "## Machinery cost"):
         assert heading in page
+    assert page.count("**met**") + page.count("**not met**") == 3
 
 
-def test_spread_is_median_min_max_of_the_runs_that_have_a_value() -> None:
-    assert spread([3.0, 1.0, 2.0]) == {
-        "median": 2.0,
-        "min": 1.0,
-        "max": 3.0,
-        "n": 3,
-        "missing": 0,
+def test_timeouts_sit_just_above_task_time_quantiles_and_skip_repeats() -> None:
+    times = [10.0] * 3 + [20.0] * 3 + [100.0] * 4  # three device classes
+    assert suite.quantile_timeouts(times) == pytest.approx(
+        {0.25: 10.1, 0.5: 20.2, 0.75: 101.0}
+    )
+    # 75% of the devices take 10 s: q25, q50 and q75 are one run
+    assert suite.quantile_timeouts([10.0] * 9 + [50.0]) == pytest.approx({0.25: 10.1})
+
+
+def _entry(
+    family: str, ttt: list[float | None], acc: list[float], timeout: float | None = 1.0
+) -> dict[str, Any]:
+    seeds = list(range(1, len(ttt) + 1))
+    return {
+        "family": family,
+        "seeds": seeds,
+        "timeout_s": timeout,
+        "ttt": {"0.95": ttt},
+        "reached": {"0.95": sum(t is not None for t in ttt)},
+        "final_accuracy": acc,
+        "final_slow_accuracy": acc,
+        "energy_j": [100.0] * len(ttt),
+        "updates_folded": [10] * len(ttt),
+        "rounds": [5] * len(ttt),
+        "end_s": [100.0] * len(ttt),
     }
-    # One of three never reached the target: the median run did, so it counts.
-    assert spread([4.0, None, 2.0])["median"] == 3.0
-    assert spread([4.0, None, 2.0])["missing"] == 1
-    # Two of three never reached it: the median run did not.
-    assert spread([None, None, 2.0])["median"] is None
 
 
-def test_speedup_pairs_each_seed_with_the_reference_on_that_seed() -> None:
-    cells = [
-        _cell(REFERENCE, 1, 10.0, 0.90),
-        _cell(REFERENCE, 2, 20.0, 0.92),
-        _cell(REFERENCE, 3, 30.0, 0.94),
-        _cell("deadline", 1, 5.0, 0.91),  # 2x, +1 point
-        _cell("deadline", 2, 5.0, 0.90),  # 4x, -2 points
-        _cell("deadline", 3, 10.0, 0.94),  # 3x, 0 points
-    ]
-    table = summarise_cells(cells)["phones-10x"]
-    assert table["deadline"]["speedup"]["median"] == pytest.approx(3.0)
-    assert table["deadline"]["speedup"]["min"] == pytest.approx(2.0)
-    assert table["deadline"]["final_accuracy_diff"]["median"] == pytest.approx(0.0)
-    assert table[REFERENCE]["speedup"]["median"] == pytest.approx(1.0)
+def test_the_sweep_picks_the_best_timeout_with_hindsight() -> None:
+    configs = {
+        "flwr-fedavg": _entry("flower", [90.0, 95.0, 99.0], [0.9] * 3, None),
+        # fastest median (30) but one seed never reached: counts at the budget
+        "flwr-fedavg-q25": _entry("flower", [20.0, None, 30.0], [0.8] * 3),
+        "flwr-fedavg-q50": _entry("flower", [40.0, 35.0, 45.0], [0.9] * 3),
+        "flwr-fedavg-q75": _entry("flower", [60.0, 50.0, 70.0], [0.9] * 3),
+        "deadline": _entry("flowerbed", [1.0, 1.0, 1.0], [0.9] * 3),
+    }
+    # medians: q25 -> [20, 30, 100] = 30; q50 = 40; q75 = 60; wait-all = 95
+    assert suite.best_config(configs, "flower", 0.95, budget=100.0) == "flwr-fedavg-q25"
+    # with two misses q25's median is the budget (100): it ranks below q50
+    configs["flwr-fedavg-q25"]["ttt"]["0.95"] = [20.0, None, None]
+    assert suite.best_config(configs, "flower", 0.95, budget=100.0) == "flwr-fedavg-q50"
+    # equal times: the higher accuracy wins
+    configs["flwr-fedavg-q75"] = _entry("flower", [40.0, 35.0, 45.0], [0.95] * 3)
+    assert suite.best_config(configs, "flower", 0.95, budget=100.0) == "flwr-fedavg-q75"
+    assert suite.best_config(configs, "flowerbed", 0.95, budget=100.0) == "deadline"
 
 
-def test_headline_picks_the_fastest_flowerbed_strategy_and_compares_to_ideal() -> None:
-    cells = [
-        _cell(REFERENCE, 1, 12.0, 0.90),
-        _cell("flwr-fedavg-timeout", 1, 1.0, 0.90),  # Flower's: never the headline
-        _cell("rw-fednova", 1, 6.0, 0.90),  # 2x
-        _cell("deadline", 1, 3.0, 0.896),  # 4x, -0.4 points
-    ]
-    h = headline(cells, summarise_cells(cells))
-    assert h["best_strategy"] == "deadline"
-    assert h["median_speedup"] == pytest.approx(4.0)
-    assert h["final_accuracy_diff_points"] == pytest.approx(-0.4)
-    assert h["target_met"] is True
-    # Ideal: 1000 samples / 500 samples per second = 2 s.
-    assert h["ideal_time_to_target_s"] == pytest.approx(2.0)
-    assert h["best_over_ideal"] == pytest.approx(1.5)
-    assert h["reference_over_ideal"] == pytest.approx(6.0)
+def test_confidence_intervals_by_hand() -> None:
+    same = suite.log_ratio_ci([2.0, 2.0, 2.0])
+    assert same["geomean"] == pytest.approx(2.0)
+    assert same["low"] == pytest.approx(2.0) and same["high"] == pytest.approx(2.0)
+    # logs 0 and ln 4: mean ln 2, sd ln4/sqrt(2), t(0.975, 1) = 12.7062
+    ci = suite.log_ratio_ci([1.0, 4.0])
+    half = 12.7062 * (math.log(4) / math.sqrt(2)) / math.sqrt(2)
+    assert ci["geomean"] == pytest.approx(2.0)
+    assert ci["low"] == pytest.approx(2.0 * math.exp(-half), rel=1e-4)
+    assert ci["high"] == pytest.approx(2.0 * math.exp(half), rel=1e-4)
+    m = suite.mean_ci([1.0, 3.0])  # mean 2, sd sqrt(2), half = 12.7062
+    assert m["mean"] == 2.0
+    assert m["low"] == pytest.approx(2.0 - 12.7062, rel=1e-4)
+    assert suite.log_ratio_ci([3.0])["low"] is None
 
 
-def test_headline_misses_the_target_when_accuracy_drops_more_than_half_a_point() -> (
-    None
-):
-    cells = [_cell(REFERENCE, 1, 12.0, 0.90), _cell("deadline", 1, 3.0, 0.894)]
-    assert headline(cells, summarise_cells(cells))["target_met"] is False
+def test_curve_readings() -> None:
+    curve = [[1, 10.0, 0.5, 0.1], [2, 20.0, 0.7, 0.2], [3, 30.0, 0.6, 0.3]]
+    assert suite.accuracy_at_time(curve, 5.0, 0.1) == 0.1  # before round 1
+    assert suite.accuracy_at_time(curve, 25.0, 0.1) == 0.7
+    assert suite.accuracy_at_time(curve, 99.0, 0.1) == 0.6
+    assert suite.time_to(curve, 0.65) == 20.0
+    assert suite.time_to(curve, 0.8) is None
 
 
-def test_median_task_timeout_is_a_quarter_above_the_median_nodes_task() -> None:
-    scenario = bench_suite.Scenario(fleet="uniform", num_nodes=4)
-    times = bench_suite.task_seconds(scenario, 4)
-    assert len(set(times)) == 1  # every node a Pi 4B
-    assert bench_suite.STRATEGIES["flwr-fedavg-timeout"].timeout is not None
-    assert bench_suite.STRATEGIES["flwr-fedavg-timeout"].timeout(
-        scenario
-    ) == pytest.approx(1.25 * times[0])
+def test_ideal_keeps_the_cohort_busy_with_full_tasks() -> None:
+    s = suite.Scenario(fleet="uniform", num_nodes=10, dataset="digits")
+    times = suite.task_seconds(s)
+    assert len(set(times)) == 1  # every device a Pi 4B
+    # 100 updates by 5 devices, each task T seconds: 20 tasks each = 20 T
+    assert suite.ideal_seconds(s, 5, 100) == pytest.approx(20 * times[0])
+
+
+def test_slow_devices_data_weights_their_classes() -> None:
+    from flowerbed.data import Dataset
+
+    y = np.repeat(np.arange(10), 3)
+    data = Dataset("t", y[:, None], y, y[:, None], y)
+    s = suite.Scenario(fleet="phones-10x", num_nodes=10, partition="device")
+    w = suite.slow_weights(data, s)
+    assert w.sum() == pytest.approx(1.0)
+    # group 0 holds classes 0-4 at 0.9 of its data
+    assert w[y < 5].sum() == pytest.approx(0.9)
+    iid = suite.slow_weights(data, suite.Scenario(fleet="phones-10x", num_nodes=10))
+    assert iid == pytest.approx(np.full(30, 1 / 30))
+
+
+def test_targets_say_met_or_not_from_the_comparisons() -> None:
+    dev = {
+        "available": True,
+        "speedups": [1.5, 3.0, 2.5],
+        "final_accuracy_diff_points": {"mean": 0.5},
+        "slow_accuracy_diff_points": {"mean": 4.0},
+        "flowerbed_over_ideal": 1.6,
+        "flower_over_ideal": 2.0,
+    }
+    iid = {
+        "available": True,
+        "median_ttt_flowerbed": 10.0,
+        "median_ttt_flower": 12.0,
+        "energy_ratio_flower_over_flowerbed": {"geomean": 1.2},
+    }
+    targets = suite.check_targets({"mnist1d-device": dev, "mnist1d-iid": iid})
+    met = {t["name"]: t["met"] for t in targets}
+    assert met == {"device-correlated": True, "iid": True, "ideal": False}
+    dev["slow_accuracy_diff_points"] = {"mean": 2.9}
+    assert not suite.check_targets({"mnist1d-device": dev})[0]["met"]
 
 
 def test_planned_memory_follows_each_algorithm() -> None:
@@ -169,7 +195,7 @@ def test_planned_memory_follows_each_algorithm() -> None:
 @pytest.mark.parametrize(
     ("option", "value", "message"),
     [
-        ("fleets", "phones-10x,laptops", "unknown fleet 'laptops'; valid choices: "),
+        ("workloads", "mnist1d-iid,cifar", "unknown workload 'cifar'; valid choices: "),
         ("strategies", "fedsgd", "unknown strategy 'fedsgd'; valid choices: "),
         ("machinery", "gpu", "unknown machinery part 'gpu'; valid choices: "),
         ("machinery", "selection", "unknown machinery part 'selection'; valid "),
@@ -185,9 +211,7 @@ def test_bad_options_name_the_valid_choices(
     args = argparse.Namespace(
         quick=True,
         seeds=None,
-        nodes=None,
-        rounds=None,
-        fleets=None,
+        workloads=None,
         strategies=None,
         machinery=None,
         jobs=None,
