@@ -176,6 +176,12 @@ CHARGED_MODELS: dict[str, tuple[int, int, str]] = {
         "0.5 MobileNet-160: 1.32 M parameters, 76 M multiply-adds per 160x160 image "
         "(Howard et al., arXiv:1704.04861, Table 9)",
     ),
+    "resnet-50": (
+        25_600_000,
+        3_800_000_000,
+        "ResNet-50: 25.6 M parameters, 3.8 G multiply-adds per 224x224 image "
+        "(He et al., CVPR 2016, Table 1, whose 'FLOPs' count multiply-adds)",
+    ),
     "resnet-18": (
         11_700_000,
         1_800_000_000,

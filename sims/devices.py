@@ -216,6 +216,28 @@ DEVICES: dict[str, DeviceProfile] = {
             },
         ),
         DeviceProfile(
+            name="galaxy-s10plus",
+            description="Samsung Galaxy S10+ (Exynos 9820), S1's cluster phone",
+            geekbench5_multi=2150.0,
+            downlink_mbps=50.0,
+            uplink_mbps=11.0,
+            idle_w=1.0,
+            busy_w=5.0,
+            dropout_prob=0.05,
+            mean_online_s=7_200.0,
+            sources={
+                "geekbench5_multi": "Geekbench Browser, Galaxy S10+ SM-G975F/N"
+                " (Exynos 9820): ~2,100-2,200 multi-core (Geekbench 5); the Exynos"
+                " model assumed for S1's cluster (Na et al., arXiv 2110.12172, built"
+                " in Korea, where the S10+ shipped with the Exynos 9820)",
+                "bandwidth": _MOBILE_BW + "; on a cluster the links model"
+                " (flowerbed.sims.links) replaces these",
+                "power": _LTE_POWER + "; busy ~5 W: sustained multi-core load on 2019"
+                " flagship SoCs (AnandTech SoC power measurements)",
+                "availability": _PHONE_AVAIL,
+            },
+        ),
+        DeviceProfile(
             name="pixel-7",
             description="Google Pixel 7-class phone (Tensor G2)",
             geekbench5_multi=3300.0,

@@ -33,6 +33,7 @@ from typing import Protocol
 
 from flowerbed import keys
 from flowerbed.clock import collect_replies
+from flowerbed.sims.links import Network, charge_round
 from flowerbed.sims.vclock import NodeDropout
 from flwr.app import Context, Error, Message, MessageType, RecordDict
 from flwr.clientapp import ClientApp
@@ -179,6 +180,10 @@ class FleetGrid(Grid):
         Worker processes for ``batch_train`` (0 or 1: this process). Each gets a
         copy of the nodes' contexts: a ClientApp that keeps state in
         ``context.state`` across rounds needs ``workers=0``.
+    network : flowerbed.sims.links.Network | None (default: None)
+        Charge each push's train transfers to a shared network (switched
+        Ethernet, Wi-Fi: :func:`flowerbed.sims.links.charge_round`) instead of
+        each device's own bandwidth.
     """
 
     def __init__(
@@ -190,6 +195,7 @@ class FleetGrid(Grid):
         *,
         batch_train: BatchRunner | None = None,
         workers: int = 0,
+        network: Network | None = None,
     ) -> None:
         if workers < 0:
             raise ValueError(f"workers must be >= 0, got {workers}")
@@ -198,6 +204,7 @@ class FleetGrid(Grid):
         self.client_app = client_app
         self.batch_train = batch_train
         self.workers = workers
+        self.network = network
         self._pool: Pool | None = None
         self.clock = VirtualClock(self)
         self._nodes = {n.node_id: n for n in nodes}
@@ -250,6 +257,8 @@ class FleetGrid(Grid):
         for message, message_id in zip(batch, ids, strict=True):
             message.metadata.__dict__["_message_id"] = message_id
         outcomes = self._run_all(batch)
+        if self.network is not None:
+            outcomes = charge_round(self.network, batch, outcomes)
         now = self.clock.now()
         for message, message_id, (reply, after_s) in zip(
             batch, ids, outcomes, strict=True
