@@ -5,16 +5,19 @@ JSON line. Each measurement runs in a fresh process so that its peak resident se
 size (``ru_maxrss``) is that method's alone.
 
 - ``streaming``: replies arrive one at a time and are folded into
-  :class:`flowerbed.strategies.utils.UpdateAccumulator` (float64 running sum,
-  O(model) memory) through :func:`flowerbed.strategies.utils.to_numpy`, as the
-  flowerbed strategies do; each reply is dropped after folding.
+  :class:`flowerbed.strategies.utils.UpdateAccumulator` (float32 running sum of the
+  updates, O(model) memory, NaN/Inf check and update norm in the same pass) through
+  zero-copy views of the reply's bytes (:func:`flowerbed.strategies.utils.array_view`),
+  as the flowerbed strategies do; each reply is dropped after folding.
 - ``flower``: all replies are held in a list, then
   ``flwr.serverapp.strategy.strategy_utils.aggregate_arrayrecords`` averages them, as
   Flower's ``FedAvg.aggregate_train`` does (O(nodes x model) memory).
-- ``copy``: the memory-bandwidth reference: ``np.copyto`` between two arrays of
-  ``FLOATS`` float32, best of three; reported in the STREAM "copy" convention
-  (McCalpin, "Memory Bandwidth and Machine Balance in Current High Performance
-  Computers", IEEE TCCA Newsletter, 1995): bytes read + bytes written per second.
+- ``bandwidth``: the memory-bandwidth reference: ``a += b`` over two arrays of
+  ``FLOATS`` float32, best of five, in bytes moved per second (two read, one
+  written), the STREAM convention (McCalpin, "Memory Bandwidth and Machine Balance
+  in Current High Performance Computers", IEEE TCCA Newsletter, 1995). A fold must
+  at least read the update and read and write the running sum, so no fold can
+  take in more than a third of that in update bytes per second: ``limit_gbps``.
 
 Throughput is ``nodes x FLOATS x 4`` bytes of updates folded per second of
 aggregation (reply creation is not timed). Replies are ``base + i x 1e-3`` over a
@@ -32,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-METHODS = ("streaming", "flower", "copy")
+METHODS = ("streaming", "flower", "bandwidth")
 RESNET50_FLOATS = 25_557_032
 """Parameters of ResNet-50 (torchvision ``resnet50``), the issue's 25.6 M update."""
 NUM_ARRAYS = 16
@@ -67,7 +70,7 @@ def _reply(base: dict[str, np.ndarray], i: int) -> Any:
 
 def measure_streaming(nodes: int, floats: int) -> dict[str, Any]:
     from flowerbed import keys
-    from flowerbed.strategies.utils import UpdateAccumulator, to_numpy
+    from flowerbed.strategies.utils import UpdateAccumulator, array_view
 
     base = _base(floats)
     acc = UpdateAccumulator()
@@ -75,12 +78,12 @@ def measure_streaming(nodes: int, floats: int) -> dict[str, Any]:
     for i in range(nodes):
         reply = _reply(base, i)
         t0 = time.perf_counter()
-        arrays = to_numpy(reply.array_records[keys.ARRAYS])
-        acc.add(
-            arrays, base, float(reply.metric_records[keys.METRICS][keys.NUM_EXAMPLES])
-        )
+        record = reply[keys.ARRAYS]
+        arrays = {name: array_view(array) for name, array in record.items()}
+        weight = reply[keys.METRICS][keys.NUM_EXAMPLES]
+        acc.add(arrays, base, float(weight))
         folding += time.perf_counter() - t0
-        del reply, arrays
+        del reply, record, arrays
     t0 = time.perf_counter()
     acc.result(base)
     folding += time.perf_counter() - t0
@@ -98,17 +101,21 @@ def measure_flower(nodes: int, floats: int) -> dict[str, Any]:
     return {"seconds": time.perf_counter() - t0}
 
 
-def measure_copy(floats: int, repeats: int = 3) -> dict[str, Any]:
-    src = np.random.default_rng(0).standard_normal(floats, dtype=np.float32)
-    dst = np.empty_like(src)
-    np.copyto(dst, src)  # fault the pages in before timing
-    best = min(_timed_copy(dst, src) for _ in range(repeats))
-    return {"seconds": best, "copy_gbps": 2 * src.nbytes / best / 1e9}
+def measure_bandwidth(floats: int, repeats: int = 5) -> dict[str, Any]:
+    a = np.random.default_rng(0).standard_normal(floats, dtype=np.float32)
+    b = np.ones_like(a)
+    a += b  # fault the pages in before timing
+    best = min(_timed_add(a, b) for _ in range(repeats))
+    return {
+        "seconds": best,
+        "bandwidth_gbps": 3 * a.nbytes / best / 1e9,
+        "limit_gbps": a.nbytes / best / 1e9,
+    }
 
 
-def _timed_copy(dst: np.ndarray, src: np.ndarray) -> float:
+def _timed_add(a: np.ndarray, b: np.ndarray) -> float:
     t0 = time.perf_counter()
-    np.copyto(dst, src)
+    a += b
     return time.perf_counter() - t0
 
 
@@ -120,8 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.nodes < 1 or args.floats < NUM_ARRAYS:
         parser.error(f"need nodes >= 1 and floats >= {NUM_ARRAYS}")
-    if args.method == "copy":
-        out = measure_copy(args.floats)
+    if args.method == "bandwidth":
+        out = measure_bandwidth(args.floats)
     else:
         fn = measure_streaming if args.method == "streaming" else measure_flower
         out = fn(args.nodes, args.floats)

@@ -6,8 +6,11 @@ time; the report prints both beside them. Each part returns plain JSON-able data
 - :func:`aggregation_cost` (issue 4, 3a): streaming vs Flower's list-based
   aggregation for a ResNet-50-sized update, one fresh process per point
   (:mod:`flowerbed.bench.aggregation`), with the memory bandwidth as the limit.
-- :func:`engine_wallclock` (3b): wall seconds per round of the in-process engine
-  and of ``flwr run`` on Flower's simulation runtime (Ray), same scenario.
+- :func:`node_throughput` (issue 15, 1): node-tasks per CPU-second and wall
+  seconds per round of the in-process engine (per node, batched, over workers)
+  and of ``flwr run`` on Flower's simulation runtime (Ray), same scenarios.
+- :func:`startup_seconds` (issue 15, 4): wall and CPU seconds of imports, ``--help``
+  and a short ``flowerbed sim``.
 - :func:`client_overhead` (3c): what :func:`flowerbed.clients.timed.timed_train`
   and :func:`flowerbed.clients.telemetry.read_telemetry` add to training.
 - :func:`gateway_memory` (issue 6, 3): gateway RSS per connected phone.
@@ -48,11 +51,11 @@ def available_memory_bytes() -> int:
 def planned_bytes(method: str, nodes: int, floats: int) -> int:
     """Memory a measurement is expected to need, from its algorithm.
 
-    Streaming holds the base, one reply, its float64 delta and the float64 sum
-    (4 + 4 + 8 + 8 bytes per float); Flower's list holds every reply plus the
-    float32 result and a temporary (4 x (nodes + 3)).
+    Streaming holds the base, one reply (its array and serialised bytes), the
+    float32 sum and the result (5 x 4 bytes per float); Flower's list holds every
+    reply plus the float32 result and a temporary (4 x (nodes + 3)).
     """
-    per_float = 24 if method == "streaming" else 4 * (nodes + 3)
+    per_float = 20 if method == "streaming" else 4 * (nodes + 3)
     return PROCESS_OVERHEAD_BYTES + per_float * floats
 
 
@@ -74,13 +77,17 @@ def aggregation_cost(
 ) -> dict[str, Any]:
     """Throughput and peak RSS of both aggregation paths at each node count.
 
+    Streaming points also get ``of_limit`` (throughput over the bandwidth limit
+    of a fold, ``limit_gbps``: a third of the measured ``a += b`` bandwidth) and
+    ``vs_flower`` (over Flower's throughput at the same node count).
+
     A point whose :func:`planned_bytes` exceeds ``MEMORY_HEADROOM`` of the memory
     available when the part starts is not run; it is listed with the reason.
     """
     module = "flowerbed.bench.aggregation"
     available = available_memory_bytes()
     budget = int(MEMORY_HEADROOM * available)
-    copy = _run_json([module, "copy", "1", str(floats)], timeout)
+    bandwidth = _run_json([module, "bandwidth", "1", str(floats)], timeout)
     points: list[dict[str, Any]] = []
     for nodes in node_counts:
         for method in ("streaming", "flower"):
@@ -98,12 +105,19 @@ def aggregation_cost(
                 )
                 continue
             points.append(_run_json([module, method, str(nodes), str(floats)], timeout))
+    flower = {p["nodes"]: p["gbps"] for p in points if p["method"] == "flower"}
+    for p in points:
+        if p["method"] == "streaming" and "gbps" in p:
+            p["of_limit"] = p["gbps"] / bandwidth["limit_gbps"]
+            if p["nodes"] in flower:
+                p["vs_flower"] = p["gbps"] / flower[p["nodes"]]
     return {
         "floats": floats,
         "update_bytes": 4 * floats,
         "memory_available_bytes": available,
         "memory_budget_bytes": budget,
-        "copy_gbps": copy["copy_gbps"],
+        "bandwidth_gbps": bandwidth["bandwidth_gbps"],
+        "limit_gbps": bandwidth["limit_gbps"],
         "points": points,
     }
 
@@ -154,6 +168,40 @@ def _stop_group(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
         proc.wait(5)
 
 
+def _process_table() -> dict[int, tuple[int, float]]:
+    """pid -> (parent pid, CPU seconds incl. reaped children) from /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+    table: dict[int, tuple[int, float]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # exited meanwhile
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        # fields[1] is ppid (field 4 of proc(5)); utime, stime, cutime, cstime
+        # are fields 14-17
+        cpu = sum(int(f) for f in fields[11:15]) / tick
+        table[int(entry.name)] = (int(fields[1]), cpu)
+    return table
+
+
+def tree_cpu_seconds(root: int) -> float:
+    """CPU seconds of ``root`` and every live descendant (and what they reaped)."""
+    table = _process_table()
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    total, todo = 0.0, [root]
+    while todo:
+        pid = todo.pop()
+        if pid in table:
+            total += table[pid][1]
+        todo.extend(children.get(pid, []))
+    return total
+
+
 def _config_arg(run_config: dict[str, Any]) -> str:
     parts = []
     for key, value in run_config.items():
@@ -168,7 +216,10 @@ def flwr_run_rounds(
     """Run ``run_config`` with ``flwr run`` on a private SuperLink in simulation mode.
 
     The SuperLink (own process group, 127.0.0.1, free port, ``FLWR_HOME`` in
-    ``workdir``) is stopped by its pid and group whatever happens.
+    ``workdir``) is stopped by its pid and group whatever happens. ``cpu_s`` is the
+    CPU time of the SuperLink and everything it started (Ray, the ServerApp), read
+    from /proc when the run has finished, start-up included (one ClientApp runs
+    per CPU, each with its own copy of the data and model).
     """
     home = workdir / "flwr-home"
     home.mkdir(parents=True, exist_ok=True)
@@ -178,6 +229,8 @@ def flwr_run_rounds(
         '[superlink]\ndefault = "bench"\n\n[superlink.bench]\n'
         f'address = "127.0.0.1:{port}"\ninsecure = true\n'
         f"options.num-supernodes = {int(run_config['num-nodes'])}\n"
+        # one CPU per ClientApp (Flower's default asks for 2): these models are tiny
+        "options.backend.client-resources.num-cpus = 1\n"
     )
     env = {
         **os.environ,
@@ -223,6 +276,7 @@ def flwr_run_rounds(
             check=False,
         )
         total_s = time.monotonic() - started
+        cpu_s = tree_cpu_seconds(link.pid)
         folders = sorted(out_dir.glob("*/results.json")) if out_dir.exists() else []
         if run.returncode != 0 or not folders:
             raise RuntimeError(
@@ -235,31 +289,124 @@ def flwr_run_rounds(
     return {
         "engine": results["engine"],
         "total_s": total_s,
+        "cpu_s": cpu_s,
+        "tasks": results.get("trained_tasks"),
         "per_round_s": _per_round_s(results["rounds"]),
+        "wall_s_per_round": total_s / max(1, len(results["rounds"])),
         "final_accuracy": results["final_accuracy"],
     }
 
 
-def engine_wallclock(run_config: dict[str, Any], app_dir: Path) -> dict[str, Any]:
-    """Wall seconds per round on both engines for the same scenario."""
-    from flowerbed.sims.scenario import run_scenario
+def node_throughput(
+    node_counts: Sequence[int],
+    rounds: int,
+    app_dir: Path,
+    ray_counts: Sequence[int] = (),
+    timeout: float = 1800.0,
+) -> dict[str, Any]:
+    """Node-tasks per CPU-second and wall seconds per round, per way of running.
 
-    started = time.monotonic()
-    local = run_scenario(run_config, write=False)
-    local_total = time.monotonic() - started
-    out: dict[str, Any] = {
-        "scenario": run_config,
-        "in_process": {
-            "total_s": local_total,
-            "per_round_s": _per_round_s(local.results["rounds"]),
-            "final_accuracy": local.results["final_accuracy"],
-        },
+    For each fleet size (all nodes sampled every round; the default scenario
+    otherwise, see :mod:`flowerbed.bench.throughput`): the in-process engine per
+    node, batched and batched over workers, each in a fresh process; with the
+    sizes in ``ray_counts``, ``flwr run`` on Flower's simulation engine too.
+    ``speedup`` is batched over per-node node-tasks per CPU-second.
+    """
+    from flowerbed.bench.throughput import MODES, scenario
+
+    points: list[dict[str, Any]] = []
+    for n in node_counts:
+        for mode in MODES:
+            args = ["flowerbed.bench.throughput", mode, str(n), str(n), str(rounds)]
+            try:
+                points.append(_run_json(args, timeout))
+            except (RuntimeError, subprocess.TimeoutExpired) as err:
+                points.append({"mode": mode, "cohort": n, "error": str(err)[-500:]})
+        if n not in ray_counts:
+            continue
+        config = {**scenario(n, n, rounds), "strategy": "fedavg"}
+        with tempfile.TemporaryDirectory(prefix="flowerbed-bench-ray-") as tmp:
+            try:
+                ray = flwr_run_rounds(config, app_dir, Path(tmp), timeout)
+            except (RuntimeError, TimeoutError, subprocess.TimeoutExpired) as err:
+                points.append({"mode": "ray", "cohort": n, "error": str(err)[-500:]})
+                continue
+        points.append(
+            {
+                "mode": "ray",
+                "cohort": n,
+                "population": n,
+                "rounds": rounds,
+                "tasks": ray["tasks"],
+                "cpu_s": ray["cpu_s"],
+                "wall_s": ray["total_s"],
+                "tasks_per_cpu_s": (ray["tasks"] or 0) / ray["cpu_s"],
+                "wall_s_per_round": ray["wall_s_per_round"],
+                "final_accuracy": ray["final_accuracy"],
+            }
+        )
+    rate = {
+        (p["mode"], p["cohort"]): p["tasks_per_cpu_s"]
+        for p in points
+        if "tasks_per_cpu_s" in p
     }
-    with tempfile.TemporaryDirectory(prefix="flowerbed-bench-ray-") as tmp:
-        try:
-            out["flwr_run"] = flwr_run_rounds(run_config, app_dir, Path(tmp))
-        except (RuntimeError, TimeoutError, subprocess.TimeoutExpired) as err:
-            out["flwr_run"] = {"error": str(err)[-2000:]}
+    speedup = {
+        str(n): rate[("batched", n)] / rate[("per-node", n)]
+        for n in node_counts
+        if ("batched", n) in rate and ("per-node", n) in rate
+    }
+    return {"rounds": rounds, "points": points, "speedup": speedup}
+
+
+STARTUP_COMMANDS = {
+    "import flwr.serverapp.strategy": ["-c", "import flwr.serverapp.strategy"],
+    "import flowerbed.strategies": ["-c", "import flowerbed.strategies"],
+    "flwr --help": ["flwr", "--help"],
+    "flowerbed --help": ["flowerbed", "--help"],
+    "flowerbed sim --help": ["flowerbed", "sim", "--help"],
+    "flowerbed sim (default scenario, 3 rounds)": ["flowerbed", "sim", "--rounds", "3"],
+}
+"""What the start-up part times; ``-c`` entries run this Python, the others the
+console scripts installed beside it."""
+
+
+def startup_seconds(repeats: int = 3) -> dict[str, Any]:
+    """Best-of-``repeats`` wall and CPU seconds of each start-up command.
+
+    Each run is a fresh process (imports not cached in memory by this one; the
+    OS file cache is warm after the first). CPU seconds are the child's user +
+    system time.
+    """
+    import resource
+
+    bindir = Path(sys.executable).parent
+    out: dict[str, Any] = {"repeats": repeats, "commands": {}}
+    with tempfile.TemporaryDirectory(prefix="flowerbed-bench-startup-") as tmp:
+        for name, args in STARTUP_COMMANDS.items():
+            argv = (
+                [sys.executable, *args]
+                if args[0] == "-c"
+                else [str(bindir / args[0]), *args[1:]]
+            )
+            if args[:2] == ["flowerbed", "sim"] and "--help" not in args:
+                argv += ["--out", tmp]
+            walls, cpus = [], []
+            for _ in range(repeats):
+                before = resource.getrusage(resource.RUSAGE_CHILDREN)
+                started = time.monotonic()
+                proc = subprocess.run(
+                    argv, capture_output=True, timeout=600, check=False
+                )
+                walls.append(time.monotonic() - started)
+                after = resource.getrusage(resource.RUSAGE_CHILDREN)
+                cpus.append(
+                    after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+                )
+                if proc.returncode != 0:
+                    raise RuntimeError(
+                        f"{name} exited {proc.returncode}: {proc.stderr[-500:]!r}"
+                    )
+            out["commands"][name] = {"wall_s": min(walls), "cpu_s": min(cpus)}
     return out
 
 

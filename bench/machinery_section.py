@@ -1,10 +1,12 @@
 """Section "machinery": what the machinery costs, part by part.
 
 Parts (``--machinery``, default all): ``aggregation`` (streaming against Flower's
-list aggregation), ``engines`` (in-process engine against ``flwr run`` on Ray),
-``client`` (client-side metering overhead), ``gateway`` (gateway memory per
-phone); see :mod:`flowerbed.bench.machinery`. Rerunning some parts keeps the
-others' figures from the previous results.
+list aggregation and the memory-bandwidth limit), ``throughput`` (node-tasks per
+CPU-second and wall seconds per round: in-process per node, batched, over
+workers, and ``flwr run`` on Ray), ``startup`` (imports, ``--help``, a short
+``flowerbed sim``), ``client`` (client-side metering overhead), ``gateway``
+(gateway memory per phone); see :mod:`flowerbed.bench.machinery`. Rerunning
+some parts keeps the others' figures from the previous results.
 """
 
 from __future__ import annotations
@@ -19,22 +21,17 @@ from typing import Any
 from .sections import SectionRun, app_root
 
 TITLE = "Machinery cost"
-PARTS = ("aggregation", "engines", "client", "gateway")
+PARTS = ("aggregation", "throughput", "startup", "client", "gateway")
 """Machinery parts, in the order they run."""
-AGGREGATION_NODES = (10, 50, 138, 200)
+AGGREGATION_NODES = (10, 50, 138)
 QUICK_AGGREGATION_NODES = (2,)
 QUICK_FLOATS = 100_000
+THROUGHPUT_NODES = (10, 100, 1000)
+"""Fleet sizes (all sampled each round) for the throughput part; 10 is the
+default scenario."""
+THROUGHPUT_ROUNDS = 2
+QUICK_THROUGHPUT_NODES = (10,)
 GATEWAY_PHONES = 100
-ENGINE_SCENARIO = {
-    "fleet": "phones-10x",
-    "num-nodes": 10,
-    "num-rounds": 3,
-    "strategy": "fedavg",
-    "dropout": 0.0,
-    "seed": 1,
-}
-"""The scenario both engines run for the wall-clock comparison (kept small: Ray
-starts one worker per CPU and the SuperLink polls)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -75,11 +72,19 @@ def run_part(part: str, quick: bool, app_dir: Path) -> dict[str, Any]:
                 QUICK_AGGREGATION_NODES if quick else AGGREGATION_NODES,
                 QUICK_FLOATS if quick else RESNET50_FLOATS,
             )
-        elif part == "engines":
+        elif part == "throughput":
             out = (
-                {"skipped": "--quick does not start Ray"}
+                m.node_throughput(QUICK_THROUGHPUT_NODES, 1, app_dir)
                 if quick
-                else m.engine_wallclock(dict(ENGINE_SCENARIO), app_dir)
+                else m.node_throughput(
+                    THROUGHPUT_NODES, THROUGHPUT_ROUNDS, app_dir, THROUGHPUT_NODES
+                )
+            )
+        elif part == "startup":
+            out = (
+                {"skipped": "--quick does not time start-up"}
+                if quick
+                else m.startup_seconds()
             )
         elif part == "client":
             out = m.client_overhead(repeats=3 if quick else 30)

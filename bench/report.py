@@ -270,16 +270,20 @@ def _comparison_line(c: Mapping[str, Any]) -> str:
 def _aggregation_lines(agg: Mapping[str, Any]) -> list[str]:
     if "points" not in agg:
         return [f"Not measured: {agg.get('skipped') or agg.get('error')}", ""]
+    if "limit_gbps" not in agg:  # measured before the bandwidth limit was
+        return ["Measured by an older flowerbed bench: rerun this part.", ""]
     lines = [
         f"Update: {agg['floats']:,} float32 ({agg['update_bytes'] / 1e6:.1f} MB) per "
-        f"node. Memory bandwidth (numpy copy, read + write): "
-        f"**{agg['copy_gbps']:.1f} GB/s**. Memory available at the start: "
-        f"{agg['memory_available_bytes'] / 1e9:.1f} GB; points planned above "
-        f"{agg['memory_budget_bytes'] / 1e9:.1f} GB were not run.",
+        f"node. Memory bandwidth (`a += b`, bytes read + written): "
+        f"**{agg['bandwidth_gbps']:.1f} GB/s**; a fold reads the update and reads and "
+        f"writes the running sum, so no fold takes in more than a third of that: "
+        f"**{agg['limit_gbps']:.1f} GB/s of updates** (the limit). Memory available at "
+        f"the start: {agg['memory_available_bytes'] / 1e9:.1f} GB; points planned "
+        f"above {agg['memory_budget_bytes'] / 1e9:.1f} GB were not run.",
         "",
-        "| nodes | method | throughput (GB/s of updates) | aggregation (s) "
-        "| peak RSS (GB) |",
-        "|---|---|---|---|---|",
+        "| nodes | method | throughput (GB/s of updates) | of the limit "
+        "| x Flower | aggregation (s) | peak RSS (GB) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for p in agg["points"]:
         name = (
@@ -288,40 +292,71 @@ def _aggregation_lines(agg: Mapping[str, Any]) -> list[str]:
             else ("Flower aggregate_arrayrecords")
         )
         if "skipped" in p:
-            lines.append(f"| {p['nodes']} | {name} | skipped: {p['skipped']} | | |")
+            lines.append(f"| {p['nodes']} | {name} | skipped: {p['skipped']} |||||")
             continue
+        of_limit = f"{100 * p['of_limit']:.0f}%" if "of_limit" in p else ""
+        vs_flower = f"{p['vs_flower']:.1f}x" if "vs_flower" in p else ""
         lines.append(
-            f"| {p['nodes']} | {name} | {p['gbps']:.2f} | {p['seconds']:.1f} "
-            f"| {p['peak_rss_bytes'] / 1e9:.2f} |"
+            f"| {p['nodes']} | {name} | {p['gbps']:.2f} | {of_limit} | {vs_flower} "
+            f"| {p['seconds']:.1f} | {p['peak_rss_bytes'] / 1e9:.2f} |"
         )
     lines.append("")
     return lines
 
 
-def _engine_lines(eng: Mapping[str, Any]) -> list[str]:
-    if "in_process" not in eng:
-        return [f"Not measured: {eng.get('skipped') or eng.get('error')}", ""]
-    scen = ", ".join(f"{k}={v}" for k, v in eng["scenario"].items())
+def _throughput_lines(t: Mapping[str, Any]) -> list[str]:
+    if "points" not in t:
+        return [f"Not measured: {t.get('skipped') or t.get('error')}", ""]
+    names = {
+        "per-node": "in-process, per node (one ClientApp call per message)",
+        "batched": "in-process, batched (one process)",
+        "workers": "in-process, batched over worker processes",
+        "ray": "`flwr run` on Flower's simulation engine (Ray)",
+    }
     lines = [
-        f"Scenario: {scen}.",
+        f"The default scenario (LeNet-5 on digits, `mixed` fleet, FedAvg, 10 local "
+        f"steps of 16 samples, fewer where a node holds fewer) at each fleet size, "
+        f"every node sampled, {t['rounds']} rounds, no dropouts. CPU seconds: the "
+        "measuring process and its workers after a warm-up run; for Ray, the "
+        "SuperLink and everything it started, start-up included.",
         "",
-        "| engine | wall s per round | wall s total (incl. start-up) "
-        "| final accuracy (%) |",
-        "|---|---|---|---|",
+        "| nodes per round | engine | node-tasks per CPU-second | wall s per round "
+        "| CPU s | final accuracy (%) |",
+        "|---|---|---|---|---|---|",
     ]
-    local = eng["in_process"]
-    lines.append(
-        f"| in-process (`flowerbed sim`) | {_fmt(local['per_round_s'], '.2f')} "
-        f"| {local['total_s']:.1f} | {100 * local['final_accuracy']:.1f} |"
-    )
-    ray = eng["flwr_run"]
-    if "error" in ray:
-        lines.append(f"| `flwr run` (Ray) | failed: {ray['error'][:300]} | | |")
-    else:
+    for p in t["points"]:
+        name = names.get(p["mode"], p["mode"])
+        if "error" in p:
+            lines.append(f"| {p['cohort']} | {name} | failed: {p['error'][:200]} ||||")
+            continue
+        workers = f" ({p['workers']})" if p["mode"] == "workers" else ""
         lines.append(
-            f"| `flwr run` (Ray) | {_fmt(ray['per_round_s'], '.2f')} "
-            f"| {ray['total_s']:.1f} | {100 * ray['final_accuracy']:.1f} |"
+            f"| {p['cohort']} | {name}{workers} | {p['tasks_per_cpu_s']:.0f} "
+            f"| {p['wall_s_per_round']:.2f} | {p['cpu_s']:.1f} "
+            f"| {100 * p['final_accuracy']:.1f} |"
         )
+    lines.append("")
+    if t.get("speedup"):
+        lines += [
+            "Batched over per-node, node-tasks per CPU-second: "
+            + ", ".join(f"{n} nodes {x:.1f}x" for n, x in t["speedup"].items())
+            + ".",
+            "",
+        ]
+    return lines
+
+
+def _startup_lines(s: Mapping[str, Any]) -> list[str]:
+    if "commands" not in s:
+        return [f"Not measured: {s.get('skipped') or s.get('error')}", ""]
+    lines = [
+        f"Fresh processes, best of {s['repeats']}.",
+        "",
+        "| command | wall s | CPU s |",
+        "|---|---|---|",
+    ]
+    for name, c in s["commands"].items():
+        lines.append(f"| `{name}` | {c['wall_s']:.2f} | {c['cpu_s']:.2f} |")
     lines.append("")
     return lines
 
@@ -534,7 +569,8 @@ def suite_lines(data: Mapping[str, Any]) -> list[str]:
 
 MACHINERY_PARTS = (
     ("aggregation", "Aggregation throughput and memory (ResNet-50-sized update)"),
-    ("engines", "In-process engine against `flwr run` (Ray)"),
+    ("throughput", "Node tasks: per node, batched, workers, Ray"),
+    ("startup", "Start-up"),
     ("client", "Client-side metering overhead"),
     ("gateway", "Gateway memory per phone"),
 )
@@ -545,7 +581,8 @@ def machinery_lines(mach: Mapping[str, Any]) -> list[str]:
     """The machinery section: one subsection per part."""
     renderers = {
         "aggregation": _aggregation_lines,
-        "engines": _engine_lines,
+        "throughput": _throughput_lines,
+        "startup": _startup_lines,
         "client": _client_lines,
         "gateway": _gateway_lines,
     }

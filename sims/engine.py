@@ -327,8 +327,15 @@ class FleetGrid(Grid):
 
     def _run_train(self, tasks: Sequence[Message]) -> list[tuple[Message, float]]:
         assert self.batch_train is not None
-        if self.workers <= 1 or len(tasks) < 2:
-            return _run_batch(self.batch_train, [(m, self._context(m)) for m in tasks])
+        if self.workers <= 1 or len(tasks) < 2 or self._pool is None:
+            # The first batch runs here: the workers forked after it inherit this
+            # process's warm caches (data shards, models, torch's first-call setup).
+            outcomes = _run_batch(
+                self.batch_train, [(m, self._context(m)) for m in tasks]
+            )
+            if self.workers > 1 and len(tasks) >= 2:
+                self._worker_pool()
+            return outcomes
         pool = self._worker_pool()
         size = math.ceil(len(tasks) / min(self.workers, len(tasks)))
         chunks = [tasks[i : i + size] for i in range(0, len(tasks), size)]

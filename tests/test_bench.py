@@ -55,7 +55,17 @@ def test_quick_bench_writes_page_results_and_one_plot_per_workload(
     assert [t["name"] for t in data["targets"]] == ["device-correlated", "iid", "ideal"]
     machinery = results["sections"]["machinery"]["data"]
     assert list(machinery) == list(PARTS)
-    assert machinery["engines"]["skipped"]
+    agg = machinery["aggregation"]
+    assert {p["method"] for p in agg["points"]} == {"streaming", "flower"}
+    [(size, speedup)] = machinery["throughput"]["speedup"].items()
+    assert size == "10" and speedup > 0
+    assert {p["mode"] for p in machinery["throughput"]["points"]} == {
+        "per-node",
+        "batched",
+        "workers",
+    }
+    assert machinery["startup"]["skipped"]
+    assert machinery["gateway"]["skipped"]
     assert "objectives" in results["sections"]["selection"]["data"]
 
     page = (out / "BENCHMARKS.md").read_text()
@@ -186,8 +196,8 @@ def test_targets_say_met_or_not_from_the_comparisons() -> None:
 
 def test_planned_memory_follows_each_algorithm() -> None:
     overhead = bench_machinery.PROCESS_OVERHEAD_BYTES
-    # Streaming: base, reply (float32) + delta, sum (float64) = 24 bytes per float.
-    assert bench_machinery.planned_bytes("streaming", 200, 1000) == overhead + 24_000
+    # Streaming: base, reply (array + bytes), float32 sum, result = 20 bytes per float.
+    assert bench_machinery.planned_bytes("streaming", 200, 1000) == overhead + 20_000
     # Flower's list: every reply plus result and temporary, 4 bytes each.
     assert bench_machinery.planned_bytes("flower", 10, 1000) == overhead + 52_000
 
@@ -220,3 +230,23 @@ def test_bad_options_name_the_valid_choices(
     setattr(args, option, value)
     with pytest.raises(ValueError, match=message):
         sections_from_args(args)
+
+
+def test_tree_cpu_counts_the_processes_a_process_started() -> None:
+    import subprocess
+    import sys
+
+    # a child that burns ~0.3 s of CPU, then waits to be measured
+    code = (
+        "import time\nt = time.process_time()\n"
+        "while time.process_time() - t < 0.3: pass\n"
+        "print('burnt', flush=True)\ntime.sleep(30)"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == b"burnt\n"
+        assert bench_machinery.tree_cpu_seconds(child.pid) >= 0.28
+        assert bench_machinery.tree_cpu_seconds(-1) == 0.0  # no such process
+    finally:
+        child.kill()
+        child.wait()
