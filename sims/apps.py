@@ -1,6 +1,7 @@
 """The Flower apps ``flwr run .`` starts: a simulated fleet and its server.
 
-``client_app`` is a simulated node (``flowerbed.sims.node``); ``server_app`` runs the
+``client_app`` is a simulated node (``flowerbed.sims.node``), whose simulated
+dropouts are quiet error replies; ``server_app`` runs the
 scenario named by the run config (``flowerbed.sims.scenario.run_server``) on the grid
 Flower hands it, wrapped in a :class:`~flowerbed.sims.virtual_grid.VirtualTimeGrid`
 so that strategies see the simulated devices' time, as on the in-process engine.
@@ -18,13 +19,9 @@ from flowerbed.sims.population import check_population
 from flowerbed.sims.scenario import run_server
 from flowerbed.sims.virtual_grid import VirtualTimeGrid
 from flwr.app import Context
-from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
-client_app = ClientApp()
-client_app.train()(node.train)
-client_app.evaluate()(node.evaluate_local)
-client_app.query()(node.profile)
+client_app = node.make_client_app(raise_dropouts=False)
 
 server_app = ServerApp()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from logging import INFO
 
 import numpy as np
 import torch
@@ -23,7 +24,11 @@ from flowerbed.sims.config import Scenario
 from flowerbed.sims.devices import DeviceProfile, get_device
 from flowerbed.sims.fleet import assign_devices, device_of, speed_groups
 from flowerbed.sims.population import MIN_SAMPLES, drawn_shard, fits
-from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, Context, Error, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.clientapp.typing import ClientAppCallable
+from flwr.common.constant import ErrorCode
+from flwr.supercore import log
 from torch import nn
 
 OFFLINE = "offline"
@@ -219,7 +224,11 @@ class TrainPlan:
 
 
 def plan_train(message: Message, context: Context) -> TrainPlan:
-    """Read a train message's config; raise ``NodeDropout`` if the device drops."""
+    """Read a train message's config; raise ``NodeDropout`` if the device drops.
+
+    A plan of 0 steps means the deadline leaves no time for one: see
+    :func:`no_step_reply`.
+    """
     scenario, node = _identity(context)
     config: Mapping[str, object] = message.content.config_records.get(keys.CONFIG, {})
     server_round = int(_number(config, keys.SERVER_ROUND, 0))
@@ -239,19 +248,35 @@ def plan_train(message: Message, context: Context) -> TrainPlan:
     if deadline > 0:
         steps = min(steps, vclock.max_steps_within(deadline, comm_s, step_s))
     _maybe_drop(scenario, node, server_round, TRAIN, comm_s + steps * step_s)
-    if steps == 0:
-        raise vclock.NodeDropout(
-            f"node {node.partition_id} ({dev.name}) cannot finish one step within "
-            f"deadline-s={deadline:g}",
-            silent=False,
-            after_s=min(deadline, comm_s),
-        )
     seed = int(
         vclock.task_rng(scenario.seed, node.partition_id, server_round, TRAIN).integers(
             2**31
         )
     )
     return TrainPlan(scenario, node, steps, batch, lr, mu, seed, step_s, comm_s)
+
+
+def no_step_reply(message: Message, plan: TrainPlan) -> Message:
+    """The answer of a node whose deadline leaves no time for one step.
+
+    What a board client reports (``flowerbed.clients.timed``): zero steps on
+    zero examples and the model as received. Not an error: the node is slow,
+    not broken, and a strategy can lengthen the deadline or assign less work.
+    """
+    metrics = MetricRecord(
+        {
+            keys.NUM_EXAMPLES: 0,
+            keys.NUM_STEPS: 0,
+            keys.TRAIN_TIME_S: 0.0,
+            keys.COMM_TIME_S: plan.comm_s,
+            keys.ENERGY_J: vclock.energy_joules(plan.node.device, 0.0, plan.comm_s),
+            keys.PARTITION_ID: plan.node.partition_id,
+        }
+    )
+    arrays = message.content.array_records[keys.ARRAYS]
+    return Message(
+        RecordDict({keys.ARRAYS: arrays, keys.METRICS: metrics}), reply_to=message
+    )
 
 
 def train_reply(
@@ -304,6 +329,8 @@ def _train_alone(
 def train(message: Message, context: Context) -> Message:
     """Train on local data; report the device's virtual time, energy and work."""
     plan = plan_train(message, context)
+    if plan.steps == 0:
+        return no_step_reply(message, plan)
     weights = message.content.array_records[keys.ARRAYS].to_torch_state_dict()
     trained, stats = _train_alone(plan, weights)
     return train_reply(message, plan, stats, trained)
@@ -339,6 +366,9 @@ def train_batch(tasks: Sequence[tuple[Message, Context]]) -> list[Message | Exce
     for i, (message, context) in enumerate(tasks):
         try:
             plan = plan_train(message, context)
+            if plan.steps == 0:
+                results[i] = no_step_reply(message, plan)
+                continue
             record = message.content[keys.ARRAYS]
             if not isinstance(record, ArrayRecord):
                 raise TypeError(f"{keys.ARRAYS!r} is not an ArrayRecord")
@@ -425,3 +455,55 @@ def profile(message: Message, context: Context) -> Message:
         }
     )
     return Message(RecordDict({keys.METRICS: metrics}), reply_to=message)
+
+
+DROPOUT_KIND = {True: "vanished", False: "failed"}
+
+
+def _reply_on_dropout(task: ClientAppCallable) -> ClientAppCallable:
+    """``task`` whose simulated dropout becomes the reply Flower would deliver.
+
+    A vanished node answers as Flower's SuperLink does once the message expires
+    (``REPLY_MESSAGE_UNAVAILABLE``), a failed one with
+    ``CLIENT_APP_RAISED_EXCEPTION``; the reason keeps the dropout's tag, from
+    which :class:`~flowerbed.sims.virtual_grid.VirtualTimeGrid` times it. One log
+    line per dropout, instead of the traceback Flower's simulation engine prints
+    for a raising ClientApp.
+    """
+
+    @functools.wraps(task)
+    def run(message: Message, context: Context) -> Message:
+        try:
+            return task(message, context)
+        except vclock.NodeDropout as drop:
+            code = (
+                ErrorCode.REPLY_MESSAGE_UNAVAILABLE
+                if drop.silent
+                else ErrorCode.CLIENT_APP_RAISED_EXCEPTION
+            )
+            log(
+                INFO,
+                "simulated dropout: %s (%s)",
+                drop.reason,
+                DROPOUT_KIND[drop.silent],
+            )
+            return Message(Error(code, str(drop)), reply_to=message)
+
+    return run
+
+
+def make_client_app(*, raise_dropouts: bool) -> ClientApp:
+    """The simulated node as a Flower ClientApp (train, evaluate, query).
+
+    ``raise_dropouts=True`` for flowerbed's in-process engine, which catches
+    :class:`~flowerbed.sims.vclock.NodeDropout` and delivers the failure at its
+    virtual time (a vanished node's when its message's TTL expires). ``False``
+    for Flower's simulation engine (``flwr run``): the dropout becomes the same
+    error reply, quietly (:func:`_reply_on_dropout`).
+    """
+    wrap = (lambda task: task) if raise_dropouts else _reply_on_dropout
+    app = ClientApp()
+    app.train()(wrap(train))
+    app.evaluate()(wrap(evaluate_local))
+    app.query()(wrap(profile))
+    return app

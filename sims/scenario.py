@@ -20,7 +20,12 @@ from flowerbed import keys
 from flowerbed.models import build_model
 from flowerbed.sims.config import Scenario
 from flowerbed.sims.engine import FleetGrid, SimNode
-from flowerbed.sims.node import DEVICE_KEY, cached_dataset, train_batch
+from flowerbed.sims.node import (
+    DEVICE_KEY,
+    cached_dataset,
+    make_client_app,
+    train_batch,
+)
 from flowerbed.sims.outputs import check_output_dir, summarise, write_run_folder
 from flowerbed.sims.population import check_population
 from flowerbed.sims.recorder import RoundRecord, RunRecorder
@@ -213,8 +218,6 @@ def build_fleet_grid(
     ``workers`` > 1 spreads them over that many processes (:class:`FleetGrid`).
     Call the grid's ``close()`` when done with it.
     """
-    from flowerbed.sims.apps import client_app
-
     scenario = Scenario.from_run_config(run_config)
     n = len(devices) if devices is not None else scenario.num_nodes
     nodes = []
@@ -229,7 +232,7 @@ def build_fleet_grid(
     config = scenario.to_run_config()
     config["num-nodes"] = n
     return FleetGrid(
-        client_app,
+        make_client_app(raise_dropouts=True),
         nodes,
         config,
         batch_train=train_batch if batch or workers > 1 else None,

@@ -24,7 +24,6 @@ from typing import Any
 import numpy as np
 import pytest
 from flowerbed.bench.selection_eval import evaluate_selection
-from flowerbed.sims.apps import client_app
 from flowerbed.sims.config import Scenario
 from flowerbed.sims.devices import DEVICES as CATALOGUE
 from flowerbed.sims.scenario import build_fleet_grid, run_scenario, run_server
@@ -282,6 +281,7 @@ def test_wraps_a_flowerbed_strategy() -> None:
 def test_reselects_when_a_chosen_node_goes_offline() -> None:
     victim = 3  # the Jetson Nano, the fastest node: always chosen
     grid = build_fleet_grid(RUN, DEVICES)
+    client_app = grid.client_app
 
     def goes_offline_after_round_1(message: Message, context: Context) -> Message:
         config = message.content.config_records.get("config", {})
