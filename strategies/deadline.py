@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from logging import INFO, WARNING
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from flowerbed import keys
-from flowerbed.clock import Clock
-from flwr.app import ArrayRecord, ConfigRecord, MessageType, MetricRecord, RecordDict
+from flwr.app import (
+    ArrayRecord,
+    ConfigRecord,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 from flwr.supercore import log
@@ -21,6 +28,8 @@ from .runtime_weighted import (
     DEFAULT_QUARANTINE_ROUNDS,
     DEFAULT_SPEED_SMOOTHING,
     DEFAULT_WEIGHTING,
+    MIN_MESSAGE_TTL_S,
+    RoundTally,
     RuntimeWeightedFedAvg,
 )
 from .utils import (
@@ -28,15 +37,81 @@ from .utils import (
     ROUND_LATE_UPDATES,
     ROUND_PARTICIPANTS,
     ROUND_STRAGGLERS,
-    MetricsAccumulator,
+    UNAVAILABLE_CODES,
+    Arrival,
     StalenessFn,
-    UpdateAccumulator,
+    Ticket,
     polynomial_staleness,
     resolve_staleness_fn,
 )
 
 PROGRESS_METRICS = ("accuracy", keys.EVAL_ACC)
 """Metrics the pacer looks for (server-side evaluation first, then federated)."""
+EVALUATE_SHARE = 0.25
+"""Default evaluation wait as a share of the round's deadline."""
+
+
+@dataclass(frozen=True)
+class Observation:
+    """How long one sampled node needed for its whole assigned work in a round.
+
+    ``censored``: it did not finish (straggler, expired message, no step done),
+    so it needed more than ``seconds``.
+    """
+
+    round: int
+    seconds: float
+    censored: bool = False
+
+
+def full_work_seconds(
+    round_trip_s: float,
+    compute_s: float | None,
+    steps_done: float | None,
+    steps_assigned: int | None,
+) -> float | None:
+    """Seconds a node would have needed for all its assigned steps; None if 0 done.
+
+    With partial work a reply covers ``k`` of ``L`` assigned steps, so its round
+    trip understates the time the whole task takes. The compute part scales with
+    the steps, the rest (transfers, queueing) does not::
+
+        t_full = (t_rtt - t_compute) + t_compute * L / k
+
+    and without a reported ``train-time-s`` the whole round trip is scaled.
+    """
+    if steps_done is None or steps_assigned is None or steps_done >= steps_assigned:
+        return round_trip_s
+    if steps_done <= 0:
+        return None
+    compute = round_trip_s if compute_s is None else min(compute_s, round_trip_s)
+    return round_trip_s - compute + compute * steps_assigned / steps_done
+
+
+def censored_percentile(
+    observations: Iterable[Observation], percentile: float
+) -> tuple[float, bool] | None:
+    """Nearest-rank ``percentile`` of durations; ``(value, censored)``, None if empty.
+
+    Nodes that did not finish sort after every finished one (they needed longer
+    than their ``seconds``). The result is the duration of rank
+    ``ceil(p/100 * n)``; when that rank falls on a node that did not finish, the
+    percentile is only known to exceed ``value`` and ``censored`` is True.
+    """
+    ranked = sorted(observations, key=lambda o: (o.censored, o.seconds))
+    if not ranked:
+        return None
+    rank = max(1, math.ceil(percentile / 100 * len(ranked)))
+    chosen = ranked[rank - 1]
+    return chosen.seconds, chosen.censored
+
+
+def _number(metrics: MetricRecord, key: str) -> float | None:
+    value = metrics.get(key)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    number = float(value)
+    return number if math.isfinite(number) and number >= 0 else None
 
 
 class DeadlineFedAvg(RuntimeWeightedFedAvg):
@@ -47,15 +122,24 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
 
     - **Fixed deadline** ``D = deadline_s``: the round closes ``D`` clock seconds
       after the push; replies after that are stragglers.
-    - **Adaptive deadline**: ``D_r = f * P_p(durations of the last W rounds)``,
-      the ``p``-th percentile of measured node durations (push to reply), times a
-      pacing factor ``f``. The pacer follows Oort (Lai et al., OSDI 2021, Sec. 4.3):
-      every ``pacer_window`` rounds it compares the accuracy gained over the last
-      window with the window before; when progress slows, ``f *= 1 + pacer_step``
-      (more patience, more participants), otherwise ``f *= 1 - pacer_step``;
-      ``f`` stays within ``pacing_bounds``. Without history (round 1, no
-      ``deadline_s``) the round closes when ``floor(p% of sampled)`` nodes (at
-      least one) replied, that round's ``p``-th percentile.
+    - **Adaptive deadline**: ``D_r = f * P_p(full-work durations of the last W
+      rounds)``, the ``p``-th percentile (nearest rank) of the time each sampled
+      node needed for its whole assigned work, times a pacing factor ``f``. A
+      node that did not finish (straggler, expired message, no step within
+      ``deadline-s``) counts as slower than every node that did; when the
+      percentile falls on such a node, the deadline grows:
+      ``D_r = f * deadline_growth * (the time it was given)``. With partial
+      work a reply of ``k`` of ``L`` steps counts as
+      ``(t_rtt - t_compute) + t_compute * L / k`` (:func:`full_work_seconds`),
+      so the deadline cannot shrink round after round on its own partial work.
+      The pacer follows Oort (Lai et al., OSDI 2021, Sec. 4.3): every
+      ``pacer_window`` rounds it compares the accuracy gained over the last
+      window with the window before; when progress slows, ``f *= 1 +
+      pacer_step`` (more patience, more participants), otherwise ``f *= 1 -
+      pacer_step``; ``f`` stays within ``pacing_bounds``. ``D`` never exceeds
+      ``start()``'s ``timeout``. Without history (round 1, no ``deadline_s``)
+      the round closes when ``floor(p% of sampled)`` nodes (at least one)
+      replied, that round's ``p``-th percentile.
     - **Over-selection** (Bonawitz et al., "Towards Federated Learning at Scale",
       MLSys 2019, Sec. 2.3; FedScale's default 1.3): sample
       ``ceil(K * over_selection)`` nodes and close the round at the first ``K``
@@ -74,8 +158,10 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
       ``D * (max_staleness + 2)`` with late updates (the last round that may use
       the reply, plus one deadline of slack), ``2 D`` without (the reply is
       dropped, the expiry error lands after the round), ``timeout`` while ``D``
-      is unknown. An expiry error counts towards quarantine, so dead nodes stop
-      being sampled.
+      is unknown; never below one second. An expired message is not the node's
+      fault (it was slow, or gone): it does not count towards quarantine.
+    - **Evaluation** waits ``evaluate_timeout_s`` (default ``D / 4``), so with
+      federated evaluation on a round lasts at most ``D + evaluate_timeout_s``.
 
     Each round's train MetricRecord also carries ``participants``,
     ``late-updates``, ``stragglers`` and ``deadline-s`` (-1 when none).
@@ -92,6 +178,9 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
         ``p``, in (0, 100].
     deadline_window : int (default: 3)
         ``W``: rounds of durations the percentile looks at.
+    deadline_growth : float (default: 1.5)
+        Factor by which the deadline grows when fewer than ``p``% of the nodes
+        finished in time; > 1.
     pacer_step : float (default: 0.1)
         Relative change of the pacing factor per adjustment (0 disables pacing).
     pacer_window : int (default: 2)
@@ -117,6 +206,9 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
     min_completion : int, optional (default: None)
         Fewest usable replies to update the model; None means ``min_train_nodes``
         (at least 1).
+    evaluate_timeout_s : float, optional (default: None)
+        Clock seconds federated evaluation waits for replies; None means a
+        quarter of the round's deadline (``timeout`` while there is none).
     """
 
     # pylint: disable=too-many-arguments,too-many-locals
@@ -139,6 +231,7 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
         adaptive_deadline: bool = False,
         deadline_percentile: float = 80.0,
         deadline_window: int = 3,
+        deadline_growth: float = 1.5,
         pacer_step: float = 0.1,
         pacer_window: int = 2,
         pacing_bounds: tuple[float, float] = (0.5, 4.0),
@@ -150,6 +243,7 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
         max_staleness: int = 2,
         staleness_fn: str | StalenessFn = polynomial_staleness,
         min_completion: int | None = None,
+        evaluate_timeout_s: float | None = None,
         weighting: str = DEFAULT_WEIGHTING,
         balance_work: bool = False,
         local_steps: int | None = None,
@@ -189,6 +283,7 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
             (deadline_s is None or deadline_s > 0, "deadline_s must be > 0"),
             (0 < deadline_percentile <= 100, "deadline_percentile must be in (0, 100]"),
             (deadline_window >= 1, "deadline_window must be >= 1"),
+            (deadline_growth > 1, "deadline_growth must be > 1"),
             (0 <= pacer_step < 1, "pacer_step must be in [0, 1)"),
             (pacer_window >= 1, "pacer_window must be >= 1"),
             (0 < pacing_bounds[0] <= 1 <= pacing_bounds[1], "pacing_bounds: lo<=1<=hi"),
@@ -196,6 +291,10 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
             (0 < work_fraction <= 1, "work_fraction must be in (0, 1]"),
             (max_staleness >= 0, "max_staleness must be >= 0"),
             (min_completion is None or min_completion >= 1, "min_completion >= 1"),
+            (
+                evaluate_timeout_s is None or evaluate_timeout_s > 0,
+                "evaluate_timeout_s must be > 0",
+            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -204,6 +303,7 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
         self.adaptive_deadline = adaptive_deadline
         self.deadline_percentile = deadline_percentile
         self.deadline_window = deadline_window
+        self.deadline_growth = deadline_growth
         self.pacer_step = pacer_step
         self.pacer_window = pacer_window
         self.pacing_bounds = pacing_bounds
@@ -215,37 +315,42 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
         self.max_staleness = max_staleness
         self.staleness_fn = resolve_staleness_fn(staleness_fn)
         self.min_completion = min_completion or max(1, min_train_nodes)
+        self.evaluate_timeout_s = evaluate_timeout_s
         self.pacing = 1.0
-        self.durations: list[tuple[int, float]] = []
-        """``(round, seconds from push to reply)`` of recent replies."""
+        self.durations: list[Observation] = []
+        """Full-work durations of the sampled nodes of recent rounds."""
         self.progress: list[float] = []
         self._deadline: float | None = None
+        self._wanted = 0
         self._bases: dict[int, dict[str, np.ndarray]] = {}
+        self._round_obs: list[tuple[Arrival, float | None]] = []
 
     def summary(self) -> None:
-        """Log the configuration."""
-        super().summary()
+        """Log the configuration: the deadline branch, then the base strategy's."""
+        log(INFO, "\t├──> Deadline:")
         log(
             INFO,
-            "\t\t├── Deadline: %s (adaptive %s, p%.0f of %d rounds)",
+            "\t│\t├── Deadline: %s (adaptive %s, p%.0f of %d rounds, growth %.2g)",
             self.deadline_s,
             self.adaptive_deadline,
             self.deadline_percentile,
             self.deadline_window,
+            self.deadline_growth,
         )
         log(
             INFO,
-            "\t\t├── Over-selection %.2f, partial work %s, min completion %d",
+            "\t│\t├── Over-selection %.2f, partial work %s, min completion %d",
             self.over_selection,
             self.partial_work,
             self.min_completion,
         )
         log(
             INFO,
-            "\t\t└── Late updates %s (max staleness %d)",
+            "\t│\t└── Late updates %s (max staleness %d)",
             self.late_updates,
             self.max_staleness,
         )
+        super().summary()
 
     # ----------------------------------------------------------------- deadline
     def current_deadline(self, server_round: int) -> float | None:
@@ -253,17 +358,22 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
         if not self.adaptive_deadline:
             return self.deadline_s
         recent = [
-            d for r, d in self.durations if r > server_round - 1 - self.deadline_window
+            o
+            for o in self.durations
+            if o.round > server_round - 1 - self.deadline_window
         ]
-        if not recent:
+        found = censored_percentile(recent, self.deadline_percentile)
+        if found is None:
             return self.deadline_s
-        return self.pacing * float(np.percentile(recent, self.deadline_percentile))
+        seconds, censored = found
+        base = seconds * self.deadline_growth if censored else seconds
+        return min(self.pacing * base, self._timeout)
 
     def _message_ttl(self) -> float:
         if self.message_ttl_s is not None or self._deadline is None:
             return super()._message_ttl()
         rounds = self.max_staleness + 2 if self.late_updates else 2
-        return self._deadline * rounds
+        return max(self._deadline * rounds, MIN_MESSAGE_TTL_S)
 
     def _node_config(self, node_id: int, config: ConfigRecord) -> ConfigRecord:
         if self.partial_work and self._deadline is not None:
@@ -271,96 +381,153 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
         return config
 
     def _evaluate_wait(self) -> float:
-        return self._deadline if self._deadline is not None else self._timeout
+        if self.evaluate_timeout_s is not None:
+            return self.evaluate_timeout_s
+        if self._deadline is not None:
+            return EVALUATE_SHARE * self._deadline
+        return self._timeout
 
-    # -------------------------------------------------------------------- round
-    def _train_round(
-        self,
-        server_round: int,
-        config: ConfigRecord,
-        grid: Grid,
-        clock: Clock,
-    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        assert self._inflight is not None
-        inflight = self._inflight
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Over-sample nodes and build train messages with this round's deadline."""
+        if self.fraction_train == 0.0:
+            return []
+        config[keys.SERVER_ROUND] = server_round
         self._deadline = self.current_deadline(server_round)
         wanted = self._sample_size(grid, self.fraction_train, self.min_train_nodes)
-        if wanted == 0:
-            return None, None
         count = math.ceil(wanted * self.over_selection)
-        messages = self._train_messages(server_round, self._global, config, grid, count)
+        messages = self._train_messages(server_round, arrays, config, grid, count)
         log(
             INFO,
-            "configure_train: sampled %d nodes (keeping the first %d), deadline %s",
-            len(messages),
-            wanted,
-            "none" if self._deadline is None else f"{self._deadline:.2f} s",
+            "configure_train: keeping the first %d usable replies, deadline %s",
+            min(wanted, len(messages)),
+            "none" if self._deadline is None else f"{self._deadline:.3g} s",
+        )
+        return messages
+
+    # -------------------------------------------------------------------- round
+    def _prepare_round(self, server_round: int, grid: Grid) -> None:
+        self._deadline = self.current_deadline(server_round)
+        self._wanted = self._sample_size(
+            grid, self.fraction_train, self.min_train_nodes
         )
         self._bases[server_round] = self._global_np
-        sent = inflight.push(messages, server_round)
-        start = clock.now()
+        self._round_obs = []
+
+    def _train_replies(self, server_round: int) -> Iterator[Message]:
+        """Fresh and late replies as they arrive, until the round's rule closes it."""
+        assert self._inflight is not None
+        inflight = self._inflight
+        start = self._clock.now()
         until = start + (
             self._deadline if self._deadline is not None else self._timeout
         )
         quota = (
-            max(1, math.floor(len(sent) * self.deadline_percentile / 100))
+            max(1, math.floor(self._sent * self.deadline_percentile / 100))
             if self.adaptive_deadline and self._deadline is None
             else None
         )
-        updates = UpdateAccumulator()
-        metrics_acc = MetricsAccumulator(self.weighted_by_key)
-        fresh = arrivals = late = 0
 
-        def current_in_flight() -> bool:
-            return inflight.outstanding(lambda t: t.server_round == server_round)
+        def fresh() -> list[Arrival]:
+            return [a for a in self._handed if a.staleness == 0]
 
         def done() -> bool:
+            arrivals = fresh()
             return (
-                fresh >= wanted
-                or not current_in_flight()
-                or (quota is not None and arrivals >= quota)
+                sum(a.usable for a in arrivals) >= self._wanted
+                or not inflight.outstanding(lambda t: t.server_round == server_round)
+                or (quota is not None and len(arrivals) >= quota)
             )
 
         for reply, ticket, arrived in inflight.replies(
             until, kind=MessageType.TRAIN, done=done
         ):
-            if not reply.has_error():
-                self.durations.append((server_round, arrived - ticket.sent_at))
             staleness = server_round - ticket.server_round
             if staleness == 0:
-                arrivals += 1
-                fresh += self.fold_train_reply(
-                    reply,
-                    server_round,
-                    updates,
-                    metrics_acc,
-                    ticket=ticket,
-                    arrived=arrived,
+                handed = self._hand_over(
+                    reply, ticket, arrived, self._bases[server_round]
                 )
+                self._round_obs.append(
+                    (self._handed[-1], self._full_work(reply, ticket, arrived))
+                )
+                yield handed
             elif not self.late_updates or staleness > self.max_staleness:
                 log(
                     INFO,
-                    "round %d: dropped a reply from node %d, %d rounds late",
+                    "round %d: dropped a reply from node %s, %d rounds late",
                     server_round,
                     ticket.node_id,
                     staleness,
                 )
             else:
-                late += self.fold_train_reply(
+                yield self._hand_over(
                     reply,
-                    server_round,
-                    updates,
-                    metrics_acc,
-                    ticket=ticket,
-                    arrived=arrived,
-                    base=self._bases[ticket.server_round],
+                    ticket,
+                    arrived,
+                    self._bases[ticket.server_round],
+                    staleness=staleness,
                     discount=self.staleness_fn(staleness),
                 )
+
+    def _full_work(
+        self, reply: Message, ticket: Ticket, arrived: float
+    ) -> float | None:
+        """Full-work seconds of a fresh reply; None when it did no step."""
+        round_trip = arrived - ticket.sent_at
+        if reply.has_error() or not reply.has_content():
+            return round_trip
+        metrics = next(iter(reply.content.metric_records.values()), MetricRecord())
+        return full_work_seconds(
+            round_trip,
+            _number(metrics, keys.TRAIN_TIME_S),
+            _number(metrics, keys.NUM_STEPS),
+            ticket.assigned_steps,
+        )
+
+    def _observe(self, server_round: int, closed_at: float) -> None:
+        """Record the round's full-work durations; unfinished nodes are censored."""
+        assert self._inflight is not None
+        # An unfinished node needed longer than it waited, and than the deadline
+        # (one that did no step at all answers early, but had the deadline).
+        given = self._deadline or 0.0
+        for arrival, seconds in self._round_obs:
+            if arrival.fault or (
+                arrival.error_code is not None
+                and arrival.error_code not in UNAVAILABLE_CODES
+            ):
+                continue  # broken, not slow: says nothing about the deadline
+            waited = arrival.arrived - arrival.ticket.sent_at
+            if arrival.error_code is not None or seconds is None:
+                self.durations.append(
+                    Observation(server_round, max(waited, given), True)
+                )
+            else:
+                self.durations.append(Observation(server_round, seconds))
+        for ticket in self._inflight.tickets.values():
+            if ticket.server_round == server_round and ticket.kind == MessageType.TRAIN:
+                waited = closed_at - ticket.sent_at
+                self.durations.append(
+                    Observation(server_round, max(waited, given), True)
+                )
+        self.durations = [
+            o for o in self.durations if o.round > server_round - self.deadline_window
+        ]
+
+    def _close_train(
+        self,
+        server_round: int,
+        arrays: ArrayRecord | None,
+        metrics: MetricRecord | None,
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Stragglers, durations, expiry, minimum completion, round bookkeeping."""
+        assert self._inflight is not None
         stragglers = sorted(
             t.node_id
-            for t in inflight.tickets.values()
-            if t.server_round == server_round
+            for t in self._inflight.tickets.values()
+            if t.server_round == server_round and t.kind == MessageType.TRAIN
         )
+        self._tally = RoundTally.of(self._sent, self._handed, len(stragglers))
         if stragglers:
             log(
                 INFO,
@@ -369,31 +536,52 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
                 len(stragglers),
                 "round"
                 if self._deadline is None
-                else f"{self._deadline:.1f} s deadline",
+                else f"{self._deadline:.3g} s deadline",
                 stragglers,
             )
+        self._observe(server_round, self._clock.now())
         self._expire(server_round)
-        self.durations = [
-            (r, d) for r, d in self.durations if r > server_round - self.deadline_window
-        ]
-        usable = updates.count
-        if usable < self.min_completion:
+        fresh = sum(a.usable for a in self._handed if a.staleness == 0)
+        late = sum(a.usable for a in self._handed if a.staleness > 0)
+        if arrays is not None and fresh + late < self.min_completion:
             log(
                 WARNING,
                 "round %d: only %d usable replies (< min_completion %d): "
                 "keeping the previous model",
                 server_round,
-                usable,
+                fresh + late,
                 self.min_completion,
             )
             return None, None
-        arrays, metrics = self._finish(updates, metrics_acc)
-        metrics = MetricRecord() if metrics is None else metrics
-        metrics[ROUND_PARTICIPANTS] = fresh
-        metrics[ROUND_LATE_UPDATES] = late
-        metrics[ROUND_STRAGGLERS] = len(stragglers)
-        metrics[ROUND_DEADLINE_S] = -1.0 if self._deadline is None else self._deadline
+        if metrics is not None:
+            metrics[ROUND_PARTICIPANTS] = fresh
+            metrics[ROUND_LATE_UPDATES] = late
+            metrics[ROUND_STRAGGLERS] = len(stragglers)
+            metrics[ROUND_DEADLINE_S] = (
+                -1.0 if self._deadline is None else self._deadline
+            )
         return arrays, metrics
+
+    def _stall_cause(self, tally: RoundTally) -> str:
+        if tally.sampled and 0 < tally.usable < self.min_completion:
+            return (
+                f"only {tally.usable} usable replies, fewer than min_completion="
+                f"{self.min_completion}: lower min_completion or sample more nodes"
+            )
+        late = tally.missing + tally.unavailable
+        if tally.sampled and late and self._deadline is not None:
+            advice = (
+                f"the adaptive deadline grows by {self.deadline_growth:g}x per round "
+                f"(up to start()'s timeout={self._timeout:g} s)"
+                if self.adaptive_deadline
+                else f"raise deadline_s (now {self.deadline_s:g}) or set "
+                "adaptive_deadline=True"
+            )
+            return (
+                f"{late} of {tally.sampled} sampled nodes missed the "
+                f"{self._deadline:.3g} s deadline or their messages expired: {advice}"
+            )
+        return super()._stall_cause(tally)
 
     def _expire(self, server_round: int) -> None:
         """Forget work too old to use, and the base models nobody needs any more."""
@@ -457,7 +645,7 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
         state = super().state()
         state["deadline"] = {
             "pacing": self.pacing,
-            "durations": self.durations,
+            "durations": [[o.round, o.seconds, o.censored] for o in self.durations],
             "progress": self.progress,
         }
         return state
@@ -467,5 +655,7 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
         super().load_state(state)
         saved = state["deadline"]
         self.pacing = float(saved["pacing"])
-        self.durations = [(int(r), float(d)) for r, d in saved["durations"]]
+        self.durations = [
+            Observation(int(r), float(d), bool(c)) for r, d, c in saved["durations"]
+        ]
         self.progress = [float(v) for v in saved["progress"]]

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from logging import INFO, WARNING
+from collections.abc import Callable, Iterable, Iterator
+from logging import DEBUG, INFO, WARNING
 from pathlib import Path
 
 import numpy as np
 from flowerbed import keys
-from flowerbed.clock import clock_of
 from flwr.app import (
     ArrayRecord,
     ConfigRecord,
@@ -31,11 +30,9 @@ from .utils import (
     ROUND_CLOCK_S,
     ROUND_PARTICIPANTS,
     ROUND_STALENESS,
-    InFlight,
-    MetricsAccumulator,
+    ReplyStream,
     StalenessFn,
     Ticket,
-    UpdateAccumulator,
     polynomial_staleness,
     resolve_staleness_fn,
 )
@@ -160,104 +157,172 @@ class FedBuff(RuntimeWeightedFedAvg):
         self.evaluate_every = evaluate_every
         self.version = 0
         self._versions: dict[int, dict[str, np.ndarray]] = {}
-        self._evaluations: dict[int, tuple[set[str], MetricsAccumulator]] = {}
+        self._evaluations: dict[int, tuple[set[str], list[Message]]] = {}
+        self._version_config: ConfigRecord | None = None
+        self._topped_up = False
+        """The train config as it was before the current version's first
+        configure_train call (None: that call has not happened yet)."""
 
     def summary(self) -> None:
-        """Log the configuration."""
-        super().summary()
+        """Log the configuration: the FedBuff branch, then the base strategy's."""
+        log(INFO, "\t├──> FedBuff:")
         log(
             INFO,
-            "\t\t└── FedBuff: concurrency %s, buffer %s, eta_g %.3g, max staleness %d",
+            "\t│\t└── Concurrency %s, buffer %s, eta_g %.3g, max staleness %d",
             self.concurrency or "(sample size)",
             self.buffer_size or "(concurrency // 2)",
             self.server_learning_rate,
             self.max_staleness,
         )
+        super().summary()
 
-    def _dispatch(
-        self, inflight: InFlight, grid: Grid, config: ConfigRecord, concurrency: int
-    ) -> None:
-        """Give work on the newest version to idle nodes until ``concurrency``."""
-        missing = concurrency - len(inflight.busy_nodes(MessageType.TRAIN))
-        if missing <= 0:
-            return
-        messages = self._train_messages(
-            self.version, self._global, config, grid, missing
+    def _server_step_size(self) -> float:
+        return self.server_learning_rate
+
+    def _concurrency(self, grid: Grid) -> int:
+        return self.concurrency or self._sample_size(
+            grid, self.fraction_train, self.min_train_nodes
         )
-        inflight.push(messages, self.version)
 
-    def _evaluate(
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Work for idle nodes, up to ``concurrency``, on ``arrays``.
+
+        ``server_round`` is the model version the work will count towards (the
+        newest version plus one, as Flower's round ``r`` trains on model
+        ``r - 1``). Called whenever nodes become idle, so several times per
+        version; each call of a version gets the train config as it was before
+        the version's first call.
+        """
+        if self.fraction_train == 0.0:
+            return []
+        config[keys.SERVER_ROUND] = server_round
+        inflight = self._inflight
+        busy = 0 if inflight is None else len(inflight.busy_nodes(MessageType.TRAIN))
+        missing = self._concurrency(grid) - busy
+        if missing <= 0:
+            return []
+        return self._train_messages(server_round, arrays, config, grid, missing)
+
+    def _sampling_log_level(self) -> int:
+        # Top-ups within a version are routine: one INFO line per version is enough.
+        return DEBUG if self._topped_up else INFO
+
+    def _dispatch(self, grid: Grid, config: ConfigRecord) -> None:
+        """Give work on the newest version to idle nodes (``configure_train``).
+
+        Every call for one version sees the train config as it was before that
+        version's first call, so an override that edits it in place (Flower's
+        learning-rate decay recipe) acts once per version, not once per call.
+        """
+        assert self._inflight is not None
+        if self._version_config is None:
+            self._version_config = ConfigRecord(dict(config))
+            given = config
+        else:
+            given = ConfigRecord(dict(self._version_config))
+        messages = self.configure_train(self.version + 1, self._global, given, grid)
+        self._topped_up = True
+        self._inflight.push(messages, self.version)
+
+    def _evaluate_version(
         self,
-        inflight: InFlight,
         grid: Grid,
         config: ConfigRecord,
         result: Result,
         evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None,
     ) -> None:
-        if evaluate_fn is not None:
-            res = evaluate_fn(self.version, self._global)
-            if res is not None:
-                result.evaluate_metrics_serverapp[self.version] = res
+        """Central evaluation now; federated evaluation collected as it arrives."""
+        assert self._inflight is not None
         messages = self.configure_evaluate(self.version, self._global, config, grid)
-        ids = inflight.push(messages, self.version)
+        ids = self._inflight.push(messages, self.version)
         if ids:
-            self._evaluations[self.version] = (
-                set(ids),
-                MetricsAccumulator(self.weighted_by_key),
-            )
+            self._evaluations[self.version] = (set(ids), [])
+        self._central_evaluation(self.version, result, evaluate_fn)
 
     def _fold_evaluation(self, reply: Message, ticket: Ticket, result: Result) -> None:
         pending = self._evaluations.get(ticket.server_round)
         if pending is None:
             return
-        ids, metrics_acc = pending
+        ids, replies = pending
         ids.discard(reply.metadata.reply_to_message_id)
-        self.fold_evaluate_reply(reply, ticket.server_round, metrics_acc)
+        replies.append(reply)
         if not ids:
             self._close_evaluation(ticket.server_round, result)
 
     def _close_evaluation(self, version: int, result: Result) -> None:
-        _, metrics_acc = self._evaluations.pop(version)
-        metrics = metrics_acc.result(self.evaluate_metrics_aggr_fn)
+        """``aggregate_evaluate`` over the version's evaluation replies (small)."""
+        _, replies = self._evaluations.pop(version)
+        metrics = self.aggregate_evaluate(version, replies)
         if metrics is not None:
+            log(INFO, "\t└──> Aggregated MetricRecord: %s", metrics)
             result.evaluate_metrics_clientapp[version] = metrics
 
-    def _new_version(
-        self,
-        updates: UpdateAccumulator,
-        metrics_acc: MetricsAccumulator,
-        staleness_sum: int,
-        now: float,
-        result: Result,
-    ) -> None:
-        arrays, metrics = self._finish(
-            updates, metrics_acc, step_size=self.server_learning_rate
-        )
-        self.version += 1
-        self._set_global(arrays)
-        self._versions[self.version] = self._global_np
-        metrics = MetricRecord() if metrics is None else metrics
-        metrics[ROUND_PARTICIPANTS] = updates.count
-        metrics[ROUND_STALENESS] = staleness_sum / updates.count
-        metrics[ROUND_CLOCK_S] = now
-        result.train_metrics_clientapp[self.version] = metrics
-        log(
-            INFO,
-            "version %d at t=%.1fs from %d updates (mean staleness %.2f)",
-            self.version,
-            now,
-            updates.count,
-            staleness_sum / updates.count,
-        )
-
-    def _prune_versions(self, inflight: InFlight) -> None:
-        needed = {t.server_round for t in inflight.tickets.values()}
+    def _prune_versions(self) -> None:
+        assert self._inflight is not None
+        needed = {t.server_round for t in self._inflight.tickets.values()}
         oldest = self.version - self.max_staleness
         self._versions = {
             v: x
             for v, x in self._versions.items()
             if v == self.version or (v in needed and v >= oldest)
         }
+
+    def _buffer_replies(
+        self, grid: Grid, config: ConfigRecord, result: Result, buffer_size: int
+    ) -> Iterator[Message]:
+        """Train replies as they arrive until ``buffer_size`` usable ones.
+
+        Evaluation replies arriving meanwhile go to their version's evaluation;
+        each train reply frees its node, which gets new work at once (on the new
+        version when its reply is the one that fills the buffer). Sets
+        ``self._starved`` when no usable reply came within ``timeout``.
+        """
+        assert self._inflight is not None
+        inflight = self._inflight
+        progress_at = self._clock.now()
+
+        def full() -> bool:
+            return sum(a.usable for a in self._handed) >= buffer_size
+
+        while not full():
+            for reply, ticket, arrived in inflight.replies(
+                progress_at + self._timeout, done=full
+            ):
+                if ticket.kind == MessageType.EVALUATE:
+                    self._fold_evaluation(reply, ticket, result)
+                    continue
+                staleness = self.version - ticket.server_round
+                if staleness > self.max_staleness:
+                    log(
+                        INFO,
+                        "version %d: dropped an update from node %s, %d versions old",
+                        self.version,
+                        ticket.node_id,
+                        staleness,
+                    )
+                else:
+                    yield self._hand_over(
+                        reply,
+                        ticket,
+                        arrived,
+                        self._versions[ticket.server_round],
+                        staleness=staleness,
+                        update_scale=self.staleness_fn(staleness),
+                    )
+                    if self._handed[-1].usable:
+                        progress_at = arrived
+                if not full():  # else: new work waits for the new version
+                    self._dispatch(grid, config)
+                self._prune_versions()
+            if full():
+                return
+            if self._clock.now() >= progress_at + self._timeout or not (
+                inflight.outstanding(lambda t: True)
+            ):
+                self._starved = True
+                return
 
     def start(
         self,
@@ -271,102 +336,107 @@ class FedBuff(RuntimeWeightedFedAvg):
     ) -> Result:
         """Run until ``num_rounds`` model versions exist; FedAvg's contract.
 
-        ``timeout`` bounds the clock seconds without any reply before giving up.
+        Each version is one ``aggregate_train`` call over the replies that fill
+        the buffer; ``configure_train`` hands out work as nodes become idle;
+        ``configure_evaluate``/``aggregate_evaluate`` run every
+        ``evaluate_every`` versions. ``timeout`` bounds the clock seconds without
+        a usable reply before giving up. With ``fraction_train=0.0`` it runs
+        ``num_rounds`` evaluation-only rounds, as Flower's FedAvg does.
         """
-        log(INFO, "Starting %s strategy:", type(self).__name__)
-        self.summary()
-        clock = clock_of(grid)
-        self._timeout = float(timeout)
-        inflight = self._inflight = InFlight(grid, clock)
+        if self.fraction_train == 0.0:
+            return super().start(
+                grid,
+                initial_arrays,
+                num_rounds,
+                timeout,
+                train_config,
+                evaluate_config,
+                evaluate_fn,
+            )
+        result, done = self._begin(
+            grid,
+            initial_arrays,
+            num_rounds,
+            timeout,
+            train_config,
+            evaluate_config,
+            evaluate_fn,
+        )
+        assert self._inflight is not None
         train_config = ConfigRecord() if train_config is None else train_config
         evaluate_config = ConfigRecord() if evaluate_config is None else evaluate_config
-        result = Result()
-        self._set_global(initial_arrays)
-        self.version = self._resume(initial_arrays, result)
-        if self.version == 0 and evaluate_fn is not None:
-            res = evaluate_fn(0, initial_arrays)
-            if res is not None:
-                result.evaluate_metrics_serverapp[0] = res
+        self.version = done
         self._versions = {self.version: self._global_np}
         self._evaluations = {}
-        concurrency = self.concurrency or self._sample_size(
-            grid, self.fraction_train, self.min_train_nodes
-        )
-        buffer_size = self.buffer_size or max(1, concurrency // 2)
-        updates = UpdateAccumulator()
-        metrics_acc = MetricsAccumulator(self.weighted_by_key)
-        staleness_sum = 0
-        if self.version < num_rounds:
-            self._dispatch(inflight, grid, train_config, concurrency)
-
-        def finished() -> bool:
-            return self.version >= num_rounds
-
-        while not finished():
-            got_any = False
-            for reply, ticket, arrived in inflight.replies(
-                clock.now() + self._timeout, done=finished
-            ):
-                got_any = True
-                if ticket.kind == MessageType.EVALUATE:
-                    self._fold_evaluation(reply, ticket, result)
-                    continue
-                staleness = self.version - ticket.server_round
-                if staleness > self.max_staleness:
-                    log(
-                        INFO,
-                        "version %d: dropped an update from node %d, %d versions old",
-                        self.version,
-                        ticket.node_id,
-                        staleness,
-                    )
-                elif self.fold_train_reply(
-                    reply,
-                    self.version,
-                    updates,
-                    metrics_acc,
-                    ticket=ticket,
-                    arrived=arrived,
-                    base=self._versions[ticket.server_round],
-                    update_scale=self.staleness_fn(staleness),
-                ):
-                    staleness_sum += staleness
-                if updates.count >= buffer_size:
-                    self._new_version(
-                        updates, metrics_acc, staleness_sum, clock.now(), result
-                    )
-                    updates = UpdateAccumulator()
-                    metrics_acc = MetricsAccumulator(self.weighted_by_key)
-                    staleness_sum = 0
-                    if self.version % self.evaluate_every == 0 or finished():
-                        self._evaluate(
-                            inflight, grid, evaluate_config, result, evaluate_fn
-                        )
-                    self._write_checkpoint(self.version, result)
-                if not finished():
-                    self._dispatch(inflight, grid, train_config, concurrency)
-                self._prune_versions(inflight)
-            if not got_any and not finished():
+        self._version_config = None
+        self._topped_up = False
+        self._starved = False
+        buffer_size = self.buffer_size or max(1, self._concurrency(grid) // 2)
+        while self.version < num_rounds:
+            log(INFO, "")
+            log(INFO, "[ROUND %s/%s]", self.version + 1, num_rounds)
+            self._dispatch(grid, train_config)
+            self._handed = []
+            replies = self._buffer_replies(grid, train_config, result, buffer_size)
+            arrays, metrics = self.aggregate_train(
+                self.version + 1, ReplyStream(replies)
+            )
+            self._arrivals.clear()
+            if self._starved:
                 log(
                     WARNING,
-                    "no reply within %.0f s (or nothing in flight): stopping at "
-                    "version %d of %d",
+                    "no usable reply within %.0f s (or nothing in flight): stopping "
+                    "at version %d of %d",
                     self._timeout,
                     self.version,
                     num_rounds,
                 )
                 break
-        self._finish_evaluations(inflight, clock.now() + self._timeout, result)
-        inflight.forget(list(inflight.tickets))
-        result.arrays = self._global
-        log(INFO, "FedBuff finished at t=%.1fs", clock.now())
-        return result
+            self._new_version(arrays, metrics, result)
+            if self.version % self.evaluate_every == 0 or self.version >= num_rounds:
+                self._evaluate_version(grid, evaluate_config, result, evaluate_fn)
+            self._write_checkpoint(self.version, result)
+        self._finish_evaluations(self._clock.now() + self._timeout, result)
+        self._inflight.forget(list(self._inflight.tickets))
+        return self._end(result, self.version - done)
 
-    def _finish_evaluations(
-        self, inflight: InFlight, until: float, result: Result
+    def _new_version(
+        self,
+        arrays: ArrayRecord | None,
+        metrics: MetricRecord | None,
+        result: Result,
     ) -> None:
+        """Version ``v + 1`` from the buffer (the model is unchanged if aggregation
+        returned nothing, as a Flower round whose aggregation fails)."""
+        used = [a for a in self._handed if a.usable]
+        self.version += 1
+        self._version_config = None
+        self._topped_up = False
+        if arrays is not None:
+            self._set_global(arrays)
+            self._updates_applied += 1
+        self._versions[self.version] = self._global_np
+        result.arrays = self._global
+        staleness = sum(a.staleness for a in used) / max(1, len(used))
+        if metrics is not None:
+            metrics[ROUND_PARTICIPANTS] = len(used)
+            metrics[ROUND_STALENESS] = staleness
+            metrics[ROUND_CLOCK_S] = self._elapsed()
+            log(INFO, "\t└──> Aggregated MetricRecord: %s", metrics)
+            result.train_metrics_clientapp[self.version] = metrics
+        log(
+            INFO,
+            "version %d at t=%.2fs from %d updates (mean staleness %.2f)",
+            self.version,
+            self._elapsed(),
+            len(used),
+            staleness,
+        )
+
+    def _finish_evaluations(self, until: float, result: Result) -> None:
         """Collect outstanding evaluation replies, then close what remains."""
-        for reply, ticket, _ in inflight.replies(
+        assert self._inflight is not None
+        for reply, ticket, _ in self._inflight.replies(
             until, kind=MessageType.EVALUATE, done=lambda: not self._evaluations
         ):
             self._fold_evaluation(reply, ticket, result)

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from logging import INFO, WARNING
+import io
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from logging import ERROR, INFO, WARNING
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from flowerbed import keys
-from flowerbed.clock import Clock, clock_of
+from flowerbed.clock import Clock, WallClock, clock_of
 from flwr.app import (
     ArrayRecord,
     ConfigRecord,
@@ -20,15 +24,20 @@ from flwr.app import (
 )
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result
+from flwr.serverapp.strategy.strategy_utils import log_strategy_start_info
 from flwr.supercore import log
 
 from .utils import (
     ROUND_CLOCK_S,
+    UNAVAILABLE_CODES,
+    ArraySpec,
+    Arrival,
     CheckpointError,
     InFlight,
     MetricsAccumulator,
     Quarantine,
     ReplyRejected,
+    ReplyStream,
     Ticket,
     UpdateAccumulator,
     check_evaluate_reply,
@@ -39,6 +48,7 @@ from .utils import (
     round_rng,
     sample_nodes,
     save_checkpoint,
+    spec_of,
     to_arrayrecord,
     to_numpy,
 )
@@ -50,6 +60,56 @@ DEFAULT_WEIGHTING = "fednova"
 DEFAULT_SPEED_SMOOTHING = 0.5
 DEFAULT_QUARANTINE_AFTER = 3
 DEFAULT_QUARANTINE_ROUNDS = 5
+MIN_MESSAGE_TTL_S = 1.0
+"""Shortest message time-to-live the strategies set (Flower refuses TTL <= 0)."""
+STALL_ROUNDS = 3
+"""Rounds in a row without an update before the log says so prominently."""
+
+
+@dataclass
+class TrainFold:
+    """The running sums of one ``aggregate_train`` call, and its counts."""
+
+    metrics: MetricsAccumulator
+    updates: UpdateAccumulator = field(default_factory=UpdateAccumulator)
+    reference: dict[str, ArraySpec] | None = None
+    """Names, shapes, dtypes replies must have when no global model is known."""
+    zeros: dict[str, np.ndarray] | None = None
+    """Base of replies averaged as they are (no global model known)."""
+    results: int = 0
+    failures: int = 0
+
+    def zeros_like(self, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The base of replies averaged as they are; the first one fixes the spec."""
+        if self.zeros is None:
+            self.reference = spec_of(arrays)
+            self.zeros = {k: np.zeros(v.shape, v.dtype) for k, v in arrays.items()}
+        return self.zeros
+
+
+@dataclass
+class RoundTally:
+    """What became of one round's train messages (for the no-progress warning)."""
+
+    sampled: int
+    usable: int
+    rejected: Counter[str]
+    """Reasons of rejected replies (error replies included), with counts."""
+    unavailable: int
+    """Replies that never came: expired TTL or node gone."""
+    missing: int
+    """Messages still unanswered when the round closed."""
+
+    @classmethod
+    def of(cls, sampled: int, handed: list[Arrival], missing: int) -> RoundTally:
+        unavailable = sum(a.error_code in UNAVAILABLE_CODES for a in handed)
+        rejected = Counter(
+            a.reason
+            for a in handed
+            if not a.usable and a.error_code not in UNAVAILABLE_CODES
+        )
+        usable = sum(a.usable for a in handed)
+        return cls(sampled, usable, rejected, unavailable, missing)
 
 
 class RuntimeWeightedFedAvg(FedAvg):
@@ -198,27 +258,36 @@ class RuntimeWeightedFedAvg(FedAvg):
         self._global_np: dict[str, np.ndarray] = {}
         self._timeout = 3600.0
         self._inflight: InFlight | None = None
+        self._clock: Clock = WallClock()
+        self._t0 = self._wall_t0 = 0.0
+        self._arrivals: dict[str, Arrival] = {}
+        """Replies handed to aggregate_train this round, by reply_to_message_id."""
+        self._handed: list[Arrival] = []
+        self._sent = 0
+        self._tally = RoundTally(0, 0, Counter(), 0, 0)
+        self._stalled = 0
+        self._updates_applied = 0
 
     # ------------------------------------------------------------------ summary
     def summary(self) -> None:
-        """Log the configuration."""
-        super().summary()
-        log(INFO, "\t└──> %s:", self.__class__.__name__)
-        log(INFO, "\t\t├── Weighting: %s", self.weighting)
+        """Log the configuration: this strategy's branch, then FedAvg's."""
+        log(INFO, "\t├──> Runtime weighting:")
+        log(INFO, "\t│\t├── Weighting: %s", self.weighting)
         log(
             INFO,
-            "\t\t├── Work balancing: %s (base local steps %s, smoothing %.2f)",
+            "\t│\t├── Work balancing: %s (base local steps %s, smoothing %.2f)",
             self.balance_work,
             self.local_steps,
             self.speed_smoothing,
         )
         log(
             INFO,
-            "\t\t├── Quarantine: after %d rejected replies, for %d rounds",
+            "\t│\t├── Quarantine: after %d rejected replies, for %d rounds",
             self.quarantine.after,
             self.quarantine.rounds,
         )
-        log(INFO, "\t\t└── Checkpoint: %s", self.checkpoint_path or "(none)")
+        log(INFO, "\t│\t└── Checkpoint: %s", self.checkpoint_path or "(none)")
+        super().summary()
 
     # ----------------------------------------------------------------- messages
     def _fallback_once(self, what: str, message: str) -> None:
@@ -250,7 +319,8 @@ class RuntimeWeightedFedAvg(FedAvg):
         return steps
 
     def _message_ttl(self) -> float:
-        return self.message_ttl_s if self.message_ttl_s is not None else self._timeout
+        ttl = self.message_ttl_s if self.message_ttl_s is not None else self._timeout
+        return max(ttl, MIN_MESSAGE_TTL_S)
 
     def _node_config(self, node_id: int, config: ConfigRecord) -> ConfigRecord:
         """Extra per-node config (subclasses add ``deadline-s``)."""
@@ -312,18 +382,28 @@ class RuntimeWeightedFedAvg(FedAvg):
         )
 
     def _sample_size(self, grid: Grid, fraction: float, minimum: int) -> int:
+        """FedAvg's sample size: ``max(int(connected * fraction), minimum)``."""
         if fraction == 0.0:
             return 0
         return max(int(len(list(grid.get_node_ids())) * fraction), minimum)
 
+    def _sampling_log_level(self) -> int:
+        return INFO
+
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """Sample nodes (skipping quarantined ones) and build their train messages."""
+        """Sample nodes (skipping quarantined and busy ones); build train messages.
+
+        As Flower's FedAvg: nothing when ``fraction_train`` is 0, and
+        ``server-round`` is written into ``config``. ``arrays`` becomes the model
+        ``aggregate_train`` checks replies against.
+        """
+        if self.fraction_train == 0.0:
+            return []
+        config[keys.SERVER_ROUND] = server_round
         count = self._sample_size(grid, self.fraction_train, self.min_train_nodes)
-        messages = self._train_messages(server_round, arrays, config, grid, count)
-        log(INFO, "configure_train: sampled %d nodes", len(messages))
-        return messages
+        return self._train_messages(server_round, arrays, config, grid, count)
 
     def _train_messages(
         self,
@@ -334,6 +414,12 @@ class RuntimeWeightedFedAvg(FedAvg):
         count: int,
     ) -> list[Message]:
         node_ids = self._sample(grid, server_round, count, "train")
+        log(
+            self._sampling_log_level(),
+            "configure_train: Sampled %s nodes (out of %s)",
+            len(node_ids),
+            len(list(grid.get_node_ids())),
+        )
         self._set_global(arrays)
         base = self._base_steps(config)
         steps: dict[int, int] | None = None
@@ -357,7 +443,14 @@ class RuntimeWeightedFedAvg(FedAvg):
         count = self._sample_size(grid, self.fraction_evaluate, self.min_evaluate_nodes)
         if count == 0:
             return []
+        config[keys.SERVER_ROUND] = server_round
         node_ids = self._sample(grid, server_round, count, "evaluate")
+        log(
+            INFO,
+            "configure_evaluate: Sampled %s nodes (out of %s)",
+            len(node_ids),
+            len(list(grid.get_node_ids())),
+        )
         return self._messages(
             node_ids, arrays, config, MessageType.EVALUATE, server_round
         )
@@ -461,92 +554,139 @@ class RuntimeWeightedFedAvg(FedAvg):
         a = self.speed_smoothing
         self.speeds[node_id] = speed if old is None else a * speed + (1 - a) * old
 
-    def fold_train_reply(
-        self,
-        reply: Message,
-        server_round: int,
-        updates: UpdateAccumulator,
-        metrics_acc: MetricsAccumulator,
-        *,
-        ticket: Ticket | None = None,
-        arrived: float | None = None,
-        base: dict[str, np.ndarray] | None = None,
-        discount: float = 1.0,
-        update_scale: float = 1.0,
-    ) -> bool:
-        """Validate one train reply and fold it into the running sums.
-
-        ``base`` is the model the node trained from (default: the current global
-        model); ``discount`` multiplies the reply's weight ``w_i`` and
-        ``update_scale`` its update ``c_i``. Returns True when accepted; a rejected
-        reply is logged with its node id and reason (and counted towards
-        quarantine when it is the node's fault).
-        """
-        node = reply.metadata.src_node_id if ticket is None else ticket.node_id
-        try:
-            arrays, metrics, n = check_train_reply(
-                reply, self._global, self.weighted_by_key
+    def _reject(
+        self, reply: Message, server_round: int, node: int, rejection: ReplyRejected
+    ) -> None:
+        if reply.has_error():
+            # Flower's own line for an error reply, so a Flower user finds it.
+            log(
+                INFO,
+                "\t> Received error in reply from node %s: %s",
+                node,
+                reply.error.reason,
             )
-            weight, scale, steps = self.reply_weight(metrics, n, ticket, arrived)
-            updates.add(
-                arrays,
-                self._global_np if base is None else base,
-                weight * discount,
-                scale=scale * update_scale,
-                steps=steps,
-            )
-        except ReplyRejected as rejection:
+        else:
             log(
                 WARNING,
-                "round %d: rejected reply from node %d: %s",
+                "round %d: rejected reply from node %s: %s",
                 server_round,
                 node,
                 rejection.reason,
             )
-            if rejection.fault:
-                self.quarantine.record_failure(node, server_round)
+        if rejection.fault:
+            self.quarantine.record_failure(node, server_round)
+
+    def fold_train_reply(
+        self, reply: Message, server_round: int, fold: TrainFold
+    ) -> bool:
+        """Validate one train reply and fold it into ``fold``; False if rejected.
+
+        A reply the round loop handed over comes with its :class:`Arrival`: the
+        model it trained from, when it arrived, its staleness discount. Any other
+        reply counts as fresh work on the last global model, or, when there is
+        none (a direct call, as in Flower's tests), is checked against the first
+        accepted reply and averaged as it is. A rejected reply is logged with its
+        node id and reason, and counted towards quarantine when it is the node's
+        fault.
+        """
+        arrival = self._arrivals.get(reply.metadata.reply_to_message_id)
+        ticket = arrival.ticket if arrival is not None else None
+        arrived = arrival.arrived if arrival is not None else None
+        node = reply.metadata.src_node_id if ticket is None else ticket.node_id
+        base: Mapping[str, np.ndarray] | None = (
+            arrival.base if arrival is not None else self._global_np
+        )
+        if reply.has_error():
+            fold.failures += 1
+        else:
+            fold.results += 1
+        discount = arrival.discount if arrival is not None else 1.0
+        update_scale = arrival.update_scale if arrival is not None else 1.0
+        try:
+            arrays, metrics, n = check_train_reply(
+                reply, spec_of(base) if base else fold.reference, self.weighted_by_key
+            )
+            weight, scale, steps = self.reply_weight(metrics, n, ticket, arrived)
+            if not base:  # no model known: average the arrays as they are
+                base, scale = fold.zeros_like(arrays), 1.0
+            fold.updates.add(
+                arrays, base, weight * discount, scale=scale * update_scale, steps=steps
+            )
+        except ReplyRejected as rejection:
+            self._reject(reply, server_round, node, rejection)
+            if arrival is not None:
+                arrival.accepted, arrival.reason = False, rejection.reason
+                arrival.fault = rejection.fault
             return False
+        if arrival is not None:
+            arrival.accepted = True
         self.quarantine.record_success(node)
         self._update_speed(node, metrics, ticket, arrived)
-        metrics_acc.add(metrics, n)
+        fold.metrics.add(metrics, n)
         return True
 
-    def _finish(
-        self,
-        updates: UpdateAccumulator,
-        metrics_acc: MetricsAccumulator,
-        step_size: float = 1.0,
-    ) -> tuple[ArrayRecord, MetricRecord | None]:
-        new = updates.result(
-            self._global_np,
-            normalise_steps=self.weighting == "fednova",
-            step_size=step_size,
-        )
-        return to_arrayrecord(new), metrics_acc.result(self.train_metrics_aggr_fn)
+    def _server_step_size(self) -> float:
+        """Server learning rate applied to the averaged update (FedBuff's eta_g)."""
+        return 1.0
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Validate and fold replies one at a time; None if none was usable.
+        """Validate and fold replies one at a time; (None, None) if none is usable.
 
-        The replies must answer the arrays last passed to ``configure_train``.
+        Stateless enough to be called on its own, as Flower's tests call FedAvg's:
+        replies are checked against the last global model when there is one
+        (the arrays of the last ``configure_train`` or round), otherwise against
+        each other, and then their arrays are averaged with FedAvg's weights
+        (FedNova's step normalisation and a server learning rate need the model
+        the nodes started from).
         """
-        updates = UpdateAccumulator()
-        metrics_acc = MetricsAccumulator(self.weighted_by_key)
+        fold = TrainFold(MetricsAccumulator(self.weighted_by_key))
         for reply in replies:
-            self.fold_train_reply(reply, server_round, updates, metrics_acc)
-        if updates.count == 0:
-            log(WARNING, "round %d: no usable train replies", server_round)
+            self.fold_train_reply(reply, server_round, fold)
+        log(
+            INFO,
+            "aggregate_train: Received %s results and %s failures",
+            fold.results,
+            fold.failures,
+        )
+        if fold.updates.count == 0:
+            if fold.results or fold.failures:
+                log(WARNING, "round %d: no usable train replies", server_round)
             return None, None
-        return self._finish(updates, metrics_acc)
+        absolute = fold.zeros is not None
+        if absolute and (
+            self.weighting == "fednova" or self._server_step_size() != 1.0
+        ):
+            self._fallback_once(
+                "absolute",
+                "aggregate_train without a global model: averaging the replies' "
+                "arrays as FedAvg does (step normalisation and the server "
+                "learning rate need the model the nodes trained from)",
+            )
+        new = fold.updates.result(
+            fold.zeros if fold.zeros is not None else self._global_np,
+            normalise_steps=self.weighting == "fednova" and not absolute,
+            step_size=1.0 if absolute else self._server_step_size(),
+        )
+        return to_arrayrecord(new), fold.metrics.result(self.train_metrics_aggr_fn)
 
     def aggregate_evaluate(
         self, server_round: int, replies: Iterable[Message]
     ) -> MetricRecord | None:
         """Aggregate evaluation metrics, rejecting bad replies (logged)."""
         metrics_acc = MetricsAccumulator(self.weighted_by_key)
+        results = failures = 0
         for reply in replies:
+            failures += reply.has_error()
+            results += not reply.has_error()
             self.fold_evaluate_reply(reply, server_round, metrics_acc)
+        log(
+            INFO,
+            "aggregate_evaluate: Received %s results and %s failures",
+            results,
+            failures,
+        )
         return metrics_acc.result(self.evaluate_metrics_aggr_fn)
 
     def fold_evaluate_reply(
@@ -556,69 +696,186 @@ class RuntimeWeightedFedAvg(FedAvg):
         try:
             metrics = check_evaluate_reply(reply, self.weighted_by_key)
         except ReplyRejected as rejection:
-            log(
-                WARNING,
-                "round %d: rejected evaluate reply from node %d: %s",
-                server_round,
-                reply.metadata.src_node_id,
-                rejection.reason,
-            )
+            if reply.has_error():
+                log(
+                    INFO,
+                    "\t> Received error in reply from node %s: %s",
+                    reply.metadata.src_node_id,
+                    reply.error.reason,
+                )
+            else:
+                log(
+                    WARNING,
+                    "round %d: rejected evaluate reply from node %s: %s",
+                    server_round,
+                    reply.metadata.src_node_id,
+                    rejection.reason,
+                )
             return False
         metrics_acc.add(metrics, float(metrics[self.weighted_by_key]))  # type: ignore[arg-type]
         return True
 
     # -------------------------------------------------------------------- rounds
-    def _train_round(
+    def _elapsed(self) -> float:
+        """Clock seconds since this run started (virtual seconds in simulation)."""
+        return self._clock.now() - self._t0
+
+    def _hand_over(
         self,
-        server_round: int,
-        config: ConfigRecord,
-        grid: Grid,
-        clock: Clock,
-    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Synchronous round: wait for every sampled node (or ``timeout``)."""
+        reply: Message,
+        ticket: Ticket,
+        arrived: float,
+        base: Mapping[str, np.ndarray],
+        staleness: int = 0,
+        discount: float = 1.0,
+        update_scale: float = 1.0,
+    ) -> Message:
+        """File the reply's :class:`Arrival` for ``aggregate_train``; return it."""
+        arrival = Arrival(
+            ticket,
+            arrived,
+            base,
+            staleness,
+            discount,
+            update_scale,
+            error_code=reply.error.code if reply.has_error() else None,
+        )
+        self._arrivals[reply.metadata.reply_to_message_id] = arrival
+        self._handed.append(arrival)
+        return reply
+
+    def _prepare_round(self, server_round: int, grid: Grid) -> None:
+        """Hook run before ``configure_train`` (subclasses fix the deadline)."""
+
+    def _train_replies(self, server_round: int) -> Iterator[Message]:
+        """This round's replies as they arrive, until all replied or ``timeout``."""
         assert self._inflight is not None
-        messages = self.configure_train(server_round, self._global, config, grid)
-        sent = set(self._inflight.push(messages, server_round))
-        updates = UpdateAccumulator()
-        metrics_acc = MetricsAccumulator(self.weighted_by_key)
-        until = clock.now() + self._timeout
+        until = self._clock.now() + self._timeout
         for reply, ticket, arrived in self._inflight.replies(
             until, kind=MessageType.TRAIN
         ):
-            self.fold_train_reply(
-                reply,
+            yield self._hand_over(reply, ticket, arrived, self._global_np)
+
+    def _close_train(
+        self,
+        server_round: int,
+        arrays: ArrayRecord | None,
+        metrics: MetricRecord | None,
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """After ``aggregate_train``: forget the round's unanswered messages."""
+        assert self._inflight is not None
+        missing = self._inflight.ids(lambda t: t.server_round == server_round)
+        self._tally = RoundTally.of(self._sent, self._handed, len(missing))
+        if missing:
+            log(
+                INFO,
+                "round %d: %d nodes did not reply within timeout=%g s",
                 server_round,
-                updates,
-                metrics_acc,
-                ticket=ticket,
-                arrived=arrived,
+                len(missing),
+                self._timeout,
             )
-        self._inflight.forget(sent)
-        if updates.count == 0:
-            log(WARNING, "round %d: no usable replies, model unchanged", server_round)
-            return None, None
-        return self._finish(updates, metrics_acc)
+        self._inflight.forget(missing)
+        return arrays, metrics
+
+    def _train_stage(
+        self, server_round: int, config: ConfigRecord, grid: Grid, result: Result
+    ) -> None:
+        """configure_train, push, aggregate_train over the arriving replies."""
+        assert self._inflight is not None
+        self._prepare_round(server_round, grid)
+        messages = self.configure_train(server_round, self._global, config, grid)
+        self._sent = len(self._inflight.push(messages, server_round))
+        self._handed = []
+        arrays, metrics = self.aggregate_train(
+            server_round, ReplyStream(self._train_replies(server_round))
+        )
+        arrays, metrics = self._close_train(server_round, arrays, metrics)
+        self._arrivals.clear()
+        if arrays is not None:
+            self._set_global(arrays)
+            result.arrays = arrays
+            self._stalled = 0
+            self._updates_applied += 1
+        elif self._sent or self.fraction_train > 0:
+            self._stalled += 1
+            if self._stalled % STALL_ROUNDS == 0:
+                self._warn_stalled(server_round, self._stalled)
+        log(
+            INFO,
+            "round %d: %s at t=%.2fs",
+            server_round,
+            "model updated" if arrays is not None else "model unchanged",
+            self._elapsed(),
+        )
+        if metrics is not None:
+            metrics[ROUND_CLOCK_S] = self._elapsed()
+            log(INFO, "\t└──> Aggregated MetricRecord: %s", metrics)
+            result.train_metrics_clientapp[server_round] = metrics
+
+    def _stall_cause(self, tally: RoundTally) -> str:
+        """Likely cause of a round without an update, and the setting to change."""
+        if tally.sampled == 0:
+            return (
+                "no node could be sampled (all quarantined or busy, or fewer than "
+                f"min_available_nodes={self.min_available_nodes} connected)"
+            )
+        if tally.rejected:
+            reason, count = tally.rejected.most_common(1)[0]
+            return (
+                f"{sum(tally.rejected.values())} of {tally.sampled} replies were "
+                f"rejected, most often ({count}x): {reason}"
+            )
+        return (
+            f"{tally.missing} of {tally.sampled} sampled nodes did not reply within "
+            f"start()'s timeout={self._timeout:g} s: raise timeout"
+        )
+
+    def _warn_stalled(self, server_round: int, rounds: int) -> None:
+        log(
+            WARNING,
+            "NO PROGRESS: no update applied for %d rounds (up to round %d); "
+            "the model is the one of round %d. Likely cause: %s",
+            rounds,
+            server_round,
+            server_round - rounds,
+            self._stall_cause(self._tally),
+        )
 
     def _evaluate_wait(self) -> float:
         """Clock seconds to wait for evaluation replies."""
         return self._timeout
 
-    def _evaluate_round(
-        self, server_round: int, config: ConfigRecord, grid: Grid, clock: Clock
-    ) -> MetricRecord | None:
+    def _evaluate_stage(
+        self, server_round: int, config: ConfigRecord, grid: Grid, result: Result
+    ) -> None:
+        """configure_evaluate, push, aggregate_evaluate over the arriving replies."""
         assert self._inflight is not None
+        inflight = self._inflight
         messages = self.configure_evaluate(server_round, self._global, config, grid)
-        sent = set(self._inflight.push(messages, server_round))
-        if not sent:
-            return None
-        until = clock.now() + self._evaluate_wait()
+        sent = inflight.push(messages, server_round)
+        until = self._clock.now() + self._evaluate_wait()
         replies = (
-            reply
-            for reply, _, _ in self._inflight.replies(until, kind=MessageType.EVALUATE)
+            reply for reply, _, _ in inflight.replies(until, kind=MessageType.EVALUATE)
         )
-        metrics = self.aggregate_evaluate(server_round, replies)
-        self._inflight.forget(sent)
-        return metrics
+        metrics = self.aggregate_evaluate(server_round, ReplyStream(replies))
+        inflight.forget(sent)
+        if metrics is not None:
+            log(INFO, "\t└──> Aggregated MetricRecord: %s", metrics)
+            result.evaluate_metrics_clientapp[server_round] = metrics
+
+    def _central_evaluation(
+        self,
+        server_round: int,
+        result: Result,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None,
+    ) -> None:
+        if evaluate_fn is None:
+            return
+        log(INFO, "Global evaluation")
+        res = evaluate_fn(server_round, self._global)
+        log(INFO, "\t└──> MetricRecord: %s", res)
+        if res is not None:
+            result.evaluate_metrics_serverapp[server_round] = res
 
     def _after_round(self, server_round: int, result: Result) -> None:
         """Hook run after each round's evaluation (subclasses adapt here)."""
@@ -688,6 +945,67 @@ class RuntimeWeightedFedAvg(FedAvg):
         return last_round
 
     # --------------------------------------------------------------------- start
+    def _begin(
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int,
+        timeout: float,
+        train_config: ConfigRecord | None,
+        evaluate_config: ConfigRecord | None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None,
+    ) -> tuple[Result, int]:
+        """Flower's start-up lines, clocks, resume, the initial evaluation."""
+        log(INFO, "Starting %s strategy:", type(self).__name__)
+        log_strategy_start_info(
+            num_rounds, initial_arrays, train_config, evaluate_config
+        )
+        self.summary()
+        log(INFO, "")
+        self._clock = clock_of(grid)
+        self._t0 = self._clock.now()
+        self._wall_t0 = time.time()
+        self._timeout = float(timeout)
+        self._inflight = InFlight(grid, self._clock)
+        self._stalled = self._updates_applied = 0
+        result = Result()
+        self._set_global(initial_arrays)
+        result.arrays = initial_arrays
+        done = self._resume(initial_arrays, result)
+        result.arrays = self._global
+        if done == 0 and evaluate_fn is not None:
+            res = evaluate_fn(0, initial_arrays)
+            log(INFO, "Initial global evaluation results: %s", res)
+            if res is not None:
+                result.evaluate_metrics_serverapp[0] = res
+        return result, done
+
+    def _end(self, result: Result, rounds_run: int) -> Result:
+        """Flower's closing lines and summary; say so if nothing was ever applied."""
+        result.arrays = self._global
+        if rounds_run and self._updates_applied == 0 and self.fraction_train > 0:
+            log(
+                ERROR,
+                "NO TRAINING: none of the %d rounds applied an update, so the final "
+                "model is the initial one. Likely cause: %s",
+                rounds_run,
+                self._stall_cause(self._tally),
+            )
+        log(INFO, "")
+        log(INFO, "Strategy execution finished in %.2fs", time.time() - self._wall_t0)
+        log(
+            INFO,
+            "Clock time of the run: %.2fs (virtual in simulation)",
+            self._elapsed(),
+        )
+        log(INFO, "")
+        log(INFO, "Final results:")
+        log(INFO, "")
+        for line in io.StringIO(str(result)):
+            log(INFO, "\t%s", line.strip("\n"))
+        log(INFO, "")
+        return result
+
     def start(
         self,
         grid: Grid,
@@ -698,42 +1016,30 @@ class RuntimeWeightedFedAvg(FedAvg):
         evaluate_config: ConfigRecord | None = None,
         evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
     ) -> Result:
-        """Run ``num_rounds`` rounds on the grid's clock; same contract as FedAvg."""
-        log(INFO, "Starting %s strategy:", type(self).__name__)
-        self.summary()
-        clock = clock_of(grid)
-        self._timeout = float(timeout)
-        self._inflight = InFlight(grid, clock)
+        """Run ``num_rounds`` rounds on the grid's clock; same contract as FedAvg.
+
+        Each round calls ``configure_train``, ``aggregate_train`` (over the
+        replies as they arrive), ``configure_evaluate``, ``aggregate_evaluate``
+        and ``evaluate_fn``, as Flower's ``Strategy.start`` does, so a subclass
+        overriding any of them changes the run.
+        """
+        result, done = self._begin(
+            grid,
+            initial_arrays,
+            num_rounds,
+            timeout,
+            train_config,
+            evaluate_config,
+            evaluate_fn,
+        )
         train_config = ConfigRecord() if train_config is None else train_config
         evaluate_config = ConfigRecord() if evaluate_config is None else evaluate_config
-        result = Result()
-        self._set_global(initial_arrays)
-        done = self._resume(initial_arrays, result)
-        if done == 0 and evaluate_fn is not None:
-            res = evaluate_fn(0, initial_arrays)
-            if res is not None:
-                result.evaluate_metrics_serverapp[0] = res
         for server_round in range(done + 1, num_rounds + 1):
-            log(INFO, "[ROUND %s/%s] t=%.1fs", server_round, num_rounds, clock.now())
-            arrays, train_metrics = self._train_round(
-                server_round, train_config, grid, clock
-            )
-            if arrays is not None:
-                self._set_global(arrays)
-            if train_metrics is not None:
-                train_metrics[ROUND_CLOCK_S] = clock.now()
-                result.train_metrics_clientapp[server_round] = train_metrics
-            eval_metrics = self._evaluate_round(
-                server_round, evaluate_config, grid, clock
-            )
-            if eval_metrics is not None:
-                result.evaluate_metrics_clientapp[server_round] = eval_metrics
-            if evaluate_fn is not None:
-                res = evaluate_fn(server_round, self._global)
-                if res is not None:
-                    result.evaluate_metrics_serverapp[server_round] = res
+            log(INFO, "")
+            log(INFO, "[ROUND %s/%s]", server_round, num_rounds)
+            self._train_stage(server_round, train_config, grid, result)
+            self._evaluate_stage(server_round, evaluate_config, grid, result)
+            self._central_evaluation(server_round, result, evaluate_fn)
             self._after_round(server_round, result)
             self._write_checkpoint(server_round, result)
-        result.arrays = self._global
-        log(INFO, "%s finished at t=%.1fs", type(self).__name__, clock.now())
-        return result
+        return self._end(result, num_rounds - done)

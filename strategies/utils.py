@@ -32,7 +32,7 @@ from flwr.app import (
     MetricRecord,
     RecordDict,
 )
-from flwr.common.constant import SType
+from flwr.common.constant import ErrorCode, SType
 from flwr.serverapp import Grid
 from flwr.supercore import log
 
@@ -165,10 +165,24 @@ def _single_metricrecord(content: RecordDict) -> MetricRecord:
     return found[0]
 
 
+UNAVAILABLE_CODES = frozenset(
+    {
+        ErrorCode.MESSAGE_UNAVAILABLE,
+        ErrorCode.REPLY_MESSAGE_UNAVAILABLE,
+        ErrorCode.NODE_UNAVAILABLE,
+    }
+)
+"""Error codes of a reply that never came (expired TTL, node gone): the node was
+slow or vanished, which is not a fault that quarantine should punish."""
+
+
 def _content(reply: Message) -> RecordDict:
     if reply.has_error():
         reason = reply.error.reason or "no reason given"
-        raise ReplyRejected(f"error reply (code {reply.error.code}): {reason}")
+        raise ReplyRejected(
+            f"error reply (code {reply.error.code}): {reason}",
+            fault=reply.error.code not in UNAVAILABLE_CODES,
+        )
     if not reply.has_content():
         raise ReplyRejected("reply has neither content nor error")
     return reply.content
@@ -197,13 +211,67 @@ def check_metrics(metrics: MetricRecord, weighted_by_key: str) -> float:
     return weight
 
 
-def check_train_reply(
-    reply: Message, reference: ArrayRecord, weighted_by_key: str
-) -> tuple[dict[str, np.ndarray], MetricRecord, float]:
-    """Validate a training reply against the global arrays it was trained from.
+ArraySpec = tuple[tuple[int, ...], np.dtype]
+"""Shape and dtype of one array: what a reply's array must match."""
 
-    Returns the reply's arrays (read-only NumPy views of the reply's bytes, see
-    :func:`array_view`), its MetricRecord and its weight. The values themselves
+
+def spec_of(arrays: Mapping[str, np.ndarray] | ArrayRecord) -> dict[str, ArraySpec]:
+    """Names, shapes and dtypes of NumPy arrays or of an ArrayRecord's arrays."""
+    return {
+        name: (tuple(int(d) for d in value.shape), np.dtype(value.dtype))
+        for name, value in arrays.items()
+    }
+
+
+def cast_array(name: str, value: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """``value`` as the model's ``dtype`` when that keeps its meaning.
+
+    Accepted when NumPy's ``same_kind`` rule allows the cast (float64 to float32,
+    int64 to int32, int to float: the same kind or a safe one) and no value
+    falls outside ``dtype``'s range. Float to int (the fraction is lost) and
+    complex to real (the imaginary part is lost) are rejected. A float reply
+    to a float model stays as it is (no copy): :meth:`UpdateAccumulator.add`
+    folds it into the model's dtype.
+
+    Raises
+    ------
+    ReplyRejected
+        Naming the array, its dtype and the model's, and the rule or range.
+    """
+    if value.dtype == dtype:
+        return value
+    if not np.can_cast(value.dtype, dtype, casting="same_kind"):
+        raise ReplyRejected(
+            f"array {name!r} has dtype {value.dtype}, which cannot become the "
+            f"model's {dtype} without losing information (NumPy 'same_kind' "
+            "casting refuses it)"
+        )
+    if value.size and dtype.kind in "iuf":
+        with np.errstate(invalid="ignore"):
+            low, high = value.min(), value.max()
+        info = np.iinfo(dtype) if dtype.kind in "iu" else np.finfo(dtype)
+        if low < info.min or high > info.max:
+            raise ReplyRejected(
+                f"array {name!r} holds values in [{low:g}, {high:g}], outside "
+                f"{dtype}'s range [{info.min:g}, {info.max:g}]"
+            )
+    if value.dtype.kind == "f" and dtype.kind == "f":
+        return value
+    return value.astype(dtype)
+
+
+def check_train_reply(
+    reply: Message,
+    reference: Mapping[str, ArraySpec] | None,
+    weighted_by_key: str,
+) -> tuple[dict[str, np.ndarray], MetricRecord, float]:
+    """Validate a training reply; return its arrays, MetricRecord and weight.
+
+    ``reference`` gives the names, shapes and dtypes the arrays must have (the
+    model the node trained from, or the first accepted reply when no model is
+    known); None checks the reply on its own. An array of another dtype is
+    accepted when :func:`cast_array` allows it. The arrays are read-only NumPy
+    views of the reply's bytes where possible (:func:`array_view`); their values
     are checked (NaN/Inf) by :meth:`UpdateAccumulator.add`, in the same pass that
     folds them.
 
@@ -211,8 +279,8 @@ def check_train_reply(
     ------
     ReplyRejected
         Error content; not exactly one ArrayRecord/MetricRecord; missing or extra
-        array keys; wrong shape or dtype; undecodable bytes; invalid weight or
-        metrics.
+        array keys; wrong shape; a dtype that cannot be cast safely; undecodable
+        bytes; invalid weight or metrics.
     """
     content = _content(reply)
     found = records_of(content, ArrayRecord)
@@ -221,32 +289,36 @@ def check_train_reply(
     metrics = _single_metricrecord(content)
     weight = check_metrics(metrics, weighted_by_key)
     record = found[0]
-    missing = sorted(set(reference) - set(record))
-    extra = sorted(set(record) - set(reference))
-    if missing:
-        raise ReplyRejected(f"missing arrays {missing}")
-    if extra:
-        raise ReplyRejected(f"unexpected arrays {extra}")
+    if reference is not None:
+        missing = sorted(set(reference) - set(record))
+        extra = sorted(set(record) - set(reference))
+        if missing:
+            raise ReplyRejected(f"missing arrays {missing}")
+        if extra:
+            raise ReplyRejected(f"unexpected arrays {extra}")
     arrays: dict[str, np.ndarray] = {}
-    for name, ref in reference.items():
+    for name in reference if reference is not None else record:
         got = record[name]
-        if tuple(got.shape) != tuple(ref.shape):
+        if reference is not None and tuple(got.shape) != reference[name][0]:
             raise ReplyRejected(
                 f"array {name!r} has shape {tuple(got.shape)}, "
-                f"expected {tuple(ref.shape)}"
-            )
-        if got.dtype != ref.dtype:
-            raise ReplyRejected(
-                f"array {name!r} has dtype {got.dtype}, expected {ref.dtype}"
+                f"expected {reference[name][0]}"
             )
         try:
             value = array_view(got)
         except Exception as err:  # undecodable bytes: the node's fault, not ours
             raise ReplyRejected(f"array {name!r} cannot be decoded: {err}") from err
-        if value.shape != tuple(ref.shape) or value.dtype != np.dtype(ref.dtype):
+        if value.shape != tuple(got.shape) or value.dtype != np.dtype(got.dtype):
             raise ReplyRejected(
                 f"array {name!r} holds {value.dtype} {value.shape} but declares "
                 f"{got.dtype} {tuple(got.shape)}"
+            )
+        if reference is not None:
+            value = cast_array(name, value, reference[name][1])
+        if value.dtype.kind not in "biuf":
+            raise ReplyRejected(
+                f"array {name!r} has dtype {value.dtype}; model arrays must be "
+                "bool, integer or real floating point"
             )
         arrays[name] = value
     return arrays, metrics, weight
@@ -659,6 +731,13 @@ class InFlight:
             predicate(t) for _, t, _ in self._backlog
         )
 
+    def _keep(self, replies: Iterable[Message]) -> None:
+        """Put pulled replies nobody has taken yet into the backlog."""
+        for reply in replies:
+            ticket = self.tickets.pop(reply.metadata.reply_to_message_id, None)
+            if ticket is not None:
+                self._backlog.append((reply, ticket, self.clock.now()))
+
     def replies(
         self,
         until: float,
@@ -671,7 +750,8 @@ class InFlight:
         Only messages of ``kind`` (all if None) are pulled. Stops when none of them
         is outstanding, when ``done()`` is true, or when the clock passes ``until``.
         Waiting goes through the clock, so on the virtual clock the loop jumps from
-        one arrival to the next.
+        one arrival to the next. Replies pulled but not handed out (``done()``
+        turned true, or the consumer closed the iterator) wait in the backlog.
         """
 
         def matches(ticket: Ticket) -> bool:
@@ -689,7 +769,8 @@ class InFlight:
             if not wanted:
                 return
             arrived = False
-            for reply in self.grid.pull_messages(wanted):
+            batch = list(self.grid.pull_messages(wanted))
+            for index, reply in enumerate(batch):
                 ticket = self.tickets.pop(reply.metadata.reply_to_message_id, None)
                 if ticket is None:
                     continue
@@ -697,14 +778,74 @@ class InFlight:
                 item = (reply, ticket, self.clock.now())
                 if stop():
                     self._backlog.append(item)
-                else:
+                    continue
+                try:
                     yield item
+                except GeneratorExit:  # the consumer stopped early: keep the rest
+                    self._keep(batch[index + 1 :])
+                    raise
             if arrived:
                 continue
             remaining = until - self.clock.now()
             if remaining <= 0:
                 return
             self.clock.wait(remaining)
+
+
+@dataclass
+class Arrival:
+    """What the round loop knows about a reply it hands to ``aggregate_train``.
+
+    The loop files one under the reply's ``reply_to_message_id`` before handing
+    the reply over; ``aggregate_train`` looks it up and, without one (a reply
+    from a direct call, as in Flower's own tests), treats the reply as fresh work
+    on the last global model. ``discount`` multiplies the reply's weight and
+    ``update_scale`` its update (staleness); ``accepted`` is set once the reply
+    has been validated (None: not looked at, e.g. by an overriding
+    ``aggregate_train`` that does its own averaging).
+    """
+
+    ticket: Ticket
+    arrived: float
+    base: Mapping[str, np.ndarray]
+    staleness: int = 0
+    discount: float = 1.0
+    update_scale: float = 1.0
+    error_code: int | None = None
+    accepted: bool | None = None
+    fault: bool = False
+    reason: str = ""
+
+    @property
+    def usable(self) -> bool:
+        """Accepted, or (when nobody validated it) at least not an error reply."""
+        if self.accepted is None:
+            return self.error_code is None
+        return self.accepted
+
+
+class ReplyStream:
+    """Replies handed to ``aggregate_train``/``aggregate_evaluate`` as they arrive.
+
+    Iterable once, so the strategy never holds more than one reply (streaming,
+    O(model) memory); a second iteration yields nothing and says so, since
+    an overriding method that needs two passes must keep them itself
+    (``replies = list(replies)``).
+    """
+
+    def __init__(self, source: Iterator[Message]) -> None:
+        self._source: Iterator[Message] | None = source
+
+    def __iter__(self) -> Iterator[Message]:
+        if self._source is None:
+            log(
+                WARNING,
+                "the replies were iterated twice; they stream past once to keep "
+                "memory at one model: take list(replies) first to read them twice",
+            )
+            return iter(())
+        source, self._source = self._source, None
+        return source
 
 
 def sample_nodes(

@@ -49,9 +49,13 @@ BAD_REPLIES: dict[str, tuple[Callable[[Message], Message], str]] = {
         lambda m: reply(m, {"w": np.zeros((2, 2), np.float32)}, num_examples=10),
         "shape (2, 2), expected (1,)",
     ),
-    "wrong dtype": (
-        lambda m: reply(m, {"w": np.array([1.0], np.float64)}, num_examples=10),
-        "dtype float64, expected float32",
+    "lossy dtype": (
+        lambda m: reply(m, {"w": np.array([1 + 2j], np.complex64)}, num_examples=10),
+        "dtype complex64, which cannot become the model's float32",
+    ),
+    "overflowing cast": (
+        lambda m: reply(m, {"w": np.array([1e300], np.float64)}, num_examples=10),
+        "outside float32's range",
     ),
     "negative weight": (
         lambda m: reply(m, shifted(m), num_examples=-10),
@@ -125,14 +129,18 @@ STRATEGIES = {
 def test_bad_reply_is_rejected_and_logged_and_the_round_goes_on(
     kind: str, name: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="flwr")
+    caplog.set_level(logging.INFO, logger="flwr")
     build, reason = BAD_REPLIES[kind]
     result = STRATEGIES[name]().start(fleet(build), weights(), num_rounds=1)
     # FedBuff's K=2 buffer fills with node 1 (t=1) and node 2 (t=2), around node 3's
     # bad reply at t=1.5, so all three strategies land on (1 + 3) / 2.
     assert float(result.arrays["w"].numpy()[0]) == pytest.approx(2.0)
+    # An error reply gets Flower's own line, any other bad reply ours.
     rejections = [
-        r.getMessage() for r in caplog.records if "rejected" in r.getMessage()
+        r.getMessage()
+        for r in caplog.records
+        if "rejected reply" in r.getMessage()
+        or "Received error in reply" in r.getMessage()
     ]
     assert len(rejections) == 1
     assert "node 3" in rejections[0]

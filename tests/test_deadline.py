@@ -13,6 +13,11 @@ import math
 import pytest
 from flowerbed import keys
 from flowerbed.strategies import DeadlineFedAvg
+from flowerbed.strategies.deadline import (
+    Observation,
+    censored_percentile,
+    full_work_seconds,
+)
 from flowerbed.strategies.utils import (
     ROUND_DEADLINE_S,
     ROUND_LATE_UPDATES,
@@ -107,14 +112,105 @@ def test_over_selection_keeps_the_first_k_replies() -> None:
 
 def test_adaptive_deadline_starts_at_the_percentile_then_follows_durations() -> None:
     # Round 1 has no history: it closes once 50% of the 4 sampled nodes replied
-    # (t=2). Round 2's deadline is the median of the durations seen, [1, 2] -> 1.5.
+    # (t=2). Durations: 1 and 2 s; nodes 3 and 4 had not finished after 2 s.
+    # Nearest-rank median of [1, 2, >2, >2] (rank ceil(0.5 * 4) = 2) is 2 s.
+    # Round 2 samples nodes 1 and 2 (3 and 4 are still busy), both in time: t=4.
     grid = fleet()
     result = strategy(
         adaptive_deadline=True, deadline_percentile=50.0, min_completion=1
     ).start(grid, weights(), num_rounds=2)
     assert result.train_metrics_clientapp[1][ROUND_DEADLINE_S] == -1.0
-    assert result.train_metrics_clientapp[2][ROUND_DEADLINE_S] == pytest.approx(1.5)
-    assert grid.clock.now() == pytest.approx(2.0 + 1.5)
+    assert result.train_metrics_clientapp[2][ROUND_DEADLINE_S] == pytest.approx(2.0)
+    assert grid.clock.now() == pytest.approx(4.0)
+
+
+def test_adaptive_deadline_grows_when_too_few_nodes_finish_in_time() -> None:
+    # Round 1 (deadline 5 s): finished 1 s, 2 s; nodes 3 (20 s) and 4 (silent)
+    # did not. p80 is rank ceil(0.8 * 4) = 4, an unfinished node given 5 s, so
+    # round 2's deadline grows by deadline_growth: 1.5 * 5 = 7.5 s.
+    grid = fleet()
+    result = strategy(adaptive_deadline=True, deadline_s=5.0, min_completion=1).start(
+        grid, weights(), num_rounds=2
+    )
+    assert result.train_metrics_clientapp[2][ROUND_DEADLINE_S] == pytest.approx(7.5)
+
+
+def test_partial_work_does_not_shrink_the_adaptive_deadline() -> None:
+    # Both nodes do 1 step/s and are assigned 10 steps. With deadline D they
+    # train 0.8 D and reply then; their full work is 10 s, not 0.8 D. So the
+    # deadline goes 5 s (given) -> 10 s and stays there, instead of shrinking
+    # by 0.8 every round.
+    def partial(message):  # type: ignore[no-untyped-def]
+        budget = config_of(message)[keys.DEADLINE_S]
+        done = min(10, int(budget))
+        return node(0.1 * done, seconds=float(done), steps=done)(message)
+
+    grid = FakeGrid({1: partial, 2: partial})
+    result = strategy(
+        adaptive_deadline=True,
+        deadline_s=5.0,
+        partial_work=True,
+        local_steps=10,
+        pacer_step=0.0,
+    ).start(grid, weights(), num_rounds=4)
+    deadlines = [
+        result.train_metrics_clientapp[r][ROUND_DEADLINE_S] for r in (1, 2, 3, 4)
+    ]
+    assert deadlines == pytest.approx([5.0, 10.0, 10.0, 10.0])
+
+
+def test_a_node_that_cannot_do_one_step_lengthens_the_deadline_and_is_not_benched() -> (
+    None
+):
+    # Node 2 needs 3 s for its first step; with 0.8 * 2 s it answers at once with
+    # num-steps 0. That is no fault: it stays in the sample, and as the p100
+    # node it had not finished, the deadline grows 2 -> 3 -> 4.5 s, after which
+    # it fits a step.
+    def slow(message):  # type: ignore[no-untyped-def]
+        budget = config_of(message)[keys.DEADLINE_S]
+        done = int(budget // 3.0)
+        return node(1.0, seconds=3.0 * done, steps=done, examples=10 * done)(message)
+
+    grid = FakeGrid({1: node(1.0, seconds=1.0, steps=1), 2: slow})
+    result = strategy(
+        adaptive_deadline=True,
+        deadline_s=2.0,
+        deadline_percentile=100.0,
+        partial_work=True,
+        local_steps=1,
+        pacer_step=0.0,
+        quarantine_after=1,
+        min_completion=1,
+    ).start(grid, weights(), num_rounds=4)
+    deadlines = [
+        result.train_metrics_clientapp[r][ROUND_DEADLINE_S] for r in (1, 2, 3, 4)
+    ]
+    assert deadlines == pytest.approx([2.0, 3.0, 4.5, 4.5])
+    assert len(grid.pushed_to(2)) == 4
+    assert result.train_metrics_clientapp[4][ROUND_PARTICIPANTS] == 2
+
+
+def test_full_work_seconds_scales_the_compute_to_the_assigned_steps() -> None:
+    # 4 of 10 steps: 2 s of transfers + 4 s of compute -> 2 + 4 * 10 / 4 = 12 s.
+    assert full_work_seconds(6.0, 4.0, 4, 10) == pytest.approx(12.0)
+    assert full_work_seconds(6.0, None, 4, 10) == pytest.approx(15.0)
+    assert full_work_seconds(6.0, 4.0, 10, 10) == 6.0
+    assert full_work_seconds(6.0, 4.0, None, 10) == 6.0
+    assert full_work_seconds(6.0, 0.0, 0, 10) is None
+
+
+def test_censored_percentile_is_nearest_rank_with_unfinished_nodes_last() -> None:
+    obs = [
+        Observation(1, 3.0),
+        Observation(1, 1.0),
+        Observation(1, 2.0, censored=True),
+        Observation(1, 9.0),
+    ]
+    # sorted: 1, 3, 9, (>2); ranks ceil(p/100 * 4)
+    assert censored_percentile(obs, 50.0) == (3.0, False)
+    assert censored_percentile(obs, 75.0) == (9.0, False)
+    assert censored_percentile(obs, 80.0) == (2.0, True)
+    assert censored_percentile([], 80.0) is None
 
 
 def test_pacer_relaxes_when_progress_slows_and_tightens_when_it_holds() -> None:
@@ -183,3 +279,73 @@ def test_invalid_settings_are_refused_with_the_valid_range() -> None:
         DeadlineFedAvg(over_selection=0.5)
     with pytest.raises(ValueError, match=r"deadline_percentile must be in \(0, 100\]"):
         DeadlineFedAvg(deadline_percentile=0)
+
+
+def test_an_expired_message_is_not_a_fault() -> None:
+    # Node 4 never answers: each round its message expires (TTL 2 x 5 s), yet with
+    # quarantine after a single fault it keeps being sampled: slow or gone is not
+    # broken.
+    grid = fleet()
+    s = strategy(deadline_s=5.0, late_updates=False, quarantine_after=1)
+    s.start(grid, weights(), num_rounds=4)
+    assert len(grid.pushed_to(4)) == 4
+    assert s.quarantine.until == {}
+
+
+def test_evaluation_waits_a_quarter_of_the_deadline_by_default() -> None:
+    # Training closes at the 4 s deadline; node 4 never answers its evaluation
+    # either, which then closes after 4 / 4 = 1 s: the round lasts 5 s.
+    grid = fleet()
+    strategy(deadline_s=4.0, late_updates=False, fraction_evaluate=1.0).start(
+        grid, weights(), num_rounds=1
+    )
+    assert grid.clock.now() == pytest.approx(5.0)
+    grid = fleet()
+    strategy(
+        deadline_s=4.0,
+        late_updates=False,
+        fraction_evaluate=1.0,
+        evaluate_timeout_s=0.5,
+    ).start(grid, weights(), num_rounds=1)
+    assert grid.clock.now() == pytest.approx(4.5)
+
+
+def test_a_run_that_never_updates_says_why_and_what_to_change(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Every node needs >= 1 s, the fixed deadline is 0.5 s: nothing is ever applied.
+    caplog.set_level(logging.WARNING, logger="flwr")
+    grid = fleet()
+    result = strategy(deadline_s=0.5, late_updates=False).start(
+        grid, weights(3.0), num_rounds=6
+    )
+    assert w(result) == 3.0
+    stalled = [
+        r.getMessage() for r in caplog.records if "NO PROGRESS" in r.getMessage()
+    ]
+    assert len(stalled) == 2  # after rounds 3 and 6
+    assert "missed the 0.5 s deadline" in stalled[0]
+    assert "raise deadline_s (now 0.5) or set adaptive_deadline=True" in stalled[0]
+    final = [r for r in caplog.records if "NO TRAINING" in r.getMessage()]
+    assert len(final) == 1 and final[0].levelno == logging.ERROR
+
+
+def test_message_ttl_never_falls_below_one_second() -> None:
+    grid = fleet()
+    strategy(deadline_s=0.01, late_updates=False).start(grid, weights(), num_rounds=1)
+    assert {m.metadata.ttl for _, m in grid.pushed} == {1.0}
+
+
+def test_the_benchmark_and_the_run_config_mean_the_same_deadline_strategy() -> None:
+    # One configuration under one name: `flowerbed bench`'s "deadline" is
+    # `strategy = "deadline"` of the run config.
+    from flowerbed.bench.suite import CONFIGS
+    from flowerbed.sims.config import Scenario
+    from flowerbed.sims.scenario import STRATEGIES
+
+    scenario = Scenario.from_run_config({"strategy": "deadline"})
+    bench, run = CONFIGS["deadline"].build(scenario), STRATEGIES["deadline"](scenario)
+    assert type(bench) is type(run) is DeadlineFedAvg
+    settings = ("adaptive_deadline", "deadline_percentile", "partial_work")
+    assert {k: vars(bench)[k] for k in settings} == {k: vars(run)[k] for k in settings}
+    assert run.adaptive_deadline and run.partial_work and run.late_updates

@@ -2,6 +2,9 @@
 
 from flowerbed.sims.scenario import run_scenario
 from flowerbed.strategies import DeadlineFedAvg
+from flowerbed.strategies.utils import InFlight
+from flwr.app import Message, RecordDict
+from test_strategies_fakes import FakeGrid, node, weights
 
 
 def test_adaptive_deadline_with_late_updates_runs_a_large_unequal_fleet() -> None:
@@ -18,3 +21,24 @@ def test_adaptive_deadline_with_late_updates_runs_a_large_unequal_fleet() -> Non
     records = run_scenario({**config, "dropout": 0.0}, strategy=strategy, write=False)
     assert [r.round for r in records.records] == [1, 2, 3, 4]
     assert records.records[-1].accuracy > 0.5
+
+
+def test_replies_pulled_but_not_taken_wait_in_the_backlog() -> None:
+    # Both replies arrive at t=1 and are pulled together; the consumer takes one
+    # and stops (an aggregate_train override that reads only the first reply):
+    # the other is not lost, the next iteration yields it.
+
+    grid = FakeGrid({1: node(1.0, seconds=1.0), 2: node(2.0, seconds=1.0)})
+    inflight = InFlight(grid, grid.clock)
+    inflight.push(
+        [
+            Message(RecordDict({"arrays": weights()}), n, "train", ttl=9.0)
+            for n in (1, 2)
+        ],
+        server_round=1,
+    )
+    first = inflight.replies(until=5.0)
+    _, ticket, _ = next(first)
+    first.close()
+    [(_, other, _)] = list(inflight.replies(until=5.0))
+    assert {ticket.node_id, other.node_id} == {1, 2}

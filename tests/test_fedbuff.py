@@ -65,8 +65,9 @@ def test_new_work_is_dispatched_on_the_newest_version_as_replies_arrive() -> Non
         ]
         for n in (1, 2)
     }
-    assert pushes[1] == [(0.0, "0"), (1.0, "1"), (2.0, "2")]
-    assert pushes[2] == [(0.0, "0"), (2.5, "3")]
+    # group_id is the version the work counts towards: the newest one plus 1.
+    assert pushes[1] == [(0.0, "1"), (1.0, "2"), (2.0, "3")]
+    assert pushes[2] == [(0.0, "1"), (2.5, "4")]
 
 
 def test_updates_older_than_max_staleness_are_dropped() -> None:

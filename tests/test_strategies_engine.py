@@ -176,14 +176,19 @@ def test_adaptive_deadline_follows_the_percentile_of_durations(
     fast: Device, slow: Device
 ) -> None:
     # Round 1: no history, closes at floor(80% of 4) = 3 replies (the slow phone).
-    # Round 2: P80 of [fast, fast, slow] = fast + 0.6 (slow - fast).
-    result = DeadlineFedAvg(adaptive_deadline=True, fraction_evaluate=0.0).start(
-        grid_for(FLEET), initial_arrays(), num_rounds=2
-    )
-    first, second = result.train_metrics_clientapp[1], result.train_metrics_clientapp[2]
-    assert first[ROUND_CLOCK_S] == pytest.approx(slow.duration)
-    expected = fast.duration + 0.6 * (slow.duration - fast.duration)
-    assert second[ROUND_DEADLINE_S] == pytest.approx(expected)
+    # Its durations: fast, fast, slow, and the offline node unfinished after
+    # `slow`. P80 (nearest rank ceil(0.8 * 4) = 4) falls on the unfinished node,
+    # so round 2's deadline grows: 1.5 * slow. With p75 (rank 3) it is `slow`.
+    for percentile, expected in ((80.0, 1.5 * slow.duration), (75.0, slow.duration)):
+        result = DeadlineFedAvg(
+            adaptive_deadline=True,
+            deadline_percentile=percentile,
+            fraction_evaluate=0.0,
+        ).start(grid_for(FLEET), initial_arrays(), num_rounds=2)
+        first = result.train_metrics_clientapp[1]
+        second = result.train_metrics_clientapp[2]
+        assert first[ROUND_CLOCK_S] == pytest.approx(slow.duration)
+        assert second[ROUND_DEADLINE_S] == pytest.approx(expected)
 
 
 def test_fedbuff_keeps_versions_coming_past_slow_and_dead_nodes(
