@@ -45,6 +45,12 @@ def register(subparsers: Any) -> None:
         "--sections",
         help=f"comma-separated subset of: {', '.join(SECTIONS)} (default all)",
     )
+    p.add_argument(
+        "--list",
+        action="store_true",
+        help="print what each section's options take (workloads, strategies, "
+        "parts) and exit",
+    )
     where = p.add_mutually_exclusive_group()
     where.add_argument(
         "--out", help=f"output folder (default {DEFAULT_OUT}, under the current folder)"
@@ -206,9 +212,22 @@ def bench(
     return results
 
 
+def list_choices() -> list[str]:
+    """Each section's ``choices()`` lines, under its name."""
+    lines = []
+    for name in SECTIONS:
+        choices = getattr(section_module(name), "choices", None)
+        if choices is not None:
+            lines += [f"{name}:", *(f"  {line}" for line in choices())]
+    return lines
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    if args.list:
+        print("\n".join(list_choices()))
+        return 0
     console = Console()
     try:
         names = sections_from_args(args)

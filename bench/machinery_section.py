@@ -34,6 +34,11 @@ QUICK_THROUGHPUT_NODES = (10,)
 GATEWAY_PHONES = 100
 
 
+def choices() -> list[str]:
+    """What ``--machinery`` takes (``flowerbed bench --list``)."""
+    return [f"--machinery: {', '.join(PARTS)}"]
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("machinery section")
     g.add_argument(

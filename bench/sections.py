@@ -22,6 +22,9 @@ Adding a section
        def add_arguments(parser: argparse.ArgumentParser) -> None: ...
        def check(args: argparse.Namespace) -> None:
            '''Raise ValueError naming a bad option (called before anything runs).'''
+       def choices() -> list[str]:
+           '''Lines naming what the options take (``flowerbed bench --list``);
+           may import the section's heavy modules, add_arguments may not.'''
 
    ``ctx`` (:class:`SectionRun`) gives the parsed options (``ctx.args``),
    ``ctx.quick``, the folder for files the page links to (``ctx.data_dir``,

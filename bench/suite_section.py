@@ -45,9 +45,18 @@ class SuitePlan:
         ]
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def choices() -> list[str]:
+    """What ``--workloads`` and ``--strategies`` take (``flowerbed bench --list``)."""
     from flowerbed.bench.suite import CONFIGS, DEFAULT_CONFIGS, WORKLOADS
 
+    return [
+        f"--workloads: {', '.join(WORKLOADS)}",
+        f"--strategies: {', '.join(CONFIGS)} (default: {', '.join(DEFAULT_CONFIGS)})",
+    ]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    # No names here: listing them imports the suite (torch, Flower); --list does.
     g = p.add_argument_group("suite section")
     g.add_argument(
         "--seeds",
@@ -56,12 +65,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--workloads",
-        help=f"comma-separated subset of: {', '.join(WORKLOADS)} (default all)",
+        help="comma-separated subset of the workloads (default all; --list names them)",
     )
     g.add_argument(
         "--strategies",
-        help=f"comma-separated subset of: {', '.join(CONFIGS)} (default: "
-        f"{', '.join(DEFAULT_CONFIGS)})",
+        help="comma-separated subset of the strategy configurations (default: "
+        "every one but the variants; --list names them)",
     )
     g.add_argument(
         "--jobs",

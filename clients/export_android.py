@@ -34,16 +34,19 @@ ExecuTorch is imported only inside the export, so ``import flowerbed`` never nee
 
 from __future__ import annotations
 
-import argparse
 import copy
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from flowerbed.data import DATASETS, check_dataset_name
+from flowerbed.clients.export_android_cli import (
+    DEFAULT_HIDDEN,
+    DEFAULT_MAX_BATCH_SIZE,
+    EXPORT_MODELS,
+)
+from flowerbed.data import check_dataset_name
 from flowerbed.models import MODELS, build_model, he_init
 from torch import nn
 from torch.nn import functional as F
@@ -51,11 +54,6 @@ from torch.nn import functional as F
 METHOD_NAME = "forward"
 """The program's joint method: ``forward(images, labels) -> loss, logits, ...``."""
 
-DEFAULT_HIDDEN = 64
-"""Hidden width of ``mlp`` (must match the phone trainer's MLP when they are mixed)."""
-
-DEFAULT_MAX_BATCH_SIZE = 64
-"""Largest batch the program accepts; memory is planned for this size."""
 
 EXECUTORCH_INSTALL = (
     "pip install --no-deps executorch==1.5.1 && "
@@ -102,14 +100,6 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(F.relu(self.fc1(torch.flatten(x, 1))))
-
-
-PHONE_MODELS = ("mlp", "softmax")
-"""The small models of the pure-Java phone trainer, in PyTorch's ``nn.Linear`` layout
-(weight ``[out, in]``, bias ``[out]``)."""
-
-EXPORT_MODELS = tuple(sorted(MODELS)) + PHONE_MODELS
-"""Every model name ``export-android`` accepts."""
 
 
 def build_export_model(
@@ -333,88 +323,3 @@ def export_training_program(
             f"keys {list(model.state_dict())}"
         )
     return bytes(to_edge(joint).to_executorch().buffer)
-
-
-def register(subparsers: Any) -> None:
-    """Add the ``export-android`` subcommand to the ``flowerbed`` command."""
-    parser = subparsers.add_parser(
-        "export-android",
-        help="export a model as an ExecuTorch training program (.pte) for phones",
-        description=(
-            "Export a flowerbed model with its cross-entropy loss as an ExecuTorch "
-            "training program. The program names its parameters by the model's "
-            "state_dict keys, the names of the Flower arrays the gateway relays. "
-            "See docs/export-android.md."
-        ),
-    )
-    parser.add_argument(
-        "--model",
-        required=True,
-        metavar="NAME",
-        help=f"one of {', '.join(EXPORT_MODELS)}",
-    )
-    parser.add_argument(
-        "--dataset", required=True, metavar="NAME", help=f"one of {', '.join(DATASETS)}"
-    )
-    parser.add_argument(
-        "--out", required=True, type=Path, help="the .pte file to write"
-    )
-    parser.add_argument(
-        "--arrays",
-        type=Path,
-        default=None,
-        help="initial weights: .npz with one float32 array per state_dict key "
-        "(default: He initialisation under --seed)",
-    )
-    parser.add_argument(
-        "--hidden",
-        type=int,
-        default=DEFAULT_HIDDEN,
-        help=f"hidden width of the mlp model (default {DEFAULT_HIDDEN})",
-    )
-    parser.add_argument(
-        "--max-batch-size",
-        type=int,
-        default=DEFAULT_MAX_BATCH_SIZE,
-        help="largest training batch the program accepts "
-        f"(default {DEFAULT_MAX_BATCH_SIZE})",
-    )
-    parser.add_argument(
-        "--seed", type=int, default=0, help="seed of the initial weights (default 0)"
-    )
-    parser.set_defaults(func=run)
-
-
-def run(args: argparse.Namespace) -> int:
-    """Run ``flowerbed export-android``; returns the exit code."""
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console()
-    try:
-        torch.manual_seed(args.seed)
-        model, shape = build_export_model(args.model, args.dataset, hidden=args.hidden)
-        if args.arrays is not None:
-            load_arrays(model, args.arrays)
-        program = export_training_program(
-            model, shape, max_batch_size=args.max_batch_size
-        )
-    except (ValueError, ImportError) as err:
-        print(f"flowerbed export-android: error: {err}", file=sys.stderr)
-        return 2 if isinstance(err, ValueError) else 1
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_bytes(program)
-    table = Table(title=f"{args.out} ({len(program):,} bytes)")
-    table.add_column("parameter (Flower array name)")
-    table.add_column("shape")
-    for name, value in model.state_dict().items():
-        table.add_row(name, str(list(value.shape)))
-    console.print(table)
-    console.print(
-        f"method {METHOD_NAME!r}: images float32 "
-        f"[batch, {shape.in_channels}, {shape.image_size}, {shape.image_size}], "
-        f"labels int64 [batch], batch 1..{args.max_batch_size}; "
-        "returns loss, logits, gradients, parameters",
-        markup=False,
-    )
-    return 0

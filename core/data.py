@@ -24,6 +24,7 @@ Shapes: images are NCHW; 1-D data (``mnist1d``, ``synthetic``) is N x 1 x L.
 from __future__ import annotations
 
 import gzip
+import importlib.metadata
 import os
 import pickle
 from collections.abc import Callable, Sequence
@@ -134,7 +135,52 @@ def _load_raw(name: str, data_dir: str | Path) -> Dataset:
     return _load_cifar10(root)
 
 
+def cache_dir() -> Path:
+    """Where flowerbed keeps data it derived once: ``$FLOWERBED_CACHE``, else
+    ``$XDG_CACHE_HOME/flowerbed``, else ``~/.cache/flowerbed``."""
+    if os.environ.get("FLOWERBED_CACHE"):
+        return Path(os.environ["FLOWERBED_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base).expanduser() / "flowerbed"
+
+
 def _load_digits() -> Dataset:
+    """scikit-learn's digits, split 80/20 stratified with a fixed seed.
+
+    Importing scikit-learn takes longer than a small simulation (seconds on a
+    loaded machine), so the split is computed once and kept in :func:`cache_dir`,
+    keyed by scikit-learn's version (a new version may split differently); later
+    runs read the arrays without importing scikit-learn. A cache that cannot be
+    written or read is skipped (the split is then computed each time).
+    """
+    try:
+        version = importlib.metadata.version("scikit-learn")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    cached = cache_dir() / f"digits-split-sklearn-{version}.npz"
+    try:
+        with np.load(cached) as f:
+            return Dataset("digits", f["x_tr"], f["y_tr"], f["x_te"], f["y_te"])
+    except (OSError, KeyError, ValueError):
+        pass
+    data = _split_digits()
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_name(f".{cached.name}.{os.getpid()}.tmp.npz")
+        np.savez(
+            tmp,
+            x_tr=data.x_train,
+            y_tr=data.y_train,
+            x_te=data.x_test,
+            y_te=data.y_test,
+        )
+        os.replace(tmp, cached)
+    except OSError:
+        pass
+    return data
+
+
+def _split_digits() -> Dataset:
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 

@@ -30,8 +30,9 @@ OPTION_KEYS = {
 
 def register(subparsers: Any) -> None:
     from flowerbed.data import DATASETS, PARTITIONS
-    from flowerbed.sims.config import LIMITS, MODEL_NAMES, STRATEGY_NAMES
+    from flowerbed.sims.config import LIMITS, STRATEGY_NAMES
     from flowerbed.sims.fleet import FLEETS
+    from flowerbed.zoo import MODEL_NAMES
 
     p = subparsers.add_parser(
         "sim",

@@ -16,12 +16,10 @@ from dataclasses import asdict, dataclass, fields
 
 from flowerbed.data import DATASET_DIMS, DATASETS, PARTITIONS
 from flowerbed.sims.fleet import FLEETS
+from flowerbed.zoo import MODEL_NAMES
 
 STRATEGY_NAMES = ("fedavg", "fedprox", "runtime-weighted", "deadline", "fedbuff")
 """Strategies a scenario can name; see ``flowerbed.sims.scenario.build_strategy``."""
-MODEL_NAMES = ("lenet", "mobilenet", "cnn1d", "mlp", "logreg")
-"""Models a scenario can name: the keys of ``flowerbed.models.MODELS`` (a test checks
-they agree; spelled here so that checking a config does not import torch)."""
 SEED_MAX = 2**32 - 1
 """Largest seed: numpy's legacy ``np.random.seed`` (which the run seeds) takes
 ``[0, 2**32 - 1]``."""

@@ -41,7 +41,11 @@ def toy_section(name: str, calls: list[str]) -> types.ModuleType:
     def render(data: Mapping[str, Any]) -> list[str]:
         return [f"## {name} section", "", f"size {data['size']}, run {data['runs']}"]
 
+    def choices() -> list[str]:
+        return [f"--{name}-size: 1, 2, 3"]
+
     module.TITLE = f"Toy {name}"  # type: ignore[attr-defined]
+    module.choices = choices  # type: ignore[attr-defined]
     module.add_arguments = add_arguments  # type: ignore[attr-defined]
     module.check = check  # type: ignore[attr-defined]
     module.run = run  # type: ignore[attr-defined]
@@ -214,3 +218,14 @@ def test_a_corrupt_results_file_is_named(tmp_path: Path) -> None:
     (tmp_path / "benchmarks" / "results.json").write_text("{not json")
     with pytest.raises(ValueError, match=r"results\.json is not valid JSON"):
         report.load(tmp_path)
+
+
+def test_list_prints_each_sections_choices_and_runs_nothing(
+    calls: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["bench", "--list", "--out", str(tmp_path / "o")]) == 0
+    assert capsys.readouterr().out == (
+        "a:\n  --a-size: 1, 2, 3\nb:\n  --b-size: 1, 2, 3\n"
+    )
+    assert calls == []
+    assert not (tmp_path / "o").exists()

@@ -85,7 +85,7 @@ def test_values_at_the_limits_are_accepted(config: dict[str, object]) -> None:
 
 def test_model_names_are_the_model_zoos() -> None:
     from flowerbed.models import MODELS
-    from flowerbed.sims.config import MODEL_NAMES
+    from flowerbed.zoo import MODEL_NAMES
 
     assert tuple(MODELS) == MODEL_NAMES
 

@@ -12,10 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
-from flowerbed.clients.bridge.gateway import Gateway, GatewaySettings
-from flowerbed.clients.bridge.relay import StateDirError, SuperLinkConnector
-from flowerbed.clients.bridge.server import GatewayServer
-from flowerbed.clients.bridge.tokens import TokenFileError, TokenTable
+from flowerbed.clients.bridge.settings import GatewaySettings
 
 DEFAULT_SUPERLINK = "127.0.0.1:8000"
 """Flower 1.41's SuperLink serves the Fleet API on its HTTP port (8000 by default)."""
@@ -183,6 +180,11 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
 
 def run(args: argparse.Namespace) -> int:
     """Serve phones until SIGINT/SIGTERM; nodes are deactivated on the way out."""
+    from flowerbed.clients.bridge.gateway import Gateway
+    from flowerbed.clients.bridge.relay import StateDirError, SuperLinkConnector
+    from flowerbed.clients.bridge.server import GatewayServer
+    from flowerbed.clients.bridge.tokens import TokenFileError, TokenTable
+
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

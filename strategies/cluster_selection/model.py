@@ -54,7 +54,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
-from scipy import special
 
 OBJECTIVES = ("time", "energy", "edp", "time-to-accuracy")
 """What a configuration is chosen for."""
@@ -501,6 +500,8 @@ def expected_max(mu: np.ndarray, sd: np.ndarray, masks: np.ndarray) -> np.ndarra
     ``mu + 1.5 sd / sqrt(pi)`` (the expected largest of 2 and 3 standard
     normals, 0.5642 and 0.8463).
     """
+    from scipy import special  # here: importing scipy costs more than the strategies
+
     masks = np.asarray(masks, dtype=bool)
     mu = np.asarray(mu, dtype=float)
     sd = np.maximum(np.asarray(sd, dtype=float), 1e-6 * np.abs(mu) + 1e-300)
