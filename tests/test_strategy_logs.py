@@ -12,13 +12,19 @@ import logging
 import re
 
 import pytest
-from flowerbed.strategies import DeadlineFedAvg, FedBuff, RuntimeWeightedFedAvg
+from flowerbed.strategies import (
+    ClusterSelection,
+    DeadlineFedAvg,
+    FedBuff,
+    RuntimeWeightedFedAvg,
+)
 from flowerbed.strategies.utils import ROUND_CLOCK_S
 from flwr.app import ArrayRecord, MetricRecord
 from flwr.serverapp.strategy import Strategy
 from test_strategies_fakes import FakeGrid, node, weights
 
 STRATEGIES = {
+    "ClusterSelection": lambda: ClusterSelection(strategy=RuntimeWeightedFedAvg()),
     "RuntimeWeightedFedAvg": lambda: RuntimeWeightedFedAvg(),
     "DeadlineFedAvg": lambda: DeadlineFedAvg(deadline_s=5.0, adaptive_deadline=True),
     "FedBuff": lambda: FedBuff(buffer_size=2),

@@ -157,6 +157,10 @@ class Workload:
         default with every member training, ``max(1, k // 2)``.
     kappa : float
         Weight of the participation term in the rounds to accuracy.
+    split : bool
+        sync: True splits ``W`` over the members; False gives every member
+        ``steps`` per task whatever the configuration's size (the ClientApps
+        decide their work: a plain Flower app without ``local-steps``).
     """
 
     mode: str = "sync"
@@ -164,6 +168,7 @@ class Workload:
     num_rounds: int = 10
     buffer_size: int | None = None
     kappa: float = 1.0
+    split: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -180,7 +185,9 @@ class Workload:
 
     def member_steps(self, k: int) -> int:
         """Steps each of ``k`` members takes per task: ``ceil(W / k)`` in sync."""
-        return math.ceil(self.steps / k) if self.mode == "sync" else self.steps
+        if self.mode == "sync" and self.split:
+            return math.ceil(self.steps / k)
+        return self.steps
 
 
 @dataclass(frozen=True)
@@ -282,7 +289,9 @@ def fit_node(
         step_se = math.sqrt(step_var / steps.sum())
     elif len(set(steps)) >= 2:
         slope, _ = np.polyfit(steps, rtt, 1)
-        step_s = float(slope)
+        # A negative slope (noise, or a client that does the same work whatever
+        # local-steps says) puts all of the task's time into the overhead.
+        step_s = max(0.0, float(slope))
         compute = steps * step_s
         step_var = 0.0
         step_se = 0.0

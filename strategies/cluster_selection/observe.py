@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from flowerbed import keys
@@ -23,10 +24,12 @@ def _metrics(reply: Message) -> MetricRecord | None:
 
 
 def _number(metrics: MetricRecord, key: str) -> float | None:
+    """A finite, non-negative number, or None: an unusable value is unknown."""
     value = metrics.get(key)
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
-    return float(value)
+    number = float(value)
+    return number if math.isfinite(number) and number >= 0 else None
 
 
 def observation_of(
@@ -35,6 +38,8 @@ def observation_of(
     """An :class:`Observation` from a successful reply, None for an unusable one.
 
     ``steps`` is what the task asked for; the reply's ``num-steps`` wins when sent.
+    A metric that is not a finite, non-negative number counts as not sent, so a
+    node with unusable timings is timed by its round trip instead.
     """
     metrics = _metrics(reply)
     if metrics is None:

@@ -18,6 +18,7 @@ from flwr.app import (
 )
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result, Strategy
+from flwr.serverapp.strategy.strategy_utils import log_strategy_start_info
 from flwr.supercore import log
 
 from ..fedbuff import FedBuff
@@ -49,6 +50,7 @@ from .training import (
     SELECTION_ESTIMATED_S,
     SELECTION_MEASURED_S,
     SELECTION_SIZE,
+    NoCandidates,
     SelectedGrid,
     SelectionRecord,
     Selector,
@@ -120,7 +122,9 @@ train_metrics_aggr_fn, evaluate_metrics_aggr_fn
     round_steps : int, optional (default: None)
         sync: optimiser steps per round, split over the members; None means the
         train config's ``local-steps`` times the number of profiled nodes (the
-        work the whole fleet would do).
+        work the whole fleet would do). Without either, each task is estimated
+        as ``max(profile_steps)`` steps and each ClientApp does its own work
+        (no ``local-steps`` is sent); logged once.
     kappa : float (default: 1.0)
         Weight of the participation term in the rounds to accuracy,
         rounds = R (1 + kappa / k) (Li et al., ICLR 2020, Theorem 3).
@@ -280,6 +284,7 @@ train_metrics_aggr_fn, evaluate_metrics_aggr_fn
         """Fitted per-node models (after ``start``)."""
         self.observations: dict[int, list[Observation]] = {}
         """Every node's profiling observations (after ``start``)."""
+        self._fallbacks: set[str] = set()
         self.refine_batches = 0
         """Rehearsal batches the refinement ran (after ``start``)."""
         self.profile_s = 0.0
@@ -293,15 +298,23 @@ train_metrics_aggr_fn, evaluate_metrics_aggr_fn
 
     # --- Strategy API: the wrapped strategy decides ------------------------------
     def summary(self) -> None:
+        """Log the configuration: this branch, then the wrapped strategy's."""
+        log(INFO, "\t├──> ClusterSelection:")
         log(
             INFO,
-            "\t├── ClusterSelection: objective %s, mode %s, profile steps %s",
+            "\t│\t├── Objective %s, mode %s, profile steps %s",
             self.objective,
             self.mode or "auto",
             self.profile_steps,
         )
-        log(INFO, "\t└── wrapping %s", type(self.strategy).__name__)
+        log(INFO, "\t│\t└── Wrapping %s", type(self.strategy).__name__)
         self.strategy.summary()
+
+    def fallback_once(self, what: str, message: str) -> None:
+        """Log ``message`` the first time ``what`` falls back in this run."""
+        if what not in self._fallbacks:
+            self._fallbacks.add(what)
+            log(WARNING, message)
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -675,10 +688,16 @@ train_metrics_aggr_fn, evaluate_metrics_aggr_fn
             )
         else:
             steps = local_steps
+        split = steps is not None
         if steps is None:
-            raise ValueError(
-                "ClusterSelection needs the work per task: put 'local-steps' in "
-                "train_config" + (" or set round_steps" if mode == "sync" else "")
+            steps = max(self.profile_steps)
+            self.fallback_once(
+                "workload",
+                "ClusterSelection: no 'local-steps' in train_config"
+                + (" and no round_steps" if mode == "sync" else "")
+                + f": estimating each task as {steps} steps (the longest profiling "
+                "task) and leaving each node's work to its ClientApp; set "
+                "'local-steps' for estimates of the work you assign",
             )
         buffer = getattr(self.strategy, "buffer_size", None)
         return Workload(
@@ -687,6 +706,7 @@ train_metrics_aggr_fn, evaluate_metrics_aggr_fn
             num_rounds=num_rounds,
             buffer_size=buffer if isinstance(buffer, int) else None,
             kappa=self.kappa,
+            split=split,
         )
 
     def start(
@@ -701,7 +721,11 @@ train_metrics_aggr_fn, evaluate_metrics_aggr_fn
     ) -> Result:
         """Profile, select, train with the wrapped strategy; FedAvg's contract."""
         log(INFO, "Starting ClusterSelection strategy:")
+        log_strategy_start_info(
+            num_rounds, initial_arrays, train_config, evaluate_config
+        )
         self.summary()
+        log(INFO, "")
         train_config = ConfigRecord() if train_config is None else train_config
         self.node_models = self.profile(grid, initial_arrays, train_config)
         workload = self.workload(train_config, num_rounds, len(self.node_models))
@@ -710,7 +734,26 @@ train_metrics_aggr_fn, evaluate_metrics_aggr_fn
             int(getattr(self.strategy, "min_available_nodes", 1)),
         )
         self.refine(grid, initial_arrays, train_config, workload, min_size)
-        selector = Selector(self, self.node_models, workload, min_size, clock_of(grid))
+        try:
+            selector = Selector(
+                self, self.node_models, workload, min_size, clock_of(grid)
+            )
+        except NoCandidates as err:
+            log(
+                WARNING,
+                "ClusterSelection: %s: training on every connected node, without "
+                "a selection",
+                err,
+            )
+            return self.strategy.start(
+                grid=grid,
+                initial_arrays=initial_arrays,
+                num_rounds=num_rounds,
+                timeout=timeout,
+                train_config=train_config,
+                evaluate_config=evaluate_config,
+                evaluate_fn=evaluate_fn,
+            )
         self.selection_log = selector.records
         result = self.strategy.start(
             grid=SelectedGrid(grid, selector),

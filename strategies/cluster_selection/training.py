@@ -74,6 +74,10 @@ class _Batch:
     replies: dict[int, tuple[Message | None, float]] = field(default_factory=dict)
 
 
+class NoCandidates(RuntimeError):
+    """Not one node to choose from (ClusterSelection then trains on all)."""
+
+
 class Selector:
     """The chosen configuration, its estimate, and the per-round bookkeeping."""
 
@@ -114,16 +118,33 @@ class Selector:
     def choose(self, reason: str) -> Estimate:
         candidates = [m for n, m in sorted(self.models.items()) if n not in self.gone]
         o = self.owner
-        if len(candidates) < self.min_size:
-            raise RuntimeError(
-                f"ClusterSelection: {len(candidates)} usable node(s) left, the "
-                f"wrapped strategy needs at least {self.min_size}"
+        min_size = self.min_size
+        if len(candidates) < min_size:
+            if not candidates and self.records:
+                log(
+                    WARNING,
+                    "ClusterSelection (%s): no usable node left to choose from; "
+                    "keeping %s",
+                    reason,
+                    list(self.choice.members),
+                )
+                return self.choice
+            if not candidates:
+                raise NoCandidates("no node answered profiling usably")
+            log(
+                WARNING,
+                "ClusterSelection (%s): only %d usable node(s), fewer than the "
+                "%d the wrapped strategy wants: choosing among them",
+                reason,
+                len(candidates),
+                min_size,
             )
+            min_size = len(candidates)
         choice = select(
             candidates,
             self.workload,
             o.objective,
-            min_size=self.min_size,
+            min_size=min_size,
             search=o.search,
             exhaustive_max_nodes=o.exhaustive_max_nodes,
         )
@@ -177,7 +198,7 @@ class Selector:
         return search_masks(
             candidates,
             self.workload,
-            self.min_size,
+            min(self.min_size, len(candidates)),
             self.owner.search,
             exhaustive_max_nodes=self.owner.exhaustive_max_nodes,
         )
@@ -341,12 +362,31 @@ class Selector:
             )
 
     def _refit(self) -> None:
-        """Replace s_i and c_i by the members' latest training tasks."""
+        """Replace s_i and c_i by the members' latest training tasks.
+
+        A task without ``train-time-s`` (a plain Flower client) gives one
+        equation for two unknowns: then both are scaled by measured over
+        estimated round trip, ``r / (c_i + s_i n)``, keeping their ratio from
+        profiling.
+        """
         for node, obs in self.latest.items():
-            fitted = fit_node(node, [obs])
-            self.models[node] = replace(
-                self.models[node], step_s=fitted.step_s, overhead_s=fitted.overhead_s
-            )
+            model = self.models[node]
+            try:
+                fitted = fit_node(node, [obs])
+                step_s, overhead_s = fitted.step_s, fitted.overhead_s
+            except ValueError:
+                predicted = model.overhead_s + model.step_s * obs.steps
+                if not (predicted > 0 and obs.round_trip_s > 0):
+                    continue
+                factor = obs.round_trip_s / predicted
+                step_s, overhead_s = model.step_s * factor, model.overhead_s * factor
+                self.owner.fallback_once(
+                    "refit",
+                    "ClusterSelection: replies carry no train-time-s; refitting a "
+                    "drifted node scales its step time and overhead by measured "
+                    "over estimated round trip",
+                )
+            self.models[node] = replace(model, step_s=step_s, overhead_s=overhead_s)
 
 
 class SelectedGrid(GridWrapper):
@@ -369,7 +409,7 @@ class SelectedGrid(GridWrapper):
         messages = list(messages)
         selector = self.selector
         train = [m for m in messages if m.metadata.message_type == MessageType.TRAIN]
-        if selector.workload.mode == "sync":
+        if selector.workload.mode == "sync" and selector.workload.split:
             steps = selector.workload.member_steps(len(selector.current.members))
             for message in train:
                 config = message.content.config_records.get(keys.CONFIG)
