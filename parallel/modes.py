@@ -20,15 +20,19 @@ from typing import Any
 
 RUNNERS: dict[str, str] = {
     "probe": "flowerbed.parallel.probe:run",
+    "allreduce": "flowerbed.parallel.allreduce:run",
 }
 """Plan mode -> runner of a train message."""
 
 PROFILERS: dict[str, str] = {
     "probe": "flowerbed.parallel.probe:profile",
+    "allreduce": "flowerbed.parallel.allreduce:profile",
 }
 """Query mode -> profiler of a query message."""
 
-EVALUATORS: dict[str, str] = {}
+EVALUATORS: dict[str, str] = {
+    "allreduce": "flowerbed.parallel.allreduce:evaluate",
+}
 """Mode -> evaluator of the whole model (evaluate messages)."""
 
 

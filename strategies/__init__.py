@@ -3,6 +3,15 @@
 from .cluster_selection import ClusterSelection
 from .deadline import DeadlineFedAvg
 from .fedbuff import FedBuff
+from .large_batch_rounds import LargeBatchRounds
+from .large_batch_sync import LargeBatchSync
 from .runtime_weighted import RuntimeWeightedFedAvg
 
-__all__ = ["ClusterSelection", "DeadlineFedAvg", "FedBuff", "RuntimeWeightedFedAvg"]
+__all__ = [
+    "ClusterSelection",
+    "DeadlineFedAvg",
+    "FedBuff",
+    "LargeBatchRounds",
+    "LargeBatchSync",
+    "RuntimeWeightedFedAvg",
+]

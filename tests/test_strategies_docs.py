@@ -16,6 +16,8 @@ PAGES = {
     "DeadlineFedAvg": "deadline.md",
     "FedBuff": "fedbuff.md",
     "ClusterSelection": "cluster-selection.md",
+    "LargeBatchSync": "large-batch-sync.md",
+    "LargeBatchRounds": "large-batch-rounds.md",
 }
 
 

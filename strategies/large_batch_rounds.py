@@ -1,0 +1,311 @@
+"""LargeBatchRounds: the large-batch recipe as Flower rounds, for phones and any client.
+
+Phones cannot run torch.distributed, so the all-reduce becomes a server round
+(S1's recipe through the phone gateway, the board ClientApp or any Flower
+client that honours ``batch-size``, ``local-steps`` and ``lr``):
+
+1. every sampled node gets its share ``B_i`` of one large batch ``B``,
+   proportional to its measured speed (samples per second, smoothed;
+   :func:`flowerbed.parallel.large_batch.batch_shares`), and trains ``k``
+   (``local_steps``, default 1) plain SGD steps at ``client_lr`` on it;
+2. the server averages the replies by examples and reads the result as a
+   pseudo-gradient (Reddi et al., "Adaptive Federated Optimization", ICLR 2021,
+   Algorithm 1, the ``Delta_t`` that FedOpt hands to a server optimiser):
+
+       g = (x - sum_i n_i x_i / sum_i n_i) / (client_lr * k)
+
+   With ``k = 1``, ``x_i = x - client_lr g_i`` and ``n_i = B_i``, so ``g`` is
+   exactly the gradient of the whole batch ``sum_i (B_i / B) g_i``
+   (:mod:`flowerbed.parallel.large_batch`); with ``k > 1`` it is the
+   examples-weighted mean of each node's average step;
+3. the server applies momentum SGD, LARS or LAMB (:mod:`flowerbed.parallel.optim`)
+   at the rate of Goyal et al.'s linear scaling with warm-up
+   (:class:`flowerbed.parallel.large_batch.LrSchedule`), one server step per
+   round.
+
+It is a :class:`DeadlineFedAvg`, so one slow phone does not stall the cluster:
+over-selection closes the round at the first ``K`` usable replies (their
+shares then cover about ``B K / ceil(over_selection K)`` samples: an unbiased
+smaller batch, the rate stays the schedule's), and a deadline closes it at
+``deadline_s``. Late updates are off by default (a late reply is a stale
+gradient), and partial work should stay off (the pseudo-gradient divides by
+the ``k`` steps asked for).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from logging import INFO
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from flowerbed import keys
+from flowerbed.parallel.large_batch import LrSchedule, batch_shares
+from flowerbed.parallel.optim import OPTIMIZERS, LargeBatchOptimizer
+from flwr.app import (
+    ArrayRecord,
+    ConfigRecord,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
+from flwr.serverapp.exception import AggregationError
+from flwr.supercore import log
+
+from .deadline import DeadlineFedAvg
+from .utils import Ticket, to_arrayrecord, to_numpy
+
+ROUND_SERVER_LR = "server-lr"
+ROUND_BATCH = "large-batch"
+DEFAULT_SPEED = 1.0
+"""Samples per second assumed for a node never measured (before the mean of the
+known ones exists)."""
+
+
+class LargeBatchRounds(DeadlineFedAvg):
+    """Large-batch synchronous training as server rounds (module docstring).
+
+    Parameters
+    ----------
+    (FedAvg's and DeadlineFedAvg's parameters, same defaults, except
+    ``late_updates`` False and ``weighting`` fixed to ``"examples"``), and:
+    batch_size : int (default: 256)
+        ``B``, the large batch shared among a round's sampled nodes.
+    local_steps : int (default: 1)
+        ``k``: SGD steps each node takes on its share (1: one gradient).
+    client_lr : float (default: 1.0)
+        Each node's SGD rate (with ``k = 1`` any rate gives the same ``g``).
+    optimizer : str (default: "lars")
+        The server optimiser: ``"sgd"`` (momentum), ``"lars"`` or ``"lamb"``.
+    base_lr, base_batch, warmup_steps, decay_steps
+        Goyal et al.'s schedule (:class:`LrSchedule`) over server steps.
+    momentum, weight_decay, trust
+        Server optimiser settings (LAMB ignores momentum).
+    """
+
+    # pylint: disable=too-many-arguments,too-many-locals
+    def __init__(
+        self,
+        fraction_train: float = 1.0,
+        fraction_evaluate: float = 1.0,
+        min_train_nodes: int = 2,
+        min_evaluate_nodes: int = 2,
+        min_available_nodes: int = 2,
+        weighted_by_key: str = keys.NUM_EXAMPLES,
+        arrayrecord_key: str = keys.ARRAYS,
+        configrecord_key: str = keys.CONFIG,
+        train_metrics_aggr_fn: Callable[[list[RecordDict], str], MetricRecord]
+        | None = None,
+        evaluate_metrics_aggr_fn: Callable[[list[RecordDict], str], MetricRecord]
+        | None = None,
+        *,
+        batch_size: int = 256,
+        local_steps: int = 1,
+        client_lr: float = 1.0,
+        optimizer: str = "lars",
+        base_lr: float = 0.1,
+        base_batch: int = 256,
+        warmup_steps: int = 0,
+        decay_steps: int = 0,
+        momentum: float = 0.9,
+        weight_decay: float = 0.0,
+        trust: float = 0.001,
+        deadline_s: float | None = None,
+        adaptive_deadline: bool = False,
+        over_selection: float = 1.0,
+        late_updates: bool = False,
+        min_completion: int | None = None,
+        quarantine_after: int = 3,
+        quarantine_rounds: int = 5,
+        message_ttl_s: float | None = None,
+        checkpoint_path: str | Path | None = None,
+        seed: int = 0,
+        **deadline_options: Any,
+    ) -> None:
+        super().__init__(
+            fraction_train,
+            fraction_evaluate,
+            min_train_nodes,
+            min_evaluate_nodes,
+            min_available_nodes,
+            weighted_by_key,
+            arrayrecord_key,
+            configrecord_key,
+            train_metrics_aggr_fn,
+            evaluate_metrics_aggr_fn,
+            deadline_s=deadline_s,
+            adaptive_deadline=adaptive_deadline,
+            over_selection=over_selection,
+            late_updates=late_updates,
+            min_completion=min_completion,
+            weighting="examples",
+            local_steps=local_steps,
+            quarantine_after=quarantine_after,
+            quarantine_rounds=quarantine_rounds,
+            message_ttl_s=message_ttl_s,
+            checkpoint_path=checkpoint_path,
+            seed=seed,
+            **deadline_options,
+        )
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(
+                f"optimizer {optimizer!r}; valid choices: {', '.join(OPTIMIZERS)}"
+            )
+        if not (math.isfinite(client_lr) and client_lr > 0):
+            raise ValueError(f"client_lr must be > 0, got {client_lr}")
+        self.schedule = LrSchedule(
+            base_lr=base_lr,
+            base_batch=base_batch,
+            batch_size=batch_size,
+            warmup_steps=warmup_steps,
+            total_steps=decay_steps,
+        )
+        self.batch_size = batch_size
+        self.client_lr = float(client_lr)
+        self.server_optimizer = LargeBatchOptimizer(
+            optimizer, momentum=momentum, weight_decay=weight_decay, trust=trust
+        )
+        self.sample_rates: dict[int, float] = {}
+        """Smoothed samples per second of each node (its batch share's basis)."""
+        self.shares: dict[int, int] = {}
+        self.server_steps = 0
+        self._last_lr = 0.0
+
+    def summary(self) -> None:
+        super().summary()
+        log(
+            INFO,
+            "\t\t└── LargeBatchRounds: batch %d, %d local step(s) at %.3g, server %s "
+            "lr %.4g -> %.4g over %d warm-up rounds",
+            self.batch_size,
+            self.local_steps or 1,
+            self.client_lr,
+            self.server_optimizer.kind,
+            self.schedule.base_lr,
+            self.schedule.peak_lr,
+            self.schedule.warmup_steps,
+        )
+
+    # ------------------------------------------------------------ shares
+    def share_batch(self, node_ids: list[int]) -> dict[int, int]:
+        """``B_i`` of each node, proportional to its smoothed samples per second
+        (nodes never measured count as the mean of the measured ones)."""
+        known = [self.sample_rates[n] for n in node_ids if n in self.sample_rates]
+        fallback = sum(known) / len(known) if known else DEFAULT_SPEED
+        speeds = [self.sample_rates.get(n, fallback) for n in node_ids]
+        minimum = 1 if self.batch_size >= len(node_ids) else 0
+        return dict(
+            zip(node_ids, batch_shares(self.batch_size, speeds, minimum), strict=True)
+        )
+
+    def _messages(
+        self,
+        node_ids: list[int],
+        arrays: ArrayRecord,
+        config: ConfigRecord,
+        message_type: str,
+        server_round: int,
+        steps: dict[int, int] | None = None,
+    ) -> list[Message]:
+        if message_type == MessageType.TRAIN:
+            self.shares = self.share_batch(node_ids)
+            node_ids = [n for n in node_ids if self.shares[n] > 0]
+        return super()._messages(
+            node_ids, arrays, config, message_type, server_round, steps
+        )
+
+    def _node_config(self, node_id: int, config: ConfigRecord) -> ConfigRecord:
+        config = super()._node_config(node_id, config)
+        config[keys.BATCH_SIZE] = self.shares[node_id]
+        config[keys.LEARNING_RATE] = self.client_lr
+        return config
+
+    def _update_speed(
+        self,
+        node_id: int,
+        metrics: MetricRecord,
+        ticket: Ticket | None,
+        arrived: float | None,
+    ) -> None:
+        super()._update_speed(node_id, metrics, ticket, arrived)
+        examples = metrics.get(keys.NUM_EXAMPLES)
+        seconds = metrics.get(keys.TRAIN_TIME_S)
+        if not isinstance(examples, int | float) or not isinstance(
+            seconds, int | float
+        ):
+            return
+        if examples <= 0 or seconds <= 0:
+            return
+        rate = float(examples) / float(seconds)
+        old = self.sample_rates.get(node_id)
+        a = self.speed_smoothing
+        self.sample_rates[node_id] = rate if old is None else a * rate + (1 - a) * old
+
+    # ------------------------------------------------------------ server step
+    def server_step(self, averaged: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Apply the server optimiser to the pseudo-gradient of ``averaged``
+        (module docstring, step 2-3); integer arrays take the average as is."""
+        base = self._global_np
+        scale = self.client_lr * (self.local_steps or 1)
+        params = {
+            k: np.array(v, dtype=np.float64)
+            for k, v in base.items()
+            if v.dtype.kind == "f"
+        }
+        grads = {k: (params[k] - averaged[k]) / scale for k in params}
+        lr = self.schedule.lr(self.server_steps)
+        self.server_optimizer.step(params, grads, lr)
+        self.server_steps += 1
+        self._last_lr = lr
+        return {
+            k: params[k].astype(base[k].dtype) if k in params else averaged[k]
+            for k in base
+        }
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Average the replies by examples, then take one server optimiser step.
+
+        Like Flower's FedOpt strategies it needs the model the nodes trained
+        from (the arrays of the last ``configure_train``): without one it raises
+        Flower's ``AggregationError``.
+        """
+        arrays, metrics = super().aggregate_train(server_round, replies)
+        if arrays is None:
+            return arrays, metrics
+        if not self._global_np:
+            raise AggregationError(
+                reason="LargeBatchRounds needs the model the nodes trained from to "
+                "compute the pseudo-gradient: call configure_train before "
+                "aggregate_train"
+            )
+        new = to_arrayrecord(self.server_step(to_numpy(arrays)))
+        metrics = MetricRecord() if metrics is None else metrics
+        metrics[ROUND_SERVER_LR] = self._last_lr
+        metrics[ROUND_BATCH] = int(sum(self.shares.values()))
+        return new, metrics
+
+    # ------------------------------------------------------------ checkpoint
+    def state(self) -> dict[str, Any]:
+        state = super().state()
+        state["large_batch"] = {
+            "server_steps": self.server_steps,
+            "sample_rates": {str(k): v for k, v in self.sample_rates.items()},
+            "optimizer": {
+                k: v.tolist() for k, v in self.server_optimizer.state().items()
+            },
+        }
+        return state
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        super().load_state(state)
+        saved = state["large_batch"]
+        self.server_steps = int(saved["server_steps"])
+        self.sample_rates = {int(k): float(v) for k, v in saved["sample_rates"].items()}
+        self.server_optimizer.load_state(
+            {k: np.asarray(v) for k, v in saved["optimizer"].items()}
+        )

@@ -1,0 +1,92 @@
+"""LargeBatchRounds: shares by speed, the pseudo-gradient by hand, 138 phones."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from flowerbed import keys
+from flowerbed.sims.config import Scenario
+from flowerbed.sims.links import SwitchedEthernet
+from flowerbed.sims.scenario import build_fleet_grid, run_server
+from flowerbed.strategies import LargeBatchRounds
+from flowerbed.strategies.utils import to_arrayrecord
+from flwr.app import ConfigRecord
+
+
+def test_shares_follow_measured_samples_per_second() -> None:
+    s = LargeBatchRounds(batch_size=12)
+    s.sample_rates = {1000: 30.0, 1001: 10.0}
+    # node 1002 never measured: counts as the mean (20)
+    assert s.share_batch([1000, 1001, 1002]) == {1000: 6, 1001: 2, 1002: 4}
+    # the configs the nodes get: their share, one step, the client rate
+    grid = build_fleet_grid({"num-nodes": 3}, ["galaxy-s10plus"] * 3)
+    arrays = to_arrayrecord({"w": np.zeros(2, np.float32)})
+    messages = list(s.configure_train(1, arrays, ConfigRecord(), grid))
+    configs = {m.metadata.dst_node_id: m.content[keys.CONFIG] for m in messages}
+    assert {n: c[keys.BATCH_SIZE] for n, c in configs.items()} == s.shares
+    assert s.shares == {1000: 6, 1001: 2, 1002: 4}
+    assert {c[keys.LEARNING_RATE] for c in configs.values()} == {1.0}
+    assert {c[keys.LOCAL_STEPS] for c in configs.values()} == {1}
+
+
+def test_server_step_is_the_optimiser_on_the_pseudo_gradient() -> None:
+    """x = (1, 2); the averaged reply (0.9, 2.2) at client_lr 0.5, k = 1 means
+    g = (x - avg) / 0.5 = (0.2, -0.4). Plain SGD (momentum 0) at the scaled rate
+    0.1 * 512 / 256 = 0.2: x' = x - 0.2 g = (0.96, 2.08)."""
+    s = LargeBatchRounds(
+        batch_size=512,
+        base_batch=256,
+        base_lr=0.1,
+        client_lr=0.5,
+        optimizer="sgd",
+        momentum=0.0,
+    )
+    s._set_global(to_arrayrecord({"w": np.array([1.0, 2.0], np.float32)}))
+    new = s.server_step({"w": np.array([0.9, 2.2], np.float32)})
+    np.testing.assert_allclose(new["w"], [0.96, 2.08], rtol=1e-6)
+    assert new["w"].dtype == np.float32
+    assert s.server_steps == 1
+
+
+def test_bad_settings_are_named() -> None:
+    with pytest.raises(ValueError, match="optimizer 'adam'; valid choices"):
+        LargeBatchRounds(optimizer="adam")
+    with pytest.raises(ValueError, match="client_lr must be > 0"):
+        LargeBatchRounds(client_lr=0.0)
+
+
+@pytest.mark.slow
+def test_138_simulated_phones_train_with_one_large_batch(tmp_path) -> None:
+    """Requirement 4's configuration on the in-process engine: 138 Galaxy S10+
+    phones on one switch, 4 digits each per round (B = 552), LAMB on the server."""
+    config = {
+        "dataset": "digits",
+        "model": "lenet",
+        "num-nodes": 138,
+        "num-rounds": 12,
+        "dropout": 0.0,
+        "seed": 1,
+        "output-dir": str(tmp_path),
+    }
+    grid = build_fleet_grid(config, ["galaxy-s10plus"] * 138)
+    grid.network = SwitchedEthernet()
+    strategy = LargeBatchRounds(
+        fraction_evaluate=0.0,
+        min_train_nodes=138,
+        min_available_nodes=138,
+        batch_size=552,
+        base_lr=0.02,
+        base_batch=552,
+        optimizer="lamb",
+    )
+    try:
+        outcome = run_server(
+            grid, Scenario.from_run_config(config), strategy=strategy, write=False
+        )
+    finally:
+        grid.close()
+    records = outcome.records
+    assert len(records) == 12
+    assert all(len(r.participants) == 138 for r in records)
+    assert records[-1].accuracy > records[0].accuracy + 0.3
+    assert strategy.server_steps == 12

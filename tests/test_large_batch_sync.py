@@ -1,0 +1,124 @@
+"""LargeBatchSync on real local processes: shares by speed, a member lost mid-segment.
+
+A :class:`ProcessGrid` runs the board ClientApp (``flowerbed.clients.span_app``)
+in three worker processes with emulated speeds (node 1 twice as fast as the
+others); one is killed while the first segment runs: the segment fails fast and
+the next re-forms without it from the last weights.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from flowerbed.models import build_sequential
+from flowerbed.parallel.group import free_port
+from flowerbed.sims.process_grid import ProcessGrid
+from flowerbed.strategies import LargeBatchSync
+from flwr.app import ArrayRecord
+
+HOST = "127.0.0.1"
+MODEL_ARGS = {"hidden": 16, "depth": 3}
+# deep-mlp(16, 3) on one digit: 64*16 + 16*16 + 16*16 + 16*10 = 1,696 MACs
+GFLOPS = [2e-4, 1e-4, 1e-4]
+
+
+def strategy(**changes: object) -> LargeBatchSync:
+    options: dict = {
+        "fraction_evaluate": 0.0,
+        "min_train_nodes": 2,
+        "min_available_nodes": 3,
+        "model": "deep-mlp",
+        "model_args": MODEL_ARGS,
+        "dataset": "digits",
+        "batch_size": 16,
+        "steps_per_round": 6,
+        "optimizer": "lars",
+        "base_lr": 0.5,
+        "base_batch": 16,
+        "trust": 0.02,
+        "rendezvous_port": free_port(),
+        "rendezvous_ports": 7,
+        "join_timeout_s": 20.0,
+        "timeout_s": 10.0,
+        "reply_margin_s": 3.0,
+        "query_timeout_s": 60.0,
+    }
+    options.update(changes)
+    return LargeBatchSync(**options)
+
+
+def initial() -> ArrayRecord:
+    return ArrayRecord(build_sequential("deep-mlp", MODEL_ARGS, seed=1).state_dict())
+
+
+def test_plans_share_the_batch_by_measured_speed() -> None:
+    s = strategy()
+    s.speeds = {1: 200.0, 2: 100.0, 3: 100.0}
+    s.addresses = {1: "10.0.0.1", 2: "10.0.0.2", 3: "10.0.0.3"}
+    plans = s.plans(s.choose_cohort(), 6)
+    assert [plans[n].batch_share for n in (1, 2, 3)] == [(0, 8), (8, 12), (12, 16)]
+    assert {p.host for p in plans.values()} == {"10.0.0.1"}  # rank 0 hosts
+    assert [plans[n].rank for n in (1, 2, 3)] == [0, 1, 2]
+    assert plans[1].options["optimizer"] == "lars"
+    s.lost.add(1)
+    assert s.choose_cohort() == [2, 3]
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"optimizer": "adam"}, "optimizer 'adam'"),
+        ({"compression": "zip"}, "compression 'zip'"),
+        ({"steps_per_round": 0}, "steps_per_round must be >= 1"),
+        ({"base_lr": -1.0}, "base_lr must be a finite number > 0"),
+    ],
+)
+def test_bad_settings_are_named(changes: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        strategy(**changes)
+
+
+def test_initial_arrays_of_another_model_are_refused_before_anything_runs() -> None:
+    other = ArrayRecord(
+        build_sequential("deep-mlp", {"hidden": 8, "depth": 3}, seed=1).state_dict()
+    )
+    with pytest.raises(ValueError, match=r"initial array '1\.0\.weight' has shape"):
+        strategy().start(None, other)  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+def test_a_member_lost_mid_segment_and_the_next_segment_goes_on_without_it() -> None:
+    configs = [{"address": HOST, "emulate-gflops": g} for g in GFLOPS]
+    with ProcessGrid(
+        "flowerbed.clients.span_app:app", configs, unavailable_after_s=2.0
+    ) as grid:
+        s = strategy()
+        victim = 3
+
+        def kill_mid_segment() -> None:
+            while not s._plans:  # the first segment's plans are out
+                time.sleep(0.05)
+            time.sleep(4.0)
+            grid.kill(victim)
+
+        killer = threading.Thread(target=kill_mid_segment, daemon=True)
+        killer.start()
+        start = initial()
+        result = s.start(grid, start, num_rounds=2, timeout=120)
+        killer.join(1)
+    assert s.lost == {victim}
+    first, second = result.train_metrics_clientapp[1], result.train_metrics_clientapp[2]
+    assert first["attempts"] == 2 and first["members"] == 2
+    assert second["attempts"] == 1 and second["members"] == 2
+    assert first["replica-max-diff"] == 0.0
+    assert s.step == 12
+    moved = [
+        not np.array_equal(result.arrays[k].numpy(), start[k].numpy()) for k in start
+    ]
+    assert all(moved)
+    # node 1 is twice as fast: twice the share once speeds are measured
+    shares = {n: p.batch_share[1] - p.batch_share[0] for n, p in s._plans.items()}
+    assert shares[1] > shares[2]
