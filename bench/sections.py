@@ -50,6 +50,7 @@ SECTIONS: dict[str, str] = {
     "suite": "flowerbed.bench.suite_section",
     "machinery": "flowerbed.bench.machinery_section",
     "selection": "flowerbed.bench.selection_section",
+    "large-batch": "flowerbed.bench.large_batch_section",
 }
 """Section name -> module, in the order of the page."""
 

@@ -1,0 +1,342 @@
+"""Section "large-batch": where synchronous large-batch training scales (S1).
+
+Three parts:
+
+- ``scaling`` (a model, no training): samples per second of synchronous data
+  parallelism on ``N`` = 8 ... 138 Galaxy S10+ phones, wired (switched gigabit
+  Ethernet, USB 3.0 adapters) and Wi-Fi (one 802.11ac channel, Bianchi's DCF),
+  for the reference LeNet-5 and ResNet-50- and MobileNet-v1-sized models:
+  per-sample seconds from the device catalogue (``flowerbed.sims.devices``,
+  sources there) times the model's cost factor, 32 samples per phone per step
+  (Goyal et al.'s per-worker batch), a ring all-reduce of the gradients
+  (``flowerbed.sims.links``). Beside it the physical limit: the all-reduce's
+  bandwidth term alone (gradient bytes over the link), fully overlapped with
+  compute (``N b / max(b t, bytes term)``).
+- ``rounds`` (the in-process engine): :class:`LargeBatchRounds` with 138
+  simulated phones on each network; virtual seconds per round, samples per
+  virtual second, and the wall time of the run (requirement 4: minutes).
+- ``accuracy``: time to accuracy of the large-batch recipe (LAMB, warm-up) and
+  of Flower's FedAvg over the same samples (every phone one SGD step on its 4
+  samples per round, FedAvg's rate the best of a sweep, chosen with
+  hindsight), digits, 138 phones on the switch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from .sections import SectionRun
+
+TITLE = "Large-batch synchronous training"
+PARTS = ("scaling", "rounds", "accuracy")
+PHONES = (8, 16, 32, 64, 138)
+PER_DEVICE_BATCH = 32
+MODELS = ("lenet", "mobilenet-v1", "resnet-50")
+DEVICE = "galaxy-s10plus"
+ROUND_PHONES = 138
+ROUND_BATCH_PER_PHONE = 4
+ACCURACY_ROUNDS = 30
+QUICK_ROUNDS = 3
+TARGET_ACCURACY = 0.8
+FEDAVG_LRS = (0.1, 0.3, 1.0)
+S1_REFERENCE = (
+    "S1 (Na et al., arXiv 2110.12172) report 138 Galaxy S10+ on wired Ethernet at 90% "
+    "of a P100's speed on ResNet-50 and ~43x a V100 on MobileNet-v1, both GPUs "
+    "running Caffe (whose depthwise convolution on GPUs is slow)"
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("large-batch section")
+    g.add_argument(
+        "--large-batch",
+        help=f"comma-separated subset of: {', '.join(PARTS)} (default all)",
+    )
+
+
+def check(args: argparse.Namespace) -> None:
+    for part in _parts(args):
+        if part not in PARTS:
+            raise ValueError(
+                f"unknown large-batch part {part!r}; valid choices: {', '.join(PARTS)}"
+            )
+
+
+def choices() -> list[str]:
+    return [f"--large-batch: {', '.join(PARTS)}"]
+
+
+def _parts(args: argparse.Namespace) -> list[str]:
+    raw = getattr(args, "large_batch", None)
+    return [p.strip() for p in raw.split(",") if p.strip()] if raw else list(PARTS)
+
+
+def run(ctx: SectionRun) -> dict[str, Any]:
+    parts = _parts(ctx.args)
+    data: dict[str, Any] = dict(ctx.previous or {})
+    data.pop("error", None)
+    step = ctx.tracker(len(parts))
+    for part in parts:
+        data[part] = {"scaling": scaling, "rounds": rounds, "accuracy": accuracy}[part](
+            ctx.quick
+        )
+        step(part)
+    return data
+
+
+# ------------------------------------------------------------------ scaling
+def scaling(quick: bool) -> dict[str, Any]:
+    from flowerbed.models import REFERENCE_MODEL, charged_costs
+    from flowerbed.sims.devices import get_device
+    from flowerbed.sims.links import (
+        SwitchedEthernet,
+        WifiMedium,
+        ring_allreduce_seconds,
+        synchronous_throughput,
+    )
+
+    phone = get_device(DEVICE)
+    networks = {"wired": SwitchedEthernet(), "wifi": WifiMedium()}
+    rows = []
+    for model in MODELS:
+        if model == "lenet":
+            from flowerbed.models import build_model, model_num_bytes
+
+            factor, grad_bytes = 1.0, model_num_bytes(build_model(*REFERENCE_MODEL))
+        else:
+            factor, grad_bytes = charged_costs(model)
+        per_sample = phone.seconds_per_sample * factor
+        compute = PER_DEVICE_BATCH * per_sample
+        alone = PER_DEVICE_BATCH / compute
+        for name, net in networks.items():
+            for n in PHONES:
+                bandwidth = (
+                    net.device_mbps  # type: ignore[attr-defined]
+                    if name == "wired"
+                    else net.saturation_mbps(n) / n  # type: ignore[attr-defined]
+                )
+                bound = ring_allreduce_seconds(n, grad_bytes, bandwidth, 0.0)
+                rate = synchronous_throughput(
+                    net, n, PER_DEVICE_BATCH, per_sample, grad_bytes
+                )
+                rows.append(
+                    {
+                        "model": model,
+                        "network": name,
+                        "phones": n,
+                        "grad-mb": grad_bytes / 1e6,
+                        "compute-s": compute,
+                        "allreduce-s": net.allreduce_seconds(n, grad_bytes),
+                        "bound-s": bound,
+                        "samples-per-s": rate,
+                        "efficiency": rate / (n * alone),
+                        "limit-samples-per-s": n
+                        * PER_DEVICE_BATCH
+                        / max(compute, bound),
+                    }
+                )
+    return {
+        "device": DEVICE,
+        "seconds-per-sample": phone.seconds_per_sample,
+        "per-device-batch": PER_DEVICE_BATCH,
+        "networks": {k: v.describe() for k, v in networks.items()},
+        "rows": rows,
+    }
+
+
+# ------------------------------------------------------------------ engine runs
+def _phones_run(
+    strategy: Any, network: Any, rounds_: int, phones: int
+) -> tuple[list[Any], float]:
+    from flowerbed.sims.config import Scenario
+    from flowerbed.sims.scenario import build_fleet_grid, run_server
+
+    config = {
+        "dataset": "digits",
+        "model": "lenet",
+        "num-nodes": phones,
+        "num-rounds": rounds_,
+        "dropout": 0.0,
+        "seed": 1,
+        "local-steps": 1,
+        "batch-size": ROUND_BATCH_PER_PHONE,
+    }
+    grid = build_fleet_grid(config, [DEVICE] * phones)
+    grid.network = network
+    began = time.perf_counter()
+    try:
+        outcome = run_server(
+            grid, Scenario.from_run_config(config), strategy=strategy, write=False
+        )
+    finally:
+        grid.close()
+    return outcome.records, time.perf_counter() - began
+
+
+def _rounds_strategy(phones: int) -> Any:
+    from flowerbed.strategies import LargeBatchRounds
+
+    batch = phones * ROUND_BATCH_PER_PHONE
+    return LargeBatchRounds(
+        fraction_evaluate=0.0,
+        min_train_nodes=phones,
+        min_available_nodes=phones,
+        batch_size=batch,
+        optimizer="lamb",
+        base_lr=0.02,
+        base_batch=batch,
+        warmup_steps=3,
+    )
+
+
+def rounds(quick: bool) -> dict[str, Any]:
+    from flowerbed.sims.links import SwitchedEthernet, WifiMedium
+
+    phones = 16 if quick else ROUND_PHONES
+    count = 2 if quick else 5
+    out = []
+    for name, net in (("wired", SwitchedEthernet()), ("wifi", WifiMedium())):
+        records, wall = _phones_run(_rounds_strategy(phones), net, count, phones)
+        times = [r.virtual_time_s for r in records]
+        per_round = (times[-1] - 0.0) / len(times)
+        out.append(
+            {
+                "network": name,
+                "phones": phones,
+                "rounds": count,
+                "virtual-s-per-round": per_round,
+                "samples-per-virtual-s": phones * ROUND_BATCH_PER_PHONE / per_round,
+                "wall-s": wall,
+            }
+        )
+    return {"rows": out}
+
+
+def accuracy(quick: bool) -> dict[str, Any]:
+    from flowerbed.sims.links import SwitchedEthernet
+
+    phones = 16 if quick else ROUND_PHONES
+    count = QUICK_ROUNDS if quick else ACCURACY_ROUNDS
+    runs: list[dict[str, Any]] = []
+    records, wall = _phones_run(
+        _rounds_strategy(phones), SwitchedEthernet(), count, phones
+    )
+    runs.append(_summary("LargeBatchRounds (LAMB, warm-up 3)", records, wall))
+    for lr in FEDAVG_LRS[:1] if quick else FEDAVG_LRS:
+        fedavg = _fedavg_at(lr, phones)
+        records, wall = _phones_run(fedavg, SwitchedEthernet(), count, phones)
+        runs.append(_summary(f"Flower FedAvg, lr {lr:g}", records, wall))
+    return {"phones": phones, "rounds": count, "target": TARGET_ACCURACY, "runs": runs}
+
+
+def _fedavg_at(lr: float, phones: int) -> Any:
+    """Flower's FedAvg with the clients' SGD rate set (one step on 4 samples)."""
+    from flowerbed import keys
+    from flwr.app import ConfigRecord
+    from flwr.serverapp.strategy import FedAvg
+
+    class Tuned(FedAvg):  # type: ignore[misc]
+        def configure_train(self, server_round, arrays, config, grid):  # type: ignore[no-untyped-def]
+            config = ConfigRecord(dict(config))
+            config[keys.LEARNING_RATE] = lr
+            return super().configure_train(server_round, arrays, config, grid)
+
+    return Tuned(
+        fraction_evaluate=0.0, min_train_nodes=phones, min_available_nodes=phones
+    )
+
+
+def _summary(name: str, records: list[Any], wall: float) -> dict[str, Any]:
+    reached = next(
+        (r.virtual_time_s for r in records if r.accuracy >= TARGET_ACCURACY), None
+    )
+    return {
+        "strategy": name,
+        "final-accuracy": records[-1].accuracy if records else 0.0,
+        "best-accuracy": max((r.accuracy for r in records), default=0.0),
+        "time-to-target-s": reached,
+        "virtual-s": records[-1].virtual_time_s if records else 0.0,
+        "wall-s": wall,
+    }
+
+
+# ------------------------------------------------------------------ render
+def render(data: Mapping[str, Any]) -> list[str]:
+    lines = ["## Large-batch synchronous training (S1)", ""]
+    if "error" in data:
+        return [*lines, f"The section failed: {data['error']}", ""]
+    if "scaling" in data:
+        lines += _render_scaling(data["scaling"])
+    if "rounds" in data:
+        lines += _render_rounds(data["rounds"])
+    if "accuracy" in data:
+        lines += _render_accuracy(data["accuracy"])
+    lines += [f"GPU reference (not measured here): {S1_REFERENCE}.", ""]
+    return lines
+
+
+def _render_scaling(d: Mapping[str, Any]) -> list[str]:
+    lines = [
+        f"Samples per second of synchronous data parallelism on `{d['device']}` "
+        f"phones ({d['per-device-batch']} samples per phone per step, compute then "
+        "ring all-reduce, no overlap); efficiency = throughput / (N x one phone); "
+        "limit = the all-reduce's bandwidth term fully overlapped with compute. "
+        f"Networks: wired = {d['networks']['wired']}; Wi-Fi = {d['networks']['wifi']}.",
+        "",
+        "| model | grad MB | network | N | compute s/step | all-reduce s | bound s "
+        "| samples/s | efficiency | limit samples/s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in d["rows"]:
+        lines.append(
+            f"| {r['model']} | {r['grad-mb']:.2f} | {r['network']} | {r['phones']} "
+            f"| {r['compute-s']:.3g} | {r['allreduce-s']:.3g} | {r['bound-s']:.3g} "
+            f"| {r['samples-per-s']:.3g} | {r['efficiency']:.0%} "
+            f"| {r['limit-samples-per-s']:.3g} |"
+        )
+    return [*lines, ""]
+
+
+def _render_rounds(d: Mapping[str, Any]) -> list[str]:
+    lines = [
+        "LargeBatchRounds on the in-process engine (LeNet on digits, "
+        f"{ROUND_BATCH_PER_PHONE} samples per phone per round), the round's "
+        "transfers charged to the shared network:",
+        "",
+        "| network | phones | rounds | virtual s / round | samples / virtual s "
+        "| wall s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in d["rows"]:
+        lines.append(
+            f"| {r['network']} | {r['phones']} | {r['rounds']} "
+            f"| {r['virtual-s-per-round']:.3g} | {r['samples-per-virtual-s']:.3g} "
+            f"| {r['wall-s']:.1f} |"
+        )
+    return [*lines, ""]
+
+
+def _render_accuracy(d: Mapping[str, Any]) -> list[str]:
+    lines = [
+        f"Time to {d['target']:.0%} test accuracy, {d['phones']} phones on the switch, "
+        f"{d['rounds']} rounds over the same samples (one seed; FedAvg's rate swept, "
+        "best chosen with hindsight):",
+        "",
+        "| strategy | final accuracy | best | virtual s to target | virtual s "
+        "| wall s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in d["runs"]:
+        reached = (
+            "not reached"
+            if r["time-to-target-s"] is None
+            else f"{r['time-to-target-s']:.3g}"
+        )
+        lines.append(
+            f"| {r['strategy']} | {r['final-accuracy']:.3f} | {r['best-accuracy']:.3f} "
+            f"| {reached} | {r['virtual-s']:.3g} | {r['wall-s']:.1f} |"
+        )
+    return [*lines, ""]
