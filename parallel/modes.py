@@ -21,17 +21,20 @@ from typing import Any
 RUNNERS: dict[str, str] = {
     "probe": "flowerbed.parallel.probe:run",
     "allreduce": "flowerbed.parallel.allreduce:run",
+    "tiles": "flowerbed.parallel.tiled:run",
 }
 """Plan mode -> runner of a train message."""
 
 PROFILERS: dict[str, str] = {
     "probe": "flowerbed.parallel.probe:profile",
     "allreduce": "flowerbed.parallel.allreduce:profile",
+    "tiles": "flowerbed.parallel.tiled:profile",
 }
 """Query mode -> profiler of a query message."""
 
 EVALUATORS: dict[str, str] = {
     "allreduce": "flowerbed.parallel.allreduce:evaluate",
+    "tiles": "flowerbed.parallel.tiled:evaluate",
 }
 """Mode -> evaluator of the whole model (evaluate messages)."""
 
