@@ -416,10 +416,65 @@ def deep_mlp(
     return nn.Sequential(*layers)
 
 
+def yolo_tiny(
+    in_channels: int = 3,
+    image_size: int = 416,
+    num_classes: int = 20,
+    width: int = 16,
+    norm: str = "none",
+) -> nn.Sequential:
+    """A YOLOv2-tiny-style CNN with a classification head (fused-tile training).
+
+    After darknet's yolov2-tiny (Redmon and Farhadi, "YOLO9000: Better, Faster,
+    Stronger", CVPR 2017), the network Rama et al. (arXiv 2409.09083) train on
+    Raspberry Pi clusters: six 3x3 conv + leaky-ReLU(0.1) layers, channels
+    ``w, 2w, .., 32w`` with a 2x2 max-pool after each of the first five, then a
+    weight-heavy 3x3 conv to ``64w`` channels at 1/32 of the input size (4.7 M
+    parameters for ``w = 16``), and a head of a 1x1 conv to ``num_classes``,
+    global average pooling and flatten (classification instead of the detection
+    head, so offline labels train it). Conv and pool are separate top-level
+    layers (the cuts a tile plan may group). ``norm``: ``"none"``, ``"batch"``
+    (YOLOv2's) or ``"group"`` (8 groups) after each conv. 13 top-level layers.
+    """
+    if image_size % 32:
+        raise ValueError(
+            f"yolo_tiny needs an image size divisible by 32, got {image_size}"
+        )
+    norms: dict[str, Callable[[int], nn.Module]] = {
+        "none": lambda c: nn.Identity(),
+        "batch": nn.BatchNorm2d,
+        "group": lambda c: nn.GroupNorm(min(8, c), c),
+    }
+    if norm not in norms:
+        raise ValueError(f"norm {norm!r}; valid choices: {', '.join(norms)}")
+
+    def block(i: int, o: int) -> nn.Sequential:
+        return nn.Sequential(
+            nn.Conv2d(i, o, 3, padding=1, bias=norm == "none"),
+            norms[norm](o),
+            nn.LeakyReLU(0.1),
+        )
+
+    w = width
+    layers: list[nn.Module] = []
+    channels = in_channels
+    for k in range(5):
+        layers += [block(channels, w << k), nn.MaxPool2d(2)]
+        channels = w << k
+    layers += [block(channels, 32 * w), block(32 * w, 64 * w)]
+    layers.append(
+        nn.Sequential(
+            nn.Conv2d(64 * w, num_classes, 1), nn.AdaptiveAvgPool2d(1), nn.Flatten()
+        )
+    )
+    return nn.Sequential(*layers)
+
+
 SEQUENTIAL_MODELS: dict[str, Callable[..., nn.Sequential]] = {
     "vgg": vgg_small,
     "har-cnn": har_cnn,
     "deep-mlp": deep_mlp,
+    "yolo-tiny": yolo_tiny,
 }
 """Layered models by name; ``build_sequential`` also takes ``"module:function"``."""
 

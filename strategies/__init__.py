@@ -6,6 +6,8 @@ from .fedbuff import FedBuff
 from .large_batch_rounds import LargeBatchRounds
 from .large_batch_sync import LargeBatchSync
 from .runtime_weighted import RuntimeWeightedFedAvg
+from .tile_clusters import TileClusters
+from .tiled import TiledTraining
 
 __all__ = [
     "ClusterSelection",
@@ -14,4 +16,6 @@ __all__ = [
     "LargeBatchRounds",
     "LargeBatchSync",
     "RuntimeWeightedFedAvg",
+    "TileClusters",
+    "TiledTraining",
 ]

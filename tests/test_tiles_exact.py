@@ -168,8 +168,11 @@ def tiled_rank(
     return out
 
 
-def reference(case: dict[str, Any]) -> dict[str, Any]:
-    """Single-device: the front's maps, one step's gradients, K steps' weights."""
+def reference(
+    case: dict[str, Any], steps: int = STEPS, seed: int = SEED
+) -> dict[str, Any]:
+    """Single-device: the front's maps, one step's gradients, ``steps`` steps'
+    weights (batches of ``seed``)."""
     model = build_sequential(MODEL, model_args(case))
     model.load_state_dict(
         {k: torch.from_numpy(v) for k, v in initial_state(case).items()}
@@ -206,8 +209,8 @@ def reference(case: dict[str, Any]) -> dict[str, Any]:
     sgd = torch.optim.SGD(
         trained.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=DECAY
     )
-    for step in range(STEPS):
-        xs, ys = data.batch(SEED, step, BATCH)
+    for step in range(steps):
+        xs, ys = data.batch(seed, step, BATCH)
         sgd.zero_grad()
         F.cross_entropy(trained(xs), ys).backward()
         sgd.step()
