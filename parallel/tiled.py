@@ -70,6 +70,7 @@ from .emulation import DeviceSpeed
 from .group import PeerFailure, joined_group
 from .member import MemberContext, MemberResult, MetricValue
 from .plan import MemberPlan, PlanError
+from .store import MOMENTUM_PREFIX
 from .tile_groups import Cluster, Layout, layout
 from .tile_model import (
     NORM_SYNC,
@@ -101,7 +102,6 @@ NUM_CLASSES = "num-classes"
 SYNTHETIC = "synthetic"
 """Dataset name: Gaussian images and uniform labels drawn per step from
 ``(seed, step)`` (timing runs at sizes no offline dataset has)."""
-MOMENTUM_PREFIX = "momentum:"
 
 
 # --------------------------------------------------------------------------------
@@ -496,28 +496,35 @@ class TiledMember:
         head = self._head_macs or 0
         return float(batch_size * (tiles + head))
 
+    def _boundary(
+        self, g: int
+    ) -> tuple[Rect, Rect, int, list[tuple[int, Rect]], list[tuple[int, Rect]]]:
+        """At group ``g``'s input: this rank's previous tile, its input region,
+        the channels, the pieces of its tile others use (peer, piece) and the
+        pieces of its region others own (peer, piece)."""
+        lay, r = self.layout, self.rank
+        lent = [(dst, p) for (src, dst), p in lay.pieces[g].items() if src == r]
+        borrowed = [(src, p) for (src, dst), p in lay.pieces[g].items() if dst == r]
+        return (
+            lay.tiles[g - 1][r],
+            lay.traces[g][r].input,
+            lay.shapes[g][0],
+            lent,
+            borrowed,
+        )
+
     def _halo_forward(
         self, g: int, previous: torch.Tensor, n: int
     ) -> tuple[torch.Tensor, float]:
         """Group ``g``'s input region from this rank's previous tile and peers'."""
-        lay, r = self.layout, self.rank
-        mine = lay.tiles[g - 1][r]
-        region = lay.traces[g][r].input
-        c = lay.shapes[g][0]
-        sends = [
-            (dst, _cut(previous, piece, mine))
-            for (src, dst), piece in lay.pieces[g].items()
-            if src == r
-        ]
-        wanted = [
-            (src, piece) for (src, dst), piece in lay.pieces[g].items() if dst == r
-        ]
-        got = swap(sends, [(src, (n, c, p.height, p.width)) for src, p in wanted])
-        self._link(lay.busiest_bytes(g, n * c * 4))
+        mine, region, c, lent, borrowed = self._boundary(g)
+        sends = [(dst, _cut(previous, piece, mine)) for dst, piece in lent]
+        got = swap(sends, [(src, (n, c, p.height, p.width)) for src, p in borrowed])
+        self._link(self.layout.busiest_bytes(g, n * c * 4))
         x = torch.empty((n, c, region.height, region.width))
         own = region.intersect(mine)
         _cut(x, own, region).copy_(_cut(previous, own, mine))
-        for (_, piece), tensor in zip(wanted, got, strict=True):
+        for (_, piece), tensor in zip(borrowed, got, strict=True):
             _cut(x, piece, region).copy_(tensor)
         return x, float(sum(t.numel() * 4 for _, t in sends))
 
@@ -526,22 +533,14 @@ class TiledMember:
     ) -> tuple[torch.Tensor, float]:
         """The gradient of this rank's tile of group ``g - 1``: its own part of
         its region's gradient plus the parts peers computed (scatter-add)."""
-        lay, r = self.layout, self.rank
-        mine = lay.tiles[g - 1][r]
-        region = lay.traces[g][r].input
-        c = lay.shapes[g][0]
-        sends = [
-            (src, _cut(region_grad, piece, region))
-            for (src, dst), piece in lay.pieces[g].items()
-            if dst == r
-        ]
-        owed = [(dst, piece) for (src, dst), piece in lay.pieces[g].items() if src == r]
-        got = swap(sends, [(dst, (n, c, p.height, p.width)) for dst, p in owed])
-        self._link(lay.busiest_bytes(g, n * c * 4))
+        mine, region, c, lent, borrowed = self._boundary(g)
+        sends = [(src, _cut(region_grad, piece, region)) for src, piece in borrowed]
+        got = swap(sends, [(dst, (n, c, p.height, p.width)) for dst, p in lent])
+        self._link(self.layout.busiest_bytes(g, n * c * 4))
         grad = torch.zeros((n, c, mine.height, mine.width))
         own = region.intersect(mine)
         _cut(grad, own, mine).add_(_cut(region_grad, own, region))
-        for (_, piece), tensor in zip(owed, got, strict=True):
+        for (_, piece), tensor in zip(lent, got, strict=True):
             _cut(grad, piece, mine).add_(tensor)
         return grad, float(sum(t.numel() * 4 for _, t in sends))
 
