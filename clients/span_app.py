@@ -21,7 +21,8 @@ node_config (per board):
 - ``emulate-gflops`` (simulation and tests): emulate a device training at this
   many GFLOP/s (real compute plus a sleep up to the device's time);
   ``slow-from-step`` and ``slow-factor`` make it that much slower from a global
-  step on.
+  step on; ``crash-at-step`` makes the ClientApp's process exit abruptly when
+  a pipeline segment reaches that global step (a board losing power).
 
 Messages: ``train`` carries a plan (:class:`~flowerbed.parallel.plan.MemberPlan`)
 and the layers the server sends; the reply holds the member's layers
@@ -37,19 +38,26 @@ from __future__ import annotations
 
 import json
 import tempfile
+import time
 from collections.abc import Mapping
 from logging import ERROR
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from flowerbed import keys
+from flowerbed.clients.board_app import chunked_evaluate
 from flowerbed.data import DataError
+from flowerbed.models import build_sequential
+from flowerbed.parallel.data import load_job_dataset
 from flowerbed.parallel.emulation import DeviceSpeed
 from flowerbed.parallel.group import RendezvousError
 from flowerbed.parallel.member import MemberContext, MemberResult
 from flowerbed.parallel.modes import EVALUATORS, PROFILERS, RUNNERS, resolve
+from flowerbed.parallel.pipeline import LOCAL_DATASET
 from flowerbed.parallel.plan import MemberPlan, PlanError, check_address
+from flowerbed.parallel.store import MOMENTUM_PREFIX
 from flwr.app import (
     Array,
     ArrayRecord,
@@ -71,6 +79,7 @@ DEVICE = "device"
 EMULATE_GFLOPS = "emulate-gflops"
 SLOW_FROM_STEP = "slow-from-step"
 SLOW_FACTOR = "slow-factor"
+CRASH_AT_STEP = "crash-at-step"
 
 ERROR_CODE = ErrorCode.CLIENT_APP_RAISED_EXCEPTION
 
@@ -126,6 +135,7 @@ def member_context(context: Context) -> MemberContext:
         speed=speed,
         local_data=local_data,
         label=str(node_config.get(DEVICE, "")),
+        crash_at_step=int(_node_number(node_config, CRASH_AT_STEP, -1)),
     )
 
 
@@ -163,7 +173,7 @@ def _arrays(message: Message) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
     for name in (keys.ARRAYS, keys.SPAN_OPTIMIZER):
         if name in message.content.array_records:
-            prefix = "momentum:" if name == keys.SPAN_OPTIMIZER else ""
+            prefix = MOMENTUM_PREFIX if name == keys.SPAN_OPTIMIZER else ""
             for key, array in message.content.array_records[name].items():
                 out[prefix + key] = array.numpy()
     return out
@@ -217,12 +227,52 @@ def query(message: Message, context: Context) -> Message:
 
 @app.evaluate()
 def evaluate(message: Message, context: Context) -> Message:
-    """Evaluate the whole model the message carries, for the query's mode."""
+    """Evaluate the whole model the message carries on the job's held-out data.
+
+    A mode with its own evaluator (:data:`flowerbed.parallel.modes.EVALUATORS`)
+    uses it; otherwise the query names the layered model (``model``,
+    ``model_args``) and the ``dataset``: a built-in one's test split, or for
+    ``local`` the board's own data (which then measures fit to its training
+    data).
+    """
     try:
         member = member_context(context)
         request = _query(message)
-        evaluator = resolve(EVALUATORS, request["mode"])
-        result = evaluator(request, member, _arrays(message))
+        if request["mode"] in EVALUATORS:
+            evaluator = resolve(EVALUATORS, request["mode"])
+            return _reply(message, member, evaluator(request, member, _arrays(message)))
+        model = build_sequential(
+            str(request.get("model", "")), request.get("model_args")
+        )
+        state = {
+            k: torch.from_numpy(np.array(v))
+            for k, v in _arrays(message).items()
+            if not k.startswith(MOMENTUM_PREFIX)
+        }
+        try:
+            model.load_state_dict(state)
+        except RuntimeError as err:
+            raise SpanBoardError(
+                f"the server's model does not fit {request.get('model')}: {err}"
+            ) from None
+        dataset = str(request.get("dataset", ""))
+        if dataset == LOCAL_DATASET:
+            if member.local_data is None:
+                raise SpanBoardError(
+                    "dataset 'local' but no node_config 'dataset-path'"
+                )
+            x, y = member.local_data()
+        else:
+            data = load_job_dataset(dataset)
+            x, y = data.x_test, data.y_test
+        begin = time.monotonic()
+        loss, acc = chunked_evaluate(model, x, y)
     except HANDLED as err:
         return _error_reply(message, err)
-    return _reply(message, member, result)
+    metrics = {
+        keys.NUM_EXAMPLES: len(y),
+        keys.EVAL_LOSS: loss,
+        keys.EVAL_ACC: acc,
+        keys.EVAL_TIME_S: time.monotonic() - begin,
+    }
+    return Message(RecordDict({keys.METRICS: MetricRecord(metrics)}), reply_to=message)

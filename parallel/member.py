@@ -54,6 +54,9 @@ class MemberContext:
         built-in dataset.
     label : str
         Free-form device label (node_config ``device``).
+    crash_at_step : int
+        Test aid: the member's process exits abruptly (no reply, no goodbye to
+        its peers) when it reaches this global step; -1 never.
     """
 
     address: str
@@ -62,6 +65,7 @@ class MemberContext:
     speed: DeviceSpeed | None = None
     local_data: Callable[[], tuple[np.ndarray, np.ndarray]] | None = None
     label: str = ""
+    crash_at_step: int = -1
 
     def store(self, job: str) -> LayerStore:
         return LayerStore(self.store_root, job)

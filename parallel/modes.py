@@ -5,11 +5,10 @@ profiler ``profile(query, context) -> MemberResult`` (query messages; ``query`` 
 the decoded ``span-query`` JSON) and an evaluator
 ``evaluate(query, context, arrays) -> MemberResult`` (evaluate messages).
 ``arrays`` maps full-model state names to NumPy arrays (optimiser state under
-``"momentum:" + name``). They are
-named here as ``"module:function"`` strings and imported on first use, so a board
-only imports what its job needs. A new kind of job (large-batch all-reduce, fused
-tiles) adds one line to :data:`RUNNERS` (and to :data:`PROFILERS` and
-:data:`EVALUATORS` if it has them).
+``"momentum:" + name``). They are named here as ``"module:function"`` strings
+and imported on first use, so a board only imports what its job needs. A new
+kind of job (large-batch all-reduce, fused tiles) adds one line to
+:data:`RUNNERS` (and to :data:`PROFILERS` and :data:`EVALUATORS` if it has them).
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ RUNNERS: dict[str, str] = {
     "probe": "flowerbed.parallel.probe:run",
     "allreduce": "flowerbed.parallel.allreduce:run",
     "tiles": "flowerbed.parallel.tiled:run",
+    "pipeline": "flowerbed.parallel.pipeline:run_segment",
 }
 """Plan mode -> runner of a train message."""
 
@@ -29,6 +29,7 @@ PROFILERS: dict[str, str] = {
     "probe": "flowerbed.parallel.probe:profile",
     "allreduce": "flowerbed.parallel.allreduce:profile",
     "tiles": "flowerbed.parallel.tiled:profile",
+    "pipeline": "flowerbed.parallel.pipeline:profile",
 }
 """Query mode -> profiler of a query message."""
 
@@ -36,7 +37,9 @@ EVALUATORS: dict[str, str] = {
     "allreduce": "flowerbed.parallel.allreduce:evaluate",
     "tiles": "flowerbed.parallel.tiled:evaluate",
 }
-"""Mode -> evaluator of the whole model (evaluate messages)."""
+"""Mode -> evaluator of the whole model (evaluate messages). Modes without one
+(pipeline) get the span ClientApp's evaluation of the layered model named in the
+query."""
 
 
 def resolve(table: dict[str, str], mode: str) -> Callable[..., Any]:

@@ -90,6 +90,70 @@ def restart_step(holdings: Holdings, survivors: Iterable[int], not_after: int) -
     return holdings.central_step
 
 
+@dataclass(frozen=True)
+class MemberReport:
+    """What a member said about a failed segment.
+
+    ``ok``: it finished; ``steps``: steps it completed; ``failed_step``: the step
+    in progress when it stopped (-1 if it finished); ``holds``: its store listing.
+    """
+
+    ok: bool
+    steps: int
+    failed_step: int
+    holds: Sequence[int]
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """Where a job resumes after a failed segment."""
+
+    holdings: Holdings
+    reached: int
+    restart: int
+
+    @property
+    def lost_steps(self) -> int:
+        return max(0, self.reached - self.restart)
+
+    @property
+    def from_central(self) -> bool:
+        return (
+            self.restart == self.holdings.central_step and self.restart < self.reached
+        )
+
+
+def recover(
+    before: Holdings,
+    start_step: int,
+    reports: Mapping[int, MemberReport],
+    erred: Iterable[int],
+    survivors: Iterable[int],
+) -> Recovery:
+    """The restart point after a segment that began at ``start_step`` failed.
+
+    ``reports`` are the surviving members' replies; ``erred`` the members that
+    answered with an error before reporting (alive; their stores kept
+    ``start_step``, as ``before`` records); ``survivors`` every member still
+    usable. ``reached`` is the furthest step any member got to.
+    """
+    alive = set(survivors)
+    holdings = Holdings(before.num_layers, central_step=before.central_step)
+    reached = start_step
+    for member, report in reports.items():
+        if member in alive:
+            holdings.add_report(member, report.holds)
+        done = start_step + report.steps if report.ok else report.failed_step
+        reached = max(reached, done)
+    for member in erred:
+        if member in alive:
+            for layer, holders in before.steps.get(start_step, {}).items():
+                if member in holders:
+                    holdings.add(member, start_step, [layer])
+    restart = restart_step(holdings, alive, not_after=reached)
+    return Recovery(holdings, reached, restart)
+
+
 def layer_sources(
     holdings: Holdings,
     bounds: Sequence[int],

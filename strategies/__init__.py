@@ -1,4 +1,13 @@
-"""Drop-in Flower strategies for fleets of unequal devices."""
+"""Drop-in Flower strategies for fleets of unequal devices.
+
+``PipelineTraining`` (one model across several boards) imports torch, so it is
+imported on first use: ``import flowerbed.strategies`` stays light.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from .cluster_selection import ClusterSelection
 from .deadline import DeadlineFedAvg
@@ -9,13 +18,27 @@ from .runtime_weighted import RuntimeWeightedFedAvg
 from .tile_clusters import TileClusters
 from .tiled import TiledTraining
 
+if TYPE_CHECKING:
+    from .pipeline import PipelineTraining
+
+_LAZY = {"PipelineTraining": "flowerbed.strategies.pipeline"}
+
 __all__ = [
     "ClusterSelection",
     "DeadlineFedAvg",
     "FedBuff",
     "LargeBatchRounds",
     "LargeBatchSync",
+    "PipelineTraining",
     "RuntimeWeightedFedAvg",
     "TileClusters",
     "TiledTraining",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

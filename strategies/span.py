@@ -408,7 +408,7 @@ class SpanJobStrategy(FedAvg):
         messages: Iterable[Message],
         server_round: int,
         timeout: float,
-        check: Callable[[SegmentReply], None] | None = None,
+        check: Callable[[SegmentReply], object] | None = None,
     ) -> SegmentOutcome:
         """Push a segment's messages and gather what becomes of every member.
 

@@ -76,6 +76,7 @@ def join_alone(rank: int, port: int) -> tuple[str, str, float]:
         return (err.phase, str(err), time.monotonic() - begin)
 
 
+@pytest.mark.slow
 def test_members_exchange_around_the_ring_and_survivors_learn_of_a_loss_fast() -> None:
     results = run_ranks(ring_then_one_dies, 3, 3, free_port(), timeout=90)
     assert results[2][0] == "exit 9"
@@ -94,6 +95,7 @@ def test_members_exchange_around_the_ring_and_survivors_learn_of_a_loss_fast() -
     assert results[1][1]["pair"] == [0.0, 1.0, 2.0, 3.0]
 
 
+@pytest.mark.slow
 def test_a_member_that_never_arrives_ends_the_join_after_its_timeout() -> None:
     results = run_ranks(join_alone, 1, free_port(), timeout=60)
     status, (phase, text, seconds) = results[0]

@@ -71,6 +71,7 @@ def probe_plans(
     }
 
 
+@pytest.mark.slow
 def test_profiling_leaves_out_a_node_without_an_address(grid: ProcessGrid) -> None:
     s = strategy(free_port())
     s.attach(grid)
@@ -84,6 +85,7 @@ def test_profiling_leaves_out_a_node_without_an_address(grid: ProcessGrid) -> No
     assert "--node-config" in errors[4]
 
 
+@pytest.mark.slow
 def test_a_segment_reports_every_member_and_its_link(grid: ProcessGrid) -> None:
     s = strategy(free_port())
     s.attach(grid)
@@ -95,6 +97,7 @@ def test_a_segment_reports_every_member_and_its_link(grid: ProcessGrid) -> None:
         assert reply.metrics["span-link-bytes-per-s"] > 0
 
 
+@pytest.mark.slow
 def test_a_port_in_use_is_an_error_reply_and_the_next_segment_skips_it(
     grid: ProcessGrid,
 ) -> None:
@@ -120,6 +123,7 @@ def test_a_port_in_use_is_an_error_reply_and_the_next_segment_skips_it(
         assert s.next_segment()[1] == port + 1
 
 
+@pytest.mark.slow
 def test_a_killed_member_is_lost_and_the_survivors_answer(grid: ProcessGrid) -> None:
     s = strategy(free_port())
     s.attach(grid)

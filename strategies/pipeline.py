@@ -1,0 +1,855 @@
+"""PipelineTraining: one model trained across unequal boards as a pipeline.
+
+FTPipeHD (Chen, Yang, He, Shi, Chen, arXiv 2110.02781; IEEE TMC 2023) on Flower:
+the ServerApp is FTPipeHD's central node (it profiles, partitions, holds the
+central copy of the weights, detects failures and re-plans); the boards run
+``torch.distributed.pipelining`` stages peer-to-peer over gloo
+(:mod:`flowerbed.parallel.pipeline`). One Flower round is one segment of ``K``
+synchronous steps (1F1B with a flush per step); when a loss interrupts it, the
+round goes on from the recovered step until its ``K`` steps are done. The
+decisions (partition, re-partition, restart step, layer sources) are pure
+functions in :mod:`flowerbed.parallel.planner` and
+:mod:`flowerbed.parallel.recovery`; this class moves plans, weights and
+measurements.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from logging import INFO, WARNING
+from typing import Any
+
+import numpy as np
+import torch
+from flowerbed import keys
+from flowerbed.models import build_sequential, layer_shapes
+from flowerbed.parallel.makespan import replications, throughput
+from flowerbed.parallel.pipeline import INPUT_SHAPE, LOCAL_DATASET
+from flowerbed.parallel.plan import SCHEDULES, LayerSource, MemberPlan, PlanError
+from flowerbed.parallel.planner import KEEP, REPARTITION, Layout, PipelinePlanner
+from flowerbed.parallel.recovery import (
+    Holdings,
+    MemberReport,
+    layer_sources,
+    recover,
+)
+from flowerbed.parallel.store import layer_of
+from flwr.app import (
+    ArrayRecord,
+    ConfigRecord,
+    Message,
+    MessageType,
+    MetricRecord,
+    MetricRecordValues,
+    RecordDict,
+)
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result
+from flwr.supercore import log
+
+from .span import (
+    DEFAULT_JOIN_TIMEOUT_S,
+    DEFAULT_RENDEZVOUS_PORT,
+    DEFAULT_RENDEZVOUS_PORTS,
+    DEFAULT_REPLY_MARGIN_S,
+    DEFAULT_TIMEOUT_S,
+    SegmentOutcome,
+    SegmentReply,
+    SpanJobStrategy,
+    SpanMember,
+    arrayrecord,
+    check_segment_reply,
+)
+from .utils import ReplyRejected
+
+DEFAULT_LINK_BYTES_PER_S = 12.5e6
+"""Assumed bandwidth of a link not yet measured: 100 Mbit/s (a Pi 3's Ethernet)."""
+
+# Round metrics (the train MetricRecord of each round) ------------------------------
+ROUND_STEP_S = "step-s"
+"""Measured seconds per step (the slowest member's median)."""
+ROUND_PREDICTED_STEP_S = "predicted-step-s"
+"""The makespan model's seconds per step for the round's layout."""
+ROUND_PARTITION = "partition"
+"""Layers per stage, in stage order."""
+ROUND_STAGES = "stages"
+ROUND_LOST_STEPS = "lost-steps"
+"""Steps recomputed after losses in the round."""
+ROUND_RECOVERIES = "recoveries"
+ROUND_REPARTITIONS = "repartitions"
+ROUND_SECONDS = "round-s"
+"""Clock seconds of the round (set-up, steps, recoveries)."""
+
+
+@dataclass
+class _Book:
+    """What happened in one round."""
+
+    lost_steps: int = 0
+    recoveries: int = 0
+    repartitions: int = 0
+
+
+class PipelineTraining(SpanJobStrategy):
+    """Pipeline-parallel training over unequal boards (FTPipeHD), with recovery.
+
+    **Profiling.** Every member times each layer's forward and backward pass on
+    one micro-batch (on its own device, emulated or real). The fastest member is
+    the reference; each member's *computing power* is its total over the
+    reference's (FTPipeHD Sec. 4.1). Activation bytes per cut come from the
+    model's shapes; link bandwidths from the replication exchanges (until
+    measured: ``link_bandwidth``).
+
+    **Partition.** FTPipeHD's dynamic programme (Sec. 4.2;
+    :func:`flowerbed.parallel.partition.partition`)::
+
+        dp[j][s] = min_{i<j} max(dp[i][s-1], 2 * out_bytes[i] / bw[s-1],
+                                 (T_fwd(i+1..j) + T_bwd(i+1..j)) * power[s])
+
+    **Dynamic re-partition.** After each segment the measured per-stage times
+    update every member's power; if the new optimum's predicted step time
+    ``t'`` beats the current ``t`` so that the gain over the remaining steps
+    ``(t - t') * steps_left`` exceeds the cost of moving layers (their state
+    bytes over the link bandwidth) and ``t' < (1 - repartition_threshold) t``,
+    the next segment uses it; the log says when and why.
+
+    **Fault tolerance** (FTPipeHD Sec. 4.3-4.4, synchronous variant). Every
+    ``replicate_every`` (R) steps each stage sends its weights and optimiser
+    state to its ring successor over torch.distributed (the last stage's to the
+    first; its segment-end state also reaches the ServerApp with the reply, the
+    central copy). When members are lost mid-segment, the ServerApp picks the
+    newest step every layer still has a copy at among the survivors
+    (:mod:`flowerbed.parallel.recovery`; at most R steps lost after one loss or
+    several non-adjacent ones, back to the central copy after adjacent ones),
+    re-partitions over the survivors and tells each new stage where each layer
+    comes from (itself, a peer, or the central copy in the message). A member
+    that answers again later (a new node id after a restart) is profiled and
+    used again.
+
+    Parameters
+    ----------
+    (FedAvg's parameters, same defaults: ``fraction_train`` is the share of
+    connected nodes taken as members, at least ``min_train_nodes``;
+    ``min_available_nodes`` are awaited before profiling; ``fraction_evaluate``
+    members evaluate the whole model each round), and:
+    model : str
+        The layered model every member builds: a name of
+        ``flowerbed.models.SEQUENTIAL_MODELS`` or ``"package.module:function"``
+        returning an ``nn.Sequential`` (importable on every board).
+    input_shape : sequence of int
+        Shape of one sample, e.g. ``(3, 32, 32)``.
+    model_args : dict, optional
+        Keyword arguments of the model factory (JSON values).
+    dataset : str (default: "digits")
+        The first stage's training data: a name of
+        ``flowerbed.parallel.data.JOB_DATASETS``, or ``"local"`` for the board's
+        own ``dataset-path``.
+    steps_per_round : int (default: 20)
+        K, synchronous steps per round (segment).
+    batch_size : int (default: 32)
+        Samples per step (split into ``micro_batches``).
+    micro_batches : int (default: 4)
+        Micro-batches per step; 1F1B needs at least as many as stages.
+    schedule : str (default: "1f1b")
+        ``"1f1b"`` or ``"gpipe"``.
+    replicate_every : int (default: 5)
+        R: steps between replications (0: never; a loss then costs the segment).
+    lr, momentum, weight_decay : float (defaults: 0.05, 0.0, 0.0)
+        SGD's settings. A train config's ``lr`` overrides ``lr`` for its round.
+    num_stages : int, optional
+        Most members to use (default: all usable, at most one per layer, and
+        with 1F1B at most ``micro_batches``); the fastest are kept. More than the
+        model's layers is an error.
+    stage_sizes : sequence of int, optional
+        A fixed partition (layers per stage, in member order) instead of the DP;
+        disables re-partitioning. Must sum to the model's layers.
+    repartition : bool (default: True)
+        Re-partition from measured times (see above).
+    repartition_threshold : float (default: 0.1)
+        Least relative step-time improvement worth a re-partition.
+    link_bandwidth : float (default: 12.5e6)
+        Bytes/s assumed for links not yet measured.
+    profile_repeats : int (default: 3)
+        Timed passes per layer when profiling.
+    query_timeout_s : float (default: 120)
+        How long profiling waits for a member.
+    max_attempts : int (default: 10)
+        Segment attempts per round before the run stops early (logged; the
+        Result keeps the last good weights).
+    seed : int (default: 0)
+        Seed of the batch order (and of the model built on the server).
+    rendezvous_port, rendezvous_ports, join_timeout_s, timeout_s, reply_margin_s
+        See :class:`flowerbed.strategies.span.SpanJobStrategy`.
+    """
+
+    mode = "pipeline"
+
+    # pylint: disable=too-many-arguments,too-many-locals
+    def __init__(
+        self,
+        fraction_train: float = 1.0,
+        fraction_evaluate: float = 1.0,
+        min_train_nodes: int = 2,
+        min_evaluate_nodes: int = 2,
+        min_available_nodes: int = 2,
+        weighted_by_key: str = keys.NUM_EXAMPLES,
+        arrayrecord_key: str = keys.ARRAYS,
+        configrecord_key: str = keys.CONFIG,
+        train_metrics_aggr_fn: Callable[[list[RecordDict], str], MetricRecord]
+        | None = None,
+        evaluate_metrics_aggr_fn: Callable[[list[RecordDict], str], MetricRecord]
+        | None = None,
+        *,
+        model: str = "",
+        input_shape: Sequence[int] = (),
+        model_args: Mapping[str, Any] | None = None,
+        dataset: str = "digits",
+        steps_per_round: int = 20,
+        batch_size: int = 32,
+        micro_batches: int = 4,
+        schedule: str = "1f1b",
+        replicate_every: int = 5,
+        lr: float = 0.05,
+        momentum: float = 0.0,
+        weight_decay: float = 0.0,
+        num_stages: int | None = None,
+        stage_sizes: Sequence[int] | None = None,
+        repartition: bool = True,
+        repartition_threshold: float = 0.1,
+        link_bandwidth: float = DEFAULT_LINK_BYTES_PER_S,
+        profile_repeats: int = 3,
+        query_timeout_s: float = 120.0,
+        max_attempts: int = 10,
+        seed: int = 0,
+        rendezvous_port: int = DEFAULT_RENDEZVOUS_PORT,
+        rendezvous_ports: int = DEFAULT_RENDEZVOUS_PORTS,
+        join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        reply_margin_s: float = DEFAULT_REPLY_MARGIN_S,
+    ) -> None:
+        super().__init__(
+            fraction_train,
+            fraction_evaluate,
+            min_train_nodes,
+            min_evaluate_nodes,
+            min_available_nodes,
+            weighted_by_key,
+            arrayrecord_key,
+            configrecord_key,
+            train_metrics_aggr_fn,
+            evaluate_metrics_aggr_fn,
+            rendezvous_port=rendezvous_port,
+            rendezvous_ports=rendezvous_ports,
+            join_timeout_s=join_timeout_s,
+            timeout_s=timeout_s,
+            reply_margin_s=reply_margin_s,
+        )
+        checks = [
+            (bool(model), "model is required: a layered model name or 'pkg.mod:fn'"),
+            (len(input_shape) > 0, "input_shape is required, e.g. (1, 8, 8)"),
+            (steps_per_round >= 1, "steps_per_round must be >= 1"),
+            (micro_batches >= 1, "micro_batches must be >= 1"),
+            (
+                batch_size >= 1 and batch_size % max(micro_batches, 1) == 0,
+                "batch_size must be a positive multiple of micro_batches",
+            ),
+            (schedule in SCHEDULES, f"schedule must be one of {', '.join(SCHEDULES)}"),
+            (replicate_every >= 0, "replicate_every must be >= 0"),
+            (lr > 0, "lr must be > 0"),
+            (momentum >= 0 and weight_decay >= 0, "momentum, weight_decay >= 0"),
+            (num_stages is None or num_stages >= 1, "num_stages must be >= 1"),
+            (0 <= repartition_threshold < 1, "repartition_threshold must be in [0, 1)"),
+            (link_bandwidth > 0, "link_bandwidth must be > 0"),
+            (profile_repeats >= 1, "profile_repeats must be >= 1"),
+            (max_attempts >= 1, "max_attempts must be >= 1"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+        self.model = model
+        self.model_args = dict(model_args or {})
+        self.input_shape = tuple(int(v) for v in input_shape)
+        self.dataset = dataset
+        self.steps_per_round = steps_per_round
+        self.batch_size = batch_size
+        self.micro_batches = micro_batches
+        self.schedule = schedule
+        self.replicate_every = replicate_every
+        self.lr = lr
+        self.momentum = momentum
+        self.weight_decay = weight_decay
+        self.profile_repeats = profile_repeats
+        self.query_timeout_s = query_timeout_s
+        self.max_attempts = max_attempts
+        self.seed = seed
+        # Build the model here, so that bad input fails before any message.
+        net = build_sequential(model, self.model_args, seed=seed)
+        self.num_layers = len(net)
+        if num_stages is not None and num_stages > self.num_layers:
+            raise PlanError(
+                f"num_stages={num_stages} but model {model!r} has only "
+                f"{self.num_layers} layers: every stage needs at least one layer"
+            )
+        if stage_sizes is not None and (
+            any(s < 1 for s in stage_sizes) or sum(stage_sizes) != self.num_layers
+        ):
+            raise PlanError(
+                f"stage_sizes {list(stage_sizes)} must be positive and sum to the "
+                f"model's {self.num_layers} layers"
+            )
+        self.num_stages = num_stages
+        micro = batch_size // micro_batches
+        with torch.no_grad():
+            shapes = layer_shapes(net, torch.zeros((micro, *self.input_shape)))
+        self.reference_state = {k: tuple(v.shape) for k, v in net.state_dict().items()}
+        state_bytes = [0.0] * self.num_layers
+        for name, tensor in net.state_dict().items():
+            state_bytes[layer_of(name)] += tensor.numel() * tensor.element_size()
+        factor = 2 if momentum > 0 else 1  # momentum buffers travel with weights
+        self.planner = PipelinePlanner(
+            out_bytes=[4.0 * math.prod(shape) for shape in shapes[1:]],
+            state_bytes=[factor * b for b in state_bytes],
+            micro_batches=micro_batches,
+            schedule=schedule,
+            link_bandwidth=link_bandwidth,
+            repartition=repartition and stage_sizes is None,
+            threshold=repartition_threshold,
+            fixed_sizes=tuple(stage_sizes) if stage_sizes is not None else None,
+        )
+        # The run's state.
+        self.members: dict[int, SpanMember] = {}
+        """Nodes admitted to the job (profiled, with an address)."""
+        self.lost: set[int] = set()
+        """Members that died or failed a plan the others could run."""
+        self.refused: dict[int, str] = {}
+        """Nodes that cannot take part, and why."""
+        self.evaluate_timeout_s = query_timeout_s
+        self.job = ""
+        self.layout: Layout | None = None
+        self.step = 0
+        self.central: dict[str, np.ndarray] = {}
+        self.central_optimizer: dict[str, np.ndarray] = {}
+        self.holdings = Holdings(self.num_layers)
+        self.events: list[str] = []
+        """Re-partitions and recoveries, as logged."""
+        self._pending: dict[int, MemberPlan] = {}
+        self._sources: tuple[LayerSource, ...] = ()
+        self._timeout = 3600.0
+        self._total_steps = 0
+
+    def summary(self) -> None:
+        log(
+            INFO,
+            "\t├── PipelineTraining: model %s (%d layers), %d steps/round, batch %d "
+            "in %d micro-batches, %s, replicate every %d steps",
+            self.model,
+            self.num_layers,
+            self.steps_per_round,
+            self.batch_size,
+            self.micro_batches,
+            self.schedule,
+            self.replicate_every,
+        )
+
+    # ------------------------------------------------------------------ members
+    def _request(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "model": self.model,
+            "model_args": self.model_args,
+            "micro_batch": self.batch_size // self.micro_batches,
+            INPUT_SHAPE: list(self.input_shape),
+            "repeats": self.profile_repeats,
+            "dataset": self.dataset,
+            "step": self.step,
+        }
+
+    def admit(self, grid: Grid, node_ids: Iterable[int]) -> list[int]:
+        """Profile the nodes not yet known; add the usable ones as members."""
+        ids = [
+            n
+            for n in node_ids
+            if n not in self.members and n not in self.lost and n not in self.refused
+        ]
+        if not ids:
+            return []
+        found, errors = self.profile_members(
+            grid, ids, self._request(), self.query_timeout_s
+        )
+        self.refused.update(errors)
+        profiles = {}
+        for node_id, member in found.items():
+            try:
+                profiles[node_id] = (
+                    _layer_times(
+                        member.metrics, keys.SPAN_LAYER_FORWARD_S, self.num_layers
+                    ),
+                    _layer_times(
+                        member.metrics, keys.SPAN_LAYER_BACKWARD_S, self.num_layers
+                    ),
+                )
+            except ReplyRejected as err:
+                self.refused[node_id] = err.reason
+                log(WARNING, "node %d: bad profile: %s", node_id, err.reason)
+                continue
+            self.members[node_id] = member
+        self.planner.profiled(profiles)
+        if profiles and self.layout is not None:
+            log(INFO, "PipelineTraining: new members %s", sorted(profiles))
+        return sorted(profiles)
+
+    def _usable(self) -> list[int]:
+        """Members in stage order: the current layout's, then newcomers; a data
+        holder first when the dataset is the boards' own; the fastest when there
+        are more than stages allowed."""
+        current = list(self.layout.members) if self.layout else []
+        alive = [m for m in current if m in self.members and m not in self.lost]
+        alive += sorted(
+            m for m in self.members if m not in alive and m not in self.lost
+        )
+        head: list[int] = []
+        if self.dataset == LOCAL_DATASET:
+            holders = [m for m in alive if int(self.members[m].info.get("has-data", 0))]
+            if not holders:
+                raise PlanError(
+                    "dataset 'local': no member has node_config 'dataset-path', so "
+                    "none can hold the first stage"
+                )
+            head = holders[:1]
+        limit = min(self.num_layers, self.num_stages or self.num_layers)
+        if self.schedule == "1f1b":
+            limit = min(limit, self.micro_batches)
+        if self.planner.fixed_sizes is not None:
+            limit = min(limit, len(self.planner.fixed_sizes))
+        rest = [m for m in alive if m not in head]
+        if len(head) + len(rest) > limit:
+            fastest = sorted(rest, key=lambda m: self.planner.power[m])
+            keep = set(fastest[: limit - len(head)])
+            rest = [m for m in rest if m in keep]
+        return head + rest
+
+    # ------------------------------------------------------------------ Flower API
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """The planned segment's messages: each member's plan (``lr`` from the
+        config when it has one) and the layers it takes from ``arrays``."""
+        del grid
+        lr = config.get(keys.LEARNING_RATE, self.lr)
+        if isinstance(lr, bool) or not isinstance(lr, int | float) or lr <= 0:
+            lr = self.lr
+        central = {s.layer for s in self._sources if s.kind == "central"}
+        config = ConfigRecord(dict(config))
+        config[keys.SERVER_ROUND] = server_round
+        plans, weights, optimizer = {}, {}, {}
+        for node_id, pending in self._pending.items():
+            plan = pending.with_changes(lr=float(lr))
+            mine = set(plan.layers) & central
+            plans[node_id] = plan
+            weights[node_id] = {
+                k: v.numpy() for k, v in arrays.items() if layer_of(k) in mine
+            }
+            optimizer[node_id] = {
+                k: v for k, v in self.central_optimizer.items() if layer_of(k) in mine
+            }
+        return self.segment_messages(plans, weights, optimizer, config, self._timeout)
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Stitch the members' layers into the whole model.
+
+        The replies must all report a finished segment and together hold every
+        state array of the model exactly once, with its shape; otherwise the
+        result is ``(None, None)`` (a failed segment) and the reason logged.
+        """
+        checked = []
+        for reply in replies:
+            try:
+                if reply.has_error():
+                    raise ReplyRejected(reply.error.reason or "error reply")
+                checked.append(self.check_reply(check_segment_reply(reply)))
+            except ReplyRejected as err:
+                log(WARNING, "round %d: rejected reply: %s", server_round, err.reason)
+                return None, None
+        return self._stitch(checked)
+
+    def check_reply(self, reply: SegmentReply) -> SegmentReply:
+        """Reject arrays the model does not have, wrong shapes, a bad listing."""
+        for name, value in reply.arrays.items():
+            if name not in self.reference_state:
+                raise ReplyRejected(f"unexpected array {name!r}")
+            if tuple(value.shape) != self.reference_state[name]:
+                raise ReplyRejected(
+                    f"array {name!r} has shape {tuple(value.shape)}, expected "
+                    f"{self.reference_state[name]}"
+                )
+        holds = reply.metrics.get(keys.SPAN_HOLDS, [])
+        if not isinstance(holds, list) or len(holds) % 3:
+            raise ReplyRejected(f"{keys.SPAN_HOLDS!r} must be a list of triples")
+        return reply
+
+    def _stitch(
+        self, replies: Sequence[SegmentReply]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        arrays: dict[str, np.ndarray] = {}
+        for reply in replies:
+            if not reply.ok:
+                return None, None
+            for name, value in reply.arrays.items():
+                if name in arrays:
+                    log(WARNING, "array %s came from two members", name)
+                    return None, None
+                arrays[name] = value
+        missing = sorted(set(self.reference_state) - set(arrays))
+        if missing:
+            log(WARNING, "the replies lack arrays %s", missing[:5])
+            return None, None
+        steps = min(int(_num(r.metrics.get(keys.NUM_STEPS, 0))) for r in replies)
+        losses = [
+            _num(r.metrics[keys.TRAIN_LOSS])
+            for r in replies
+            if keys.TRAIN_LOSS in r.metrics
+        ]
+        metrics: dict[str, MetricRecordValues] = {
+            keys.NUM_EXAMPLES: steps * self.batch_size,
+            keys.NUM_STEPS: steps,
+        }
+        if losses:
+            metrics[keys.TRAIN_LOSS] = float(np.mean(losses))
+        ordered = {name: arrays[name] for name in self.reference_state}
+        return arrayrecord(ordered), MetricRecord(metrics)
+
+    def evaluation_query(self) -> dict[str, Any]:
+        """The evaluate messages' query: the layered model and the data."""
+        return {
+            "mode": self.mode,
+            "model": self.model,
+            "model_args": self.model_args,
+            "dataset": self.dataset,
+        }
+
+    def live_members(self) -> list[int]:
+        return sorted(m for m in self.members if m not in self.lost)
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Evaluation messages to ``fraction_evaluate`` of the live members (at
+        least ``min_evaluate_nodes``) with the whole model and
+        :meth:`evaluation_query`. Unlike FedAvg it never waits for nodes to
+        connect: lost boards are not asked."""
+        del grid
+        if self.fraction_evaluate == 0.0:
+            return []
+        live = self.live_members()
+        count = max(
+            math.ceil(len(live) * self.fraction_evaluate), self.min_evaluate_nodes
+        )
+        config = ConfigRecord(dict(config))
+        config[keys.SERVER_ROUND] = server_round
+        config[keys.SPAN_QUERY] = json.dumps(self.evaluation_query(), sort_keys=True)
+        content = RecordDict(
+            {self.arrayrecord_key: arrays, self.configrecord_key: config}
+        )
+        return [
+            Message(content, dst_node_id=node_id, message_type=MessageType.EVALUATE)
+            for node_id in live[:count]
+        ]
+
+    def evaluate_round(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> MetricRecord | None:
+        """Push :meth:`configure_evaluate`'s messages, wait at most
+        ``evaluate_timeout_s``, aggregate what came back."""
+        messages = list(self.configure_evaluate(server_round, arrays, config, grid))
+        if not messages:
+            return None
+        sent = self.inflight.push(messages, server_round)
+        until = self.clock.now() + self.evaluate_timeout_s
+        replies = [
+            r for r, _, _ in self.inflight.replies(until, kind=MessageType.EVALUATE)
+        ]
+        self.inflight.forget(sent)
+        return self.aggregate_evaluate(server_round, replies)
+
+    # ------------------------------------------------------------------ the loop
+    def start(
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int = 3,
+        timeout: float = 3600,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+    ) -> Result:
+        """Run ``num_rounds`` rounds of ``steps_per_round`` pipeline steps.
+
+        FedAvg's contract: the Result's ``arrays`` is the whole model (the last
+        completed round's; the initial one if none completed). Raises
+        ``ValueError`` before sending anything when ``initial_arrays`` do not fit
+        the model, and ``RuntimeError`` when fewer than ``min_train_nodes`` nodes
+        can take part (each one's reason logged and in the message).
+        """
+        self._check_initial(initial_arrays)
+        self._timeout = float(timeout)
+        self._total_steps = num_rounds * self.steps_per_round
+        log(INFO, "Starting %s strategy:", type(self).__name__)
+        self.summary()
+        self.attach(grid)
+        train_config = ConfigRecord() if train_config is None else train_config
+        evaluate_config = ConfigRecord() if evaluate_config is None else evaluate_config
+        result = Result(arrays=initial_arrays)
+        self.job = f"pipe-{uuid.uuid4().hex[:12]}"
+        self.central = {k: v.numpy() for k, v in initial_arrays.items()}
+        self.holdings = Holdings(self.num_layers, central_step=0)
+        if evaluate_fn is not None:
+            res = evaluate_fn(0, initial_arrays)
+            if res is not None:
+                result.evaluate_metrics_serverapp[0] = res
+        nodes = self.discover(grid, 10**6, timeout)
+        take = max(self.min_train_nodes, math.ceil(len(nodes) * self.fraction_train))
+        self.admit(grid, nodes[:take])
+        if len(self.members) < max(1, self.min_train_nodes):
+            reasons = "; ".join(
+                f"node {n}: {r}" for n, r in sorted(self.refused.items())
+            )
+            raise RuntimeError(
+                f"only {len(self.members)} node(s) can take part, min_train_nodes is "
+                f"{self.min_train_nodes}" + (f" ({reasons})" if reasons else "")
+            )
+        arrays = initial_arrays
+        for server_round in range(1, num_rounds + 1):
+            log(INFO, "")
+            log(INFO, "[ROUND %s/%s] step %d", server_round, num_rounds, self.step)
+            self.admit(grid, grid.get_node_ids())  # newcomers, returning boards
+            done = self._round(server_round, train_config, grid, timeout)
+            if done is None:
+                log(WARNING, "round %d did not complete: stopping", server_round)
+                break
+            arrays, metrics = done
+            result.arrays = arrays
+            result.train_metrics_clientapp[server_round] = metrics
+            log(INFO, "\t└──> %s", dict(metrics))
+            evaluated = self.evaluate_round(server_round, arrays, evaluate_config, grid)
+            if evaluated is not None:
+                result.evaluate_metrics_clientapp[server_round] = evaluated
+            if evaluate_fn is not None:
+                res = evaluate_fn(server_round, arrays)
+                if res is not None:
+                    result.evaluate_metrics_serverapp[server_round] = res
+        return result
+
+    def _check_initial(self, arrays: ArrayRecord) -> None:
+        missing = sorted(set(self.reference_state) - set(arrays))
+        extra = sorted(set(arrays) - set(self.reference_state))
+        if missing or extra:
+            raise ValueError(
+                f"initial_arrays do not fit model {self.model!r}: missing "
+                f"{missing[:5]}, unexpected {extra[:5]} (pass the state_dict of "
+                "the same nn.Sequential)"
+            )
+        for name, array in arrays.items():
+            if tuple(array.shape) != self.reference_state[name]:
+                raise ValueError(
+                    f"initial array {name!r} has shape {tuple(array.shape)}, the "
+                    f"model's is {self.reference_state[name]}"
+                )
+
+    def _event(self, text: str, quiet: bool = False) -> None:
+        if not quiet:
+            self.events.append(text)
+        log(INFO, "PipelineTraining: %s", text)
+
+    def _round(
+        self, server_round: int, config: ConfigRecord, grid: Grid, timeout: float
+    ) -> tuple[ArrayRecord, MetricRecord] | None:
+        """Segments until the round's K steps are done, recovering from losses."""
+        end = server_round * self.steps_per_round
+        book = _Book()
+        began = self.clock.now()
+        for attempt in range(1, self.max_attempts + 1):
+            try:
+                decision = self.planner.decide(
+                    self.layout, self._usable(), self._total_steps - self.step
+                )
+            except PlanError as err:
+                log(WARNING, "round %d: %s", server_round, err)
+                return None
+            self._event(
+                f"step {self.step}: {decision.kind}: {decision.reason}",
+                quiet=decision.kind == KEEP,
+            )
+            book.repartitions += decision.kind == REPARTITION
+            layout = decision.layout
+            previous = self.layout.owner() if self.layout else {}
+            self._sources = layer_sources(
+                self.holdings, layout.bounds, layout.members, self.step, previous
+            )
+            self._pending = self._plans(layout, end - self.step)
+            messages = self.configure_train(
+                server_round, arrayrecord(self.central), config, grid
+            )
+            outcome = self.run_segment(
+                messages, server_round, timeout, self.check_reply
+            )
+            self.layout = layout
+            if outcome.complete:
+                stitched, metrics = self._stitch(list(outcome.replies.values()))
+                if stitched is not None and metrics is not None:
+                    return self._finish(layout, outcome, stitched, metrics, book, began)
+            self._recover(server_round, layout, outcome, book, attempt)
+        return None
+
+    def _plans(self, layout: Layout, steps: int) -> dict[int, MemberPlan]:
+        segment, port = self.next_segment()
+        host = self.members[layout.members[0]].address
+        return {
+            member: MemberPlan(
+                mode=self.mode,
+                job=self.job,
+                segment=segment,
+                rank=rank,
+                world_size=len(layout.members),
+                host=host,
+                port=port,
+                start_step=self.step,
+                steps=steps,
+                batch_size=self.batch_size,
+                seed=self.seed,
+                micro_batches=self.micro_batches,
+                schedule=self.schedule,
+                replicate_every=self.replicate_every,
+                join_timeout_s=self.join_timeout_s,
+                timeout_s=self.timeout_s,
+                model=self.model,
+                model_args=self.model_args,
+                dataset=self.dataset,
+                lr=self.lr,
+                momentum=self.momentum,
+                weight_decay=self.weight_decay,
+                partition=layout.bounds,
+                sources=self._sources,
+                options={INPUT_SHAPE: list(self.input_shape)},
+            )
+            for rank, member in enumerate(layout.members)
+        }
+
+    def _finish(
+        self,
+        layout: Layout,
+        outcome: SegmentOutcome,
+        stitched: ArrayRecord,
+        metrics: MetricRecord,
+        book: _Book,
+        began: float,
+    ) -> tuple[ArrayRecord, MetricRecord]:
+        """A completed segment: the replies become the central copy."""
+        steps = int(_num(metrics[keys.NUM_STEPS]))
+        first = self.step
+        self.step += steps
+        self.central = {k: v.numpy() for k, v in stitched.items()}
+        self.central_optimizer = {}
+        for reply in outcome.replies.values():
+            self.central_optimizer.update(reply.optimizer)
+        self.holdings = Holdings(self.num_layers, central_step=self.step)
+        for node_id, reply in outcome.replies.items():
+            self.holdings.add_report(node_id, _ints(reply.metrics[keys.SPAN_HOLDS]))
+        _, predicted = self.planner.predict(layout)
+        replies = outcome.replies
+        self.planner.measured(
+            layout,
+            {
+                n: _num(r.metrics.get(keys.SPAN_FORWARD_S, 0))
+                + _num(r.metrics.get(keys.SPAN_BACKWARD_S, 0))
+                for n, r in replies.items()
+            },
+            {
+                n: _num(r.metrics.get(keys.SPAN_LINK_BYTES_PER_S, 0))
+                for n, r in replies.items()
+            },
+        )
+        measured = max(
+            _num(r.metrics.get(keys.SPAN_STEP_S, 0)) for r in replies.values()
+        )
+        out = dict(metrics)
+        out.update(
+            {
+                keys.SAMPLES_PER_S: throughput(self.batch_size, measured),
+                ROUND_STEP_S: measured,
+                ROUND_PREDICTED_STEP_S: predicted,
+                ROUND_PARTITION: layout.sizes,
+                ROUND_STAGES: len(layout.members),
+                ROUND_LOST_STEPS: book.lost_steps,
+                ROUND_RECOVERIES: book.recoveries,
+                ROUND_REPARTITIONS: book.repartitions,
+                ROUND_SECONDS: self.clock.now() - began,
+                "replications": replications(first, steps, self.replicate_every),
+            }
+        )
+        return stitched, MetricRecord(out)
+
+    def _recover(
+        self,
+        server_round: int,
+        layout: Layout,
+        outcome: SegmentOutcome,
+        book: _Book,
+        attempt: int,
+    ) -> None:
+        """After a failed segment: drop lost members, pick the restart step."""
+        for node_id in outcome.failed_members:
+            self.lost.add(node_id)
+            self.planner.forget(node_id)
+        for node_id, reason in outcome.errors.items():
+            if "rendezvous port" not in reason and node_id in layout.members:
+                # The plan suited the others: this board cannot run it.
+                self.refused[node_id] = reason
+                self.lost.add(node_id)
+                self.planner.forget(node_id)
+        reports = {
+            node_id: MemberReport(
+                ok=reply.ok,
+                steps=int(_num(reply.metrics.get(keys.NUM_STEPS, 0))),
+                failed_step=int(_num(reply.metrics.get(keys.SPAN_FAILED_STEP, -1))),
+                holds=_ints(reply.metrics.get(keys.SPAN_HOLDS, [])),
+            )
+            for node_id, reply in outcome.replies.items()
+        }
+        survivors = [m for m in self.members if m not in self.lost]
+        found = recover(self.holdings, self.step, reports, outcome.errors, survivors)
+        book.lost_steps += found.lost_steps
+        book.recoveries += 1
+        self.holdings = found.holdings
+        self._event(
+            f"step {found.reached}: attempt {attempt} of round {server_round} failed "
+            f"(lost members {sorted(outcome.failed_members)}, errors "
+            f"{sorted(outcome.errors)}); restart at step {found.restart}, "
+            f"{found.lost_steps} steps lost"
+            + (" (from the central copy)" if found.from_central else "")
+        )
+        self.step = found.restart
+
+
+def _num(value: Any) -> float:
+    """A checked metric (check_segment_reply made it finite) as a float."""
+    return float(value) if isinstance(value, int | float) else 0.0
+
+
+def _ints(values: Any) -> list[int]:
+    return [int(v) for v in values] if isinstance(values, list) else []
+
+
+def _layer_times(metrics: Mapping[str, Any], key: str, layers: int) -> list[float]:
+    values = metrics.get(key)
+    if not isinstance(values, list) or len(values) != layers:
+        raise ReplyRejected(f"{key!r} must list {layers} per-layer seconds")
+    out = [float(v) for v in values]
+    if any(not math.isfinite(v) or v < 0 for v in out):
+        raise ReplyRejected(f"{key!r} holds a negative or non-finite time")
+    return out

@@ -1,0 +1,205 @@
+"""PipelineTraining end to end on local processes, and its bad-input errors.
+
+The ProcessGrid runs the boards' span ClientApp in one process per node with an
+emulated device speed (``emulate-gflops``); test aids in node_config make a node
+slow down from a step on (``slow-from-step``/``slow-factor``) or crash at a step
+(``crash-at-step``: its process exits abruptly, a board losing power). Since the
+pipeline is synchronous and the batch of a step depends only on the step, the
+final weights must equal single-process training of the same number of steps,
+failures or not.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import reference
+from flowerbed.models import ModelCutError, build_sequential
+from flowerbed.parallel.group import free_port
+from flowerbed.parallel.plan import PlanError
+from flowerbed.sims.process_grid import ProcessGrid
+from flowerbed.strategies.pipeline import PipelineTraining
+from flwr.app import ArrayRecord
+
+MODEL = "deep-mlp"
+ARGS = {"in_features": 64, "hidden": 48, "depth": 8}  # 10 layers
+K, R, BATCH, LR = 10, 3, 16, 0.1
+FAST, SLOW = 0.05, 0.005  # GFLOP/s: a 10x spread
+
+
+def strategy(**changes: object) -> PipelineTraining:
+    settings: dict = {
+        "model": MODEL,
+        "model_args": ARGS,
+        "input_shape": (1, 8, 8),
+        "dataset": "digits",
+        "steps_per_round": K,
+        "batch_size": BATCH,
+        "micro_batches": 4,
+        "replicate_every": R,
+        "lr": LR,
+        "fraction_evaluate": 0.0,
+        "min_train_nodes": 1,
+        "min_available_nodes": 3,
+        "rendezvous_port": free_port(),
+        "rendezvous_ports": 1,
+        "join_timeout_s": 30,
+        "timeout_s": 10,
+        "reply_margin_s": 3,
+    }
+    settings.update(changes)
+    return PipelineTraining(**settings)
+
+
+def initial() -> ArrayRecord:
+    return ArrayRecord(build_sequential(MODEL, ARGS, seed=0).state_dict())
+
+
+def assert_same_weights(result: ArrayRecord, steps: int, batch: int = BATCH) -> None:
+    want = reference.single_process(MODEL, ARGS, steps, batch, LR)
+    got = {k: v.numpy() for k, v in result.items()}
+    assert list(got) == list(want)
+    for name, value in want.items():
+        np.testing.assert_allclose(got[name], value, rtol=0, atol=5e-6, err_msg=name)
+
+
+def node(tmp: Path, name: str, gflops: float, **aids: int | float) -> dict:
+    return {
+        "address": "127.0.0.1",
+        "emulate-gflops": gflops,
+        "state-dir": str(tmp / name),
+        "device": name,
+        **aids,
+    }
+
+
+# --- bad input: clear errors before anything runs --------------------------------
+
+
+def test_more_stages_than_layers_is_refused() -> None:
+    with pytest.raises(
+        PlanError, match="num_stages=11 but model 'deep-mlp' has only 10"
+    ):
+        strategy(num_stages=11)
+
+
+def test_stage_sizes_must_cover_the_model() -> None:
+    with pytest.raises(PlanError, match=r"stage_sizes \[4, 4\] must .* sum to .* 10"):
+        strategy(stage_sizes=[4, 4])
+
+
+def test_a_model_that_is_not_layered_cannot_be_cut() -> None:
+    with pytest.raises(ModelCutError, match=r"not an nn\.Sequential"):
+        strategy(model="flowerbed.models:LeNet", model_args={
+            "in_channels": 1, "image_size": 8, "num_classes": 10})  # fmt: skip
+
+
+def test_initial_weights_of_another_model_are_refused_untouched() -> None:
+    other = ArrayRecord(
+        build_sequential(MODEL, {**ARGS, "hidden": 8}, seed=0).state_dict()
+    )
+    before = {k: v.numpy().copy() for k, v in other.items()}
+    with pytest.raises(ValueError, match="has shape"):
+        strategy().start(grid=object(), initial_arrays=other)  # type: ignore[arg-type]
+    assert all(np.array_equal(before[k], v.numpy()) for k, v in other.items())
+
+
+# --- on local processes ------------------------------------------------------------
+
+
+@pytest.fixture
+def grids() -> Iterator[list[ProcessGrid]]:
+    made: list[ProcessGrid] = []
+    yield made
+    for grid in made:
+        grid.close()
+
+
+@pytest.mark.slow
+def test_slow_device_crash_return_and_slowdown(
+    tmp_path: Path, grids: list[ProcessGrid]
+) -> None:
+    configs = [
+        # Member 1 slows down 10x from step 40 on: a re-partition should follow.
+        node(tmp_path, "a", FAST, **{"slow-from-step": 40, "slow-factor": 10}),
+        # Member 2 loses power at step 14, in round 2.
+        node(tmp_path, "b", FAST, **{"crash-at-step": 14}),
+        node(tmp_path, "c", SLOW),  # 10x slower than the others
+    ]
+    grid = ProcessGrid("flowerbed.clients.span_app:app", configs, unavailable_after_s=1)
+    grids.append(grid)
+    returned: list[int] = []
+
+    def bring_back() -> None:  # the board comes back as a new node
+        while grid.pid(2) and grid._nodes[2].process.is_alive():
+            time.sleep(0.2)
+        returned.append(grid.add_node(node(tmp_path, "b2", FAST)))
+
+    helper = threading.Thread(target=bring_back, daemon=True)
+    helper.start()
+    s = strategy()
+    result = s.start(grid, initial(), num_rounds=6)
+    helper.join(60)
+    log = "\n".join(s.events)
+    rounds = result.train_metrics_clientapp
+    assert sorted(rounds) == [1, 2, 3, 4, 5, 6], log
+
+    # Round 1: the 10x slower device holds the fewest layers.
+    assert rounds[1]["stages"] == 3
+    sizes = list(rounds[1]["partition"])
+    assert sizes[2] == min(sizes) and sizes[2] < sizes[0], log
+
+    # Round 2: member 2 died at step 14; the last replication was after step 12,
+    # so the survivors restart there: 2 steps lost, at most R.
+    assert rounds[2]["recoveries"] == 1, log
+    assert 0 < rounds[2]["lost-steps"] <= R, log
+    assert "restart at step 12" in log
+
+    # The board came back under a new id and was used again.
+    assert returned, log
+    assert any(
+        f"-> [1, 3, {returned[0]}]" in e or str(returned[0]) in e for e in s.events
+    )
+    assert max(rounds[r]["stages"] for r in (4, 5, 6)) == 3, log
+
+    # Member 1 slowed 10x from step 40 (round 5): round 6 re-partitions around it.
+    assert rounds[6]["repartitions"] == 1, log
+    assert "re-partition" in log
+
+    # Synchronous pipeline: 60 steps whatever happened, exactly as one process.
+    assert_same_weights(result.arrays, 60)
+
+
+@pytest.mark.slow
+def test_two_failures_at_once_adjacent_and_not(
+    tmp_path: Path, grids: list[ProcessGrid]
+) -> None:
+    configs = [
+        node(tmp_path, "m1", FAST),
+        node(tmp_path, "m2", FAST, **{"crash-at-step": 14}),  # rank 1
+        node(tmp_path, "m3", FAST, **{"crash-at-step": 24}),
+        node(tmp_path, "m4", FAST, **{"crash-at-step": 14}),  # rank 3: not adjacent
+        node(tmp_path, "m5", FAST, **{"crash-at-step": 24}),
+    ]
+    grid = ProcessGrid("flowerbed.clients.span_app:app", configs, unavailable_after_s=1)
+    grids.append(grid)
+    s = strategy(micro_batches=5, batch_size=20, min_available_nodes=5)
+    result = s.start(grid, initial(), num_rounds=3)
+    log = "\n".join(s.events)
+    rounds = result.train_metrics_clientapp
+    assert sorted(rounds) == [1, 2, 3], log
+    # Round 2: members 2 and 4 (not adjacent) die at step 14: every layer still
+    # has a copy at step 12 (own or the ring successor's replica).
+    assert "restart at step 12, 2 steps lost" in log
+    assert rounds[2]["stages"] == 3
+    # Round 3 runs on members 1, 3, 5; 3 and 5 (adjacent) die at step 24: the
+    # layers of member 3 were only on 3 and on its successor 5, so the job falls
+    # back to the central copy of step 20 and goes on with member 1 alone.
+    assert "restart at step 20, 4 steps lost (from the central copy)" in log
+    assert rounds[3]["stages"] == 1
+    assert_same_weights(result.arrays, 30, batch=20)
