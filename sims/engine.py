@@ -47,6 +47,12 @@ log = logging.getLogger(__name__)
 DURATION_KEYS = (keys.TRAIN_TIME_S, keys.COMM_TIME_S, keys.EVAL_TIME_S)
 """Reply metrics whose sum is the virtual time from dispatch to arrival."""
 
+MIN_TASKS_PER_WORKER = 16
+"""Train messages a worker must get for a push to be split over workers: smaller
+pushes train faster batched in one process than split (measured by the
+benchmark's machinery section: 10 nodes over 2 workers took more CPU and more
+wall time than batched in one process)."""
+
 BatchRunner = Callable[[Sequence[tuple[Message, Context]]], list[Message | Exception]]
 """Runs many train tasks; returns each one's reply or the exception it raised."""
 
@@ -177,9 +183,10 @@ class FleetGrid(Grid):
         Runs the train messages of one push together (instead of ``client_app``
         one by one); must answer each message as ``client_app`` would.
     workers : int (default: 0)
-        Worker processes for ``batch_train`` (0 or 1: this process). Each gets a
-        copy of the nodes' contexts: a ClientApp that keeps state in
-        ``context.state`` across rounds needs ``workers=0``.
+        Worker processes for ``batch_train`` (0 or 1: this process), used for
+        pushes of at least ``MIN_TASKS_PER_WORKER`` train messages per worker.
+        Each worker keeps its own copy of the nodes' contexts: a ClientApp that
+        keeps state in ``context.state`` across rounds needs ``workers=0``.
     network : flowerbed.sims.links.Network | None (default: None)
         Charge each push's train transfers to a shared network (switched
         Ethernet, Wi-Fi: :func:`flowerbed.sims.links.charge_round`) instead of
@@ -322,22 +329,28 @@ class FleetGrid(Grid):
         """How many nodes have been sent a message (in this process)."""
         return len(self._contexts)
 
+    @property
+    def worker_processes(self) -> int:
+        """Worker processes running now (0 until a push was split over them)."""
+        return self.workers if self._pool is not None else 0
+
     def _context(self, message: Message) -> Context:
         return self.context(message.metadata.dst_node_id)
 
     def _run_train(self, tasks: Sequence[Message]) -> list[tuple[Message, float]]:
         assert self.batch_train is not None
-        if self.workers <= 1 or len(tasks) < 2 or self._pool is None:
+        parts = min(self.workers, len(tasks) // MIN_TASKS_PER_WORKER)
+        if parts <= 1 or self._pool is None:
             # The first batch runs here: the workers forked after it inherit this
             # process's warm caches (data shards, models, torch's first-call setup).
             outcomes = _run_batch(
                 self.batch_train, [(m, self._context(m)) for m in tasks]
             )
-            if self.workers > 1 and len(tasks) >= 2:
+            if parts > 1:
                 self._worker_pool()
             return outcomes
         pool = self._worker_pool()
-        size = math.ceil(len(tasks) / min(self.workers, len(tasks)))
+        size = math.ceil(len(tasks) / parts)
         chunks = [tasks[i : i + size] for i in range(0, len(tasks), size)]
         pending = [pool.apply_async(_worker_run, (chunk,)) for chunk in chunks]
         return [outcome for job in pending for outcome in job.get()]

@@ -13,7 +13,9 @@ from flowerbed.data import load_dataset
 from flowerbed.models import build_model
 from flowerbed.sims import node
 from flowerbed.sims.batched import NodeJob, batchable, train_many
-from flowerbed.sims.scenario import build_fleet_grid, run_scenario
+from flowerbed.sims.config import Scenario
+from flowerbed.sims.engine import MIN_TASKS_PER_WORKER
+from flowerbed.sims.scenario import build_fleet_grid, run_scenario, run_server
 from flowerbed.sims.vclock import NodeDropout
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from torch import nn
@@ -157,9 +159,17 @@ def test_train_batch_answers_each_message_as_train_does() -> None:
 
 
 def test_batched_and_worker_runs_match_the_per_node_run() -> None:
-    per_node = run_scenario(RUN, write=False, batch=False).results
-    batched = run_scenario(RUN, write=False, batch=True).results
-    workers = run_scenario(RUN, write=False, batch=True, workers=2).results
+    # enough nodes that a round's push is split over the two workers
+    run = {**RUN, "num-nodes": 2 * MIN_TASKS_PER_WORKER}
+    per_node = run_scenario(run, write=False, batch=False).results
+    batched = run_scenario(run, write=False, batch=True).results
+    grid = build_fleet_grid(run, workers=2)
+    try:
+        scenario = Scenario.from_run_config(run)
+        workers = run_server(grid, scenario, write=False).results
+        assert grid.worker_processes == 2
+    finally:
+        grid.close()
     rounds = [[r["participants"], r["virtual_time_s"]] for r in per_node["rounds"]]
     for other in (batched, workers):
         assert [
