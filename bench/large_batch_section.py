@@ -41,7 +41,7 @@ ROUND_BATCH_PER_PHONE = 4
 ACCURACY_ROUNDS = 30
 QUICK_ROUNDS = 3
 TARGET_ACCURACY = 0.8
-FEDAVG_LRS = (0.1, 0.3, 1.0)
+FEDAVG_LRS = (0.03, 0.1, 0.3)
 S1_REFERENCE = (
     "S1 (Na et al., arXiv 2110.12172) report 138 Galaxy S10+ on wired Ethernet at 90% "
     "of a P100's speed on ResNet-50 and ~43x a V100 on MobileNet-v1, both GPUs "

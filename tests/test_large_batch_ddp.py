@@ -60,9 +60,9 @@ def initial() -> dict[str, np.ndarray]:
 
 
 def member(rank: int, ports: list[int], root: str) -> list[dict]:
-    """Two segments from the same weights: exact gradients, then fp16 ones."""
+    """Three segments from the same weights: exact, fp16 and PowerSGD gradients."""
     replies = []
-    for port, compression in zip(ports, ("none", "fp16"), strict=True):
+    for port, compression in zip(ports, ("none", "fp16", "powersgd"), strict=True):
         plan = plan_of(rank, port, segment=len(replies) + 1)
         plan = plan.with_changes(options={**plan.options, "compression": compression})
         out = run(plan, MemberContext(address=HOST, store_root=Path(root)), initial())
@@ -93,7 +93,7 @@ def one_large_batch() -> dict[str, np.ndarray]:
 def test_replicas_are_identical_and_equal_one_batch_of_their_sum(
     tmp_path: Path,
 ) -> None:
-    ports = [free_port(), free_port()]
+    ports = [free_port(), free_port(), free_port()]
     results = run_ranks(member, 3, ports, str(tmp_path), timeout=240)
     assert all(status == "ok" for status, _ in results.values()), {
         r: (s, v if s != "ok" else "") for r, (s, v) in results.items()
@@ -121,6 +121,13 @@ def test_replicas_are_identical_and_equal_one_batch_of_their_sum(
         for other in half[1:]:
             np.testing.assert_array_equal(other["arrays"][name], array)
         np.testing.assert_allclose(array, reference[name], rtol=1e-2, atol=1e-3)
+    # PowerSGD (rank 1, exact all-reduce for the first step, then low-rank):
+    # lossy, but every replica applies the same decompressed gradient
+    low_rank = [results[r][1][2] for r in range(3)]
+    assert all(r["ok"] for r in low_rank)
+    for name, array in low_rank[0]["arrays"].items():
+        for other in low_rank[1:]:
+            np.testing.assert_array_equal(other["arrays"][name], array)
 
 
 @pytest.mark.parametrize(

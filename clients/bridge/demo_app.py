@@ -13,12 +13,13 @@ doing what the Java phone does (same model, same data split, same metrics), so a
 phone fleet and a simulated one can be compared.
 
 Run config keys (all optional): ``num-rounds`` (5), ``strategy`` (``fedavg``,
-``runtime-weighted`` or ``deadline``), ``hidden`` (0 = softmax regression),
-``local-steps`` (20), ``lr`` (0.5), ``batch-size`` (16), ``deadline-s`` (10, sent
-to phones; the ``deadline`` strategy's round deadline), ``round-timeout-s`` (30),
-``min-nodes`` (2, the strategy's minimum), ``wait-nodes`` (``min-nodes``: phones to
-wait for before round 1), ``wait-nodes-s`` (60), ``results-path`` ("" = do not
-write).
+``runtime-weighted``, ``deadline`` or ``large-batch``: LargeBatchRounds, one
+large batch of ``batch-size`` samples per phone per round), ``hidden`` (0 =
+softmax regression), ``local-steps`` (20), ``lr`` (0.5), ``batch-size`` (16),
+``deadline-s`` (10, sent to phones; the ``deadline`` strategy's round deadline),
+``round-timeout-s`` (30), ``min-nodes`` (2, the strategy's minimum),
+``wait-nodes`` (``min-nodes``: phones to wait for before round 1),
+``wait-nodes-s`` (60), ``results-path`` ("" = do not write).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from torch import nn
 
 NUM_FEATURES = 64
 NUM_CLASSES = 10
-STRATEGIES = ("fedavg", "runtime-weighted", "deadline")
+STRATEGIES = ("fedavg", "runtime-weighted", "deadline", "large-batch")
 
 
 class SoftmaxRegression(nn.Module):
@@ -115,7 +116,9 @@ def _number(cfg: Any, key: str, default: float) -> float:
     return float(value)
 
 
-def _strategy(name: str, min_nodes: int, deadline_s: float) -> FedAvg:
+def _strategy(
+    name: str, min_nodes: int, deadline_s: float, batch_size: int = 16
+) -> FedAvg:
     common: dict[str, Any] = {
         "fraction_train": 1.0,
         "fraction_evaluate": 0.0,
@@ -129,6 +132,20 @@ def _strategy(name: str, min_nodes: int, deadline_s: float) -> FedAvg:
 
     if name == "runtime-weighted":
         return RuntimeWeightedFedAvg(**common)
+    if name == "large-batch":
+        from flowerbed.strategies import LargeBatchRounds
+
+        # one large batch of batch-size samples per phone, momentum SGD on the
+        # server at the batch's rate (docs/large-batch.md)
+        batch = batch_size * min_nodes
+        return LargeBatchRounds(
+            **common,
+            deadline_s=deadline_s,
+            batch_size=batch,
+            optimizer="sgd",
+            base_lr=0.5,
+            base_batch=batch,
+        )
     from flowerbed.strategies import DeadlineFedAvg
 
     return DeadlineFedAvg(**common, deadline_s=deadline_s)
@@ -179,7 +196,8 @@ def main(grid: Grid, context: Context) -> None:
             keys.DEADLINE_S: deadline_s,
         }
     )
-    result = _strategy(name, min_nodes, deadline_s).start(
+    batch = int(_number(cfg, "batch-size", 16))
+    result = _strategy(name, min_nodes, deadline_s, batch).start(
         grid,
         ArrayRecord(model.state_dict()),
         num_rounds=int(_number(cfg, "num-rounds", 5)),
