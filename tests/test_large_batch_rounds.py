@@ -90,3 +90,46 @@ def test_138_simulated_phones_train_with_one_large_batch(tmp_path) -> None:
     assert all(len(r.participants) == 138 for r in records)
     assert records[-1].accuracy > records[0].accuracy + 0.3
     assert strategy.server_steps == 12
+
+
+def test_over_selection_keeps_the_first_replies_so_a_slow_phone_does_not_stall(
+    tmp_path,
+) -> None:
+    """Six phones, two of them low-end (8x slower): FedAvg's sample is 4, 1.5x
+    over-selection sends to all six and each round closes at the first four
+    replies, so no round waits for a low-end phone."""
+    devices = ["galaxy-s10plus"] * 4 + ["low-end-phone"] * 2
+    config = {
+        "dataset": "digits",
+        "model": "lenet",
+        "num-nodes": 6,
+        "num-rounds": 3,
+        "dropout": 0.0,
+        "seed": 1,
+    }
+    grid = build_fleet_grid(config, devices)
+    grid.network = SwitchedEthernet()
+    strategy = LargeBatchRounds(
+        fraction_train=4 / 6,
+        fraction_evaluate=0.0,
+        min_train_nodes=4,
+        min_available_nodes=6,
+        over_selection=1.5,
+        batch_size=96,
+        optimizer="lamb",
+        base_lr=0.02,
+        base_batch=96,
+    )
+    try:
+        outcome = run_server(
+            grid, Scenario.from_run_config(config), strategy=strategy, write=False
+        )
+    finally:
+        grid.close()
+    slow = {4, 5}  # partition ids of the low-end phones
+    for record in outcome.records:
+        assert len(record.participants) == 4
+        assert not slow & set(record.participants)
+    # every round took the fast phones' time: shares are by speed from round 2,
+    # but even round 1 (equal shares) closes before a low-end phone replies
+    assert strategy.server_steps == 3
