@@ -61,6 +61,7 @@ from .span import (
     SegmentReply,
     SpanJobStrategy,
     arrayrecord,
+    check_initial_arrays,
     check_segment_reply,
 )
 from .utils import ReplyRejected
@@ -508,7 +509,7 @@ class LargeBatchSync(SpanJobStrategy):
         can take part (their reasons in the message). A round whose
         ``max_attempts`` segments all fail ends the run (logged).
         """
-        self._check_initial(initial_arrays)
+        check_initial_arrays(initial_arrays, self.reference_state, self.model)
         self._timeout = float(timeout)
         log(INFO, "Starting %s strategy:", type(self).__name__)
         self.summary()
@@ -550,21 +551,6 @@ class LargeBatchSync(SpanJobStrategy):
                 if res is not None:
                     result.evaluate_metrics_serverapp[server_round] = res
         return result
-
-    def _check_initial(self, arrays: ArrayRecord) -> None:
-        missing = sorted(set(self.reference_state) - set(arrays))
-        extra = sorted(set(arrays) - set(self.reference_state))
-        if missing or extra:
-            raise ValueError(
-                f"initial_arrays do not fit model {self.model!r}: missing "
-                f"{missing[:5]}, unexpected {extra[:5]}"
-            )
-        for name, array in arrays.items():
-            if tuple(array.shape) != self.reference_state[name]:
-                raise ValueError(
-                    f"initial array {name!r} has shape {tuple(array.shape)}, the "
-                    f"model's is {self.reference_state[name]}"
-                )
 
     def _round(
         self,

@@ -62,6 +62,7 @@ from .span import (
     SpanJobStrategy,
     SpanMember,
     arrayrecord,
+    check_initial_arrays,
     check_segment_reply,
 )
 from .utils import ReplyRejected
@@ -596,7 +597,7 @@ class PipelineTraining(SpanJobStrategy):
         the model, and ``RuntimeError`` when fewer than ``min_train_nodes`` nodes
         can take part (each one's reason logged and in the message).
         """
-        self._check_initial(initial_arrays)
+        check_initial_arrays(initial_arrays, self.reference_state, self.model)
         self._timeout = float(timeout)
         self._total_steps = num_rounds * self.steps_per_round
         log(INFO, "Starting %s strategy:", type(self).__name__)
@@ -644,22 +645,6 @@ class PipelineTraining(SpanJobStrategy):
                 if res is not None:
                     result.evaluate_metrics_serverapp[server_round] = res
         return result
-
-    def _check_initial(self, arrays: ArrayRecord) -> None:
-        missing = sorted(set(self.reference_state) - set(arrays))
-        extra = sorted(set(arrays) - set(self.reference_state))
-        if missing or extra:
-            raise ValueError(
-                f"initial_arrays do not fit model {self.model!r}: missing "
-                f"{missing[:5]}, unexpected {extra[:5]} (pass the state_dict of "
-                "the same nn.Sequential)"
-            )
-        for name, array in arrays.items():
-            if tuple(array.shape) != self.reference_state[name]:
-                raise ValueError(
-                    f"initial array {name!r} has shape {tuple(array.shape)}, the "
-                    f"model's is {self.reference_state[name]}"
-                )
 
     def _event(self, text: str, quiet: bool = False) -> None:
         if not quiet:

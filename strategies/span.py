@@ -188,6 +188,27 @@ def check_segment_reply(reply: Message) -> SegmentReply:
     )
 
 
+def check_initial_arrays(
+    arrays: ArrayRecord, reference: Mapping[str, tuple[int, ...]], model: str
+) -> None:
+    """Raise ValueError unless ``arrays`` hold exactly the model's state, shapes
+    included (``reference``: name -> shape); called before anything is sent."""
+    missing = sorted(set(reference) - set(arrays))
+    extra = sorted(set(arrays) - set(reference))
+    if missing or extra:
+        raise ValueError(
+            f"initial_arrays do not fit model {model!r}: missing "
+            f"{missing[:5]}, unexpected {extra[:5]} (pass the state_dict of "
+            "the same nn.Sequential)"
+        )
+    for name, array in arrays.items():
+        if tuple(array.shape) != reference[name]:
+            raise ValueError(
+                f"initial array {name!r} has shape {tuple(array.shape)}, the "
+                f"model's is {reference[name]}"
+            )
+
+
 def arrayrecord(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
     return ArrayRecord({k: Array(np.asarray(v)) for k, v in arrays.items()})
 

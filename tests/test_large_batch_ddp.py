@@ -8,7 +8,13 @@ import numpy as np
 import pytest
 import torch
 from flowerbed.models import build_sequential
-from flowerbed.parallel.allreduce import build_member_model, make_optimizer, run
+from flowerbed.parallel.allreduce import (
+    build_member_model,
+    evaluate,
+    make_optimizer,
+    profile,
+    run,
+)
 from flowerbed.parallel.data import batch_indices, load_job_dataset
 from flowerbed.parallel.group import free_port
 from flowerbed.parallel.large_batch import LrSchedule, share_bounds
@@ -149,3 +155,15 @@ def test_weights_of_another_model_are_refused() -> None:
     plan = plan_of(0, free_port())
     with pytest.raises(PlanError, match="weights do not fit model 'deep-mlp'"):
         build_member_model(plan, {"fc.weight": np.zeros((2, 2), np.float32)})
+
+
+def test_profile_measures_speed_and_evaluate_scores_the_model() -> None:
+    context = MemberContext(address=HOST, store_root=Path("/nonexistent"))
+    query = {"model": "deep-mlp", "model_args": MODEL_ARGS, "dataset": "digits"}
+    speed = profile({**query, "batch": 8, "repeats": 2}, context)
+    assert speed.ok and speed.metrics["samples-per-s"] > 0
+    assert speed.info["address"] == HOST
+    scored = evaluate(query, context, initial())
+    data = load_job_dataset("digits")
+    assert scored.metrics["num-examples"] == len(data.x_test)
+    assert 0.0 <= scored.metrics["eval-acc"] <= 1.0

@@ -133,3 +133,44 @@ def test_over_selection_keeps_the_first_replies_so_a_slow_phone_does_not_stall(
     # every round took the fast phones' time: shares are by speed from round 2,
     # but even round 1 (equal shares) closes before a low-end phone replies
     assert strategy.server_steps == 3
+
+
+@pytest.mark.slow
+def test_board_clientapps_train_their_shares(tmp_path) -> None:
+    """Three board ClientApps (flowerbed.clients.board_app, real processes) on
+    digits partitions: each round they train the shares the server sends."""
+    import numpy as np
+    from flowerbed.data import load_dataset, partition
+    from flowerbed.models import build_model
+    from flowerbed.sims.process_grid import ProcessGrid
+    from flwr.app import ArrayRecord
+
+    data = load_dataset("digits")
+    paths = []
+    for i, idx in enumerate(partition(data.y_train, 3, seed=1)):
+        path = tmp_path / f"board{i}.npz"
+        x = np.round(data.x_train[idx] * 255).astype(np.uint8)
+        np.savez(path, x=x, y=data.y_train[idx])
+        paths.append(path)
+    configs = [{"dataset-path": str(p)} for p in paths]
+    strategy = LargeBatchRounds(
+        fraction_evaluate=0.0,
+        min_train_nodes=3,
+        min_available_nodes=3,
+        batch_size=48,
+        optimizer="lamb",
+        base_lr=0.02,
+        base_batch=48,
+    )
+    start = ArrayRecord(build_model("lenet", 1, 8, 10).state_dict())
+    with ProcessGrid(
+        "flowerbed.clients.board_app:app", configs, {"model": "lenet"}
+    ) as grid:
+        result = strategy.start(grid, start, num_rounds=3, timeout=120)
+    assert sorted(result.train_metrics_clientapp) == [1, 2, 3]
+    for metrics in result.train_metrics_clientapp.values():
+        assert metrics["large-batch"] == 48 and metrics["participants"] == 3
+    assert sum(strategy.shares.values()) == 48
+    assert not np.array_equal(
+        result.arrays["features.0.weight"].numpy(), start["features.0.weight"].numpy()
+    )

@@ -95,7 +95,7 @@ def test_a_member_lost_mid_segment_and_the_next_segment_goes_on_without_it() -> 
     with ProcessGrid(
         "flowerbed.clients.span_app:app", configs, unavailable_after_s=2.0
     ) as grid:
-        s = strategy()
+        s = strategy(fraction_evaluate=1.0, min_evaluate_nodes=2)
         victim = 3
 
         def kill_mid_segment() -> None:
@@ -119,6 +119,10 @@ def test_a_member_lost_mid_segment_and_the_next_segment_goes_on_without_it() -> 
         not np.array_equal(result.arrays[k].numpy(), start[k].numpy()) for k in start
     ]
     assert all(moved)
+    # the survivors evaluate the whole model on digits' test split
+    evaluated = result.evaluate_metrics_clientapp[2]
+    assert 0.0 <= evaluated["eval-acc"] <= 1.0
+    assert evaluated["eval-loss"] > 0
     # node 1 is twice as fast: twice the share once speeds are measured
     shares = {n: p.batch_share[1] - p.batch_share[0] for n, p in s._plans.items()}
     assert shares[1] > shares[2]
