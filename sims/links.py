@@ -4,7 +4,8 @@ The virtual clock charges each transfer to its link instead of to a per-device
 bandwidth: a round's downloads and uploads share the server's switch port or the
 Wi-Fi airtime (:func:`round_times`, the hook of the in-process engine:
 :func:`charge_round`), and an all-reduce among ``n`` devices costs what the
-ring algorithm costs on that network (:meth:`Network.allreduce_seconds`).
+ring algorithm costs on that network (:meth:`Network.allreduce_seconds`), so a
+synchronous data-parallel step costs :func:`sync_step_seconds`.
 
 **Ring all-reduce** (reduce-scatter then all-gather; Patarasuk and Yuan,
 "Bandwidth optimal all-reduce algorithms for clusters of workstations", JPDC
@@ -408,6 +409,33 @@ class WifiMedium:
         )
 
 
+def sync_step_seconds(
+    network: Network,
+    shares: Sequence[int],
+    seconds_per_sample: Sequence[float],
+    grad_bytes: float,
+) -> float:
+    """Virtual seconds of one synchronous data-parallel step (the DDP clock).
+
+    Every member computes its share, then the gradients are all-reduced; the
+    step ends when the slowest member's compute and the all-reduce are done
+    (no overlap of the two: a conservative bound, DDP overlaps the all-reduce
+    with the backward pass)::
+
+        step = max_i B_i t_i + allreduce(n, grad_bytes)
+
+    With shares by speed (``B_i`` proportional to ``1 / t_i``) the first term is
+    ``B / sum_i (1 / t_i)``: no member waits for another.
+    """
+    if len(shares) != len(seconds_per_sample) or not shares:
+        raise ValueError(
+            f"{len(shares)} shares for {len(seconds_per_sample)} members: give one "
+            "share and one per-sample time per member"
+        )
+    compute = max(b * t for b, t in zip(shares, seconds_per_sample, strict=True))
+    return compute + network.allreduce_seconds(len(shares), grad_bytes)
+
+
 def synchronous_throughput(
     network: Network,
     n: int,
@@ -415,16 +443,12 @@ def synchronous_throughput(
     seconds_per_sample: float,
     grad_bytes: float,
 ) -> float:
-    """Samples per second of synchronous data parallelism on ``n`` equal devices.
-
-    One step: every device computes its ``per_device_batch`` samples, then the
-    gradients are all-reduced (no overlap of the two: a conservative bound, DDP
-    overlaps the all-reduce with the backward pass)::
-
-        throughput = n b / (b t_sample + allreduce(n, grad_bytes))
-    """
-    compute = per_device_batch * seconds_per_sample
-    return n * per_device_batch / (compute + network.allreduce_seconds(n, grad_bytes))
+    """Samples per second on ``n`` equal devices: ``n b / step`` with
+    :func:`sync_step_seconds`'s step."""
+    step = sync_step_seconds(
+        network, [per_device_batch] * n, [seconds_per_sample] * n, grad_bytes
+    )
+    return n * per_device_batch / step
 
 
 NETWORKS = {"wired": SwitchedEthernet, "wifi": WifiMedium}

@@ -18,6 +18,7 @@ from flowerbed.sims.links import (
     progressive_filling,
     ring_allreduce_seconds,
     round_times,
+    sync_step_seconds,
     synchronous_throughput,
 )
 
@@ -183,3 +184,19 @@ def test_the_in_process_engine_charges_a_round_to_the_shared_switch() -> None:
     for reply in replies:
         m = reply.content[keys.METRICS]
         assert m[keys.TRAIN_TIME_S] + m[keys.COMM_TIME_S] == pytest.approx(expected)
+
+
+def test_a_synchronous_step_waits_for_the_slowest_share_then_all_reduces() -> None:
+    """Two members, 10 and 40 ms per sample. Equal shares of 8: the slow one
+    takes 0.32 s; shares by speed (13, 3) take max(0.13, 0.12) = 0.13 s; then the
+    ring all-reduce of 1 MB on the switch."""
+    net = SwitchedEthernet()
+    ring = ring_allreduce_seconds(2, 1e6, net.device_mbps, net.latency_s)
+    assert sync_step_seconds(net, [8, 8], [0.01, 0.04], 1e6) == pytest.approx(
+        0.32 + ring
+    )
+    assert sync_step_seconds(net, [13, 3], [0.01, 0.04], 1e6) == pytest.approx(
+        0.13 + ring
+    )
+    with pytest.raises(ValueError, match="2 shares for 1 members"):
+        sync_step_seconds(net, [8, 8], [0.01], 1e6)
