@@ -108,11 +108,13 @@ SETTINGS = GatewaySettings(
 
 @contextmanager
 def running_bridge(
-    settings: GatewaySettings = SETTINGS, tokens: object = None
+    settings: GatewaySettings = SETTINGS, tokens: object = None, programs: tuple = ()
 ) -> Iterator[tuple[FakeFlower, Gateway, GatewayServer, Callable[[str], SimPhone]]]:
     """A gateway on a free port with a fake Flower side; everything stopped after."""
     flower = FakeFlower()
-    gateway = Gateway(TOKENS if tokens is None else tokens, flower, settings)
+    gateway = Gateway(
+        TOKENS if tokens is None else tokens, flower, settings, programs=programs
+    )
     server = GatewayServer(gateway, "127.0.0.1", 0).start()
     phones: list[SimPhone] = []
 

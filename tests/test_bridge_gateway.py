@@ -70,10 +70,10 @@ def test_unknown_or_missing_token_is_refused_and_logged(bridge, caplog, token):
 def test_other_protocol_versions_get_426_with_the_supported_list(bridge):
     _, _, phone = bridge
     alice = phone("alice")
-    resp = alice.post_json("/v2/hello", {"protocol": 2})
-    assert (resp.status, resp.json()["supported"]) == (426, [1])
-    resp = alice.post_json("/v1/hello", {"protocol": 2})
-    assert (resp.status, resp.json()["supported"]) == (426, [1])
+    resp = alice.post_json("/v2/hello", {"protocol": 2})  # another API path
+    assert (resp.status, resp.json()["supported"]) == (426, [1, 2])
+    resp = alice.post_json("/v1/hello", {"protocol": 3})
+    assert (resp.status, resp.json()["supported"]) == (426, [1, 2])
 
 
 def test_train_task_round_trip_relays_arrays_and_metrics(bridge):

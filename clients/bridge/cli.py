@@ -81,7 +81,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         metavar="PEM",
         help="CA bundle to verify the SuperLink (default: system CAs)",
     )
-    p.add_argument("--tokens", required=True, help="token file: '<token> <phone-name>'")
+    p.add_argument(
+        "--tokens",
+        help="token file, lines '<token or sha256:hash> <phone-name>'; re-read on "
+        "change (required to serve)",
+    )
+    p.add_argument(
+        "--program",
+        action="append",
+        default=[],
+        metavar="PTE",
+        help="training program (.pte with its .pte.json from export-android) to serve "
+        "to phones; repeat for more; the first is the default (config key "
+        "'program' picks another)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="listen address for phones")
     p.add_argument(
         "--port",
@@ -160,6 +173,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     )
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     p.set_defaults(func=run)
+    _register_enrolment(p)
 
 
 def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
@@ -178,9 +192,105 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
     )
 
 
+def _register_enrolment(p: argparse.ArgumentParser) -> None:
+    tools = p.add_subparsers(
+        dest="bridge_command",
+        metavar="{enroll,rotate,revoke,list}",
+        description="Manage phone tokens while the gateway runs (it re-reads the "
+        "token file within a second). Without a command: serve.",
+    )
+    for name, what in (
+        ("enroll", "enrol a new phone: print its token as an enrolment URI and QR"),
+        ("rotate", "give an enrolled phone a new token (same Flower node)"),
+    ):
+        e = tools.add_parser(name, help=what, description=what)
+        e.add_argument("--tokens", required=True, help="the gateway's token file")
+        e.add_argument("--phone", required=True, help="phone name (A-Z a-z 0-9 . _ -)")
+        e.add_argument(
+            "--url",
+            required=True,
+            help="gateway URL as phones reach it, e.g. https://gateway.lan:8470",
+        )
+        e.add_argument(
+            "--cert",
+            help="the gateway's --certfile: pin its public key in the URI (HTTPS)",
+        )
+        e.set_defaults(func=run_enroll, rotate=name == "rotate")
+    r = tools.add_parser("revoke", help="revoke a phone's token")
+    r.add_argument("--tokens", required=True, help="the gateway's token file")
+    r.add_argument("--phone", required=True, help="phone name")
+    r.set_defaults(func=run_revoke)
+    ls = tools.add_parser("list", help="list enrolled phones")
+    ls.add_argument("--tokens", required=True, help="the gateway's token file")
+    ls.set_defaults(func=run_list)
+
+
+def run_enroll(args: argparse.Namespace) -> int:
+    """``flowerbed bridge enroll|rotate``: new token, printed once as URI and QR."""
+    from flowerbed.clients.bridge.enroll import (
+        EnrolmentError,
+        enrolment_uri,
+        issue_token,
+        qr_text,
+        spki_pin,
+    )
+    from flowerbed.clients.bridge.tokens import TokenFileError
+
+    try:
+        pin = spki_pin(Path(args.cert).read_bytes()) if args.cert else None
+        # Build the URI first: a bad URL must not leave a token in the file.
+        enrolment_uri(args.url, args.phone, "x" * 16, pin)
+        token = issue_token(args.tokens, args.phone, rotate=args.rotate)
+    except OSError as err:
+        print(f"flowerbed bridge: error: cannot read {args.cert}: {err.strerror}")
+        return 2
+    except (EnrolmentError, TokenFileError) as err:
+        print(f"flowerbed bridge: error: {err}")
+        return 2
+    uri = enrolment_uri(args.url, args.phone, token, pin)
+    verb = "new token for" if args.rotate else "enrolled"
+    print(f"{verb} phone {args.phone!r}; the gateway picks it up within a second.")
+    print("Scan the QR code or paste the URI in the app (shown once; keep it secret):")
+    qr = qr_text(uri)
+    if qr is not None:
+        print(qr)
+    else:
+        print("(pip install qrcode to draw it as a QR code here)")
+    print(uri)
+    return 0
+
+
+def run_revoke(args: argparse.Namespace) -> int:
+    """``flowerbed bridge revoke``: remove a phone's token."""
+    from flowerbed.clients.bridge.enroll import EnrolmentError, revoke
+    from flowerbed.clients.bridge.tokens import TokenFileError
+
+    try:
+        revoke(args.tokens, args.phone)
+    except (EnrolmentError, TokenFileError) as err:
+        print(f"flowerbed bridge: error: {err}")
+        return 2
+    print(f"revoked phone {args.phone!r}; the gateway refuses it within a second.")
+    return 0
+
+
+def run_list(args: argparse.Namespace) -> int:
+    """``flowerbed bridge list``: the enrolled phone names."""
+    from flowerbed.clients.bridge.enroll import EnrolmentError, enrolled
+
+    try:
+        names = enrolled(args.tokens)
+    except EnrolmentError as err:
+        print(f"flowerbed bridge: error: {err}")
+        return 2
+    print("\n".join(names) if names else f"no phones in {args.tokens}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     """Serve phones until SIGINT/SIGTERM; nodes are deactivated on the way out."""
     from flowerbed.clients.bridge.gateway import Gateway
+    from flowerbed.clients.bridge.programs import ProgramError, load_program
     from flowerbed.clients.bridge.relay import StateDirError, SuperLinkConnector
     from flowerbed.clients.bridge.server import GatewayServer
     from flowerbed.clients.bridge.tokens import TokenFileError, TokenTable
@@ -198,8 +308,12 @@ def run(args: argparse.Namespace) -> int:
         if path is not None and not Path(path).is_file():
             log.error("file not found: %s", path)
             return 2
+    if args.tokens is None:
+        log.error("--tokens FILE is required to serve (create it with 'enroll')")
+        return 2
     try:
         tokens = TokenTable.from_file(args.tokens)
+        programs = [load_program(path) for path in args.program]
         settings = settings_from_args(args)
         connector = SuperLinkConnector(
             args.superlink,
@@ -207,10 +321,18 @@ def run(args: argparse.Namespace) -> int:
             root_certificates=args.root_certificates,
             state_dir=args.state_dir,
         )
-    except (TokenFileError, StateDirError, ValueError) as err:
+    except (TokenFileError, StateDirError, ProgramError, ValueError) as err:
         log.error("%s", err)
         return 2
-    gateway = Gateway(tokens, connector, settings)
+    gateway = Gateway(tokens, connector, settings, programs=programs)
+    for program in programs:
+        log.info(
+            "serving program %r (sha256 %s, %d bytes, %d parameters)",
+            program.name,
+            program.sha256[:12],
+            len(program.data),
+            len(program.parameters),
+        )
     try:
         server = GatewayServer(
             gateway, args.host, args.port, args.certfile, args.keyfile

@@ -13,20 +13,51 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from flowerbed.clients.bridge.programs import PROGRAM_CONFIG_KEY, Program
 from flowerbed.clients.bridge.ratelog import RateLimitedLog
 from flowerbed.clients.bridge.relay import NodeConnector, NodeRelay
 from flowerbed.clients.bridge.settings import GatewaySettings
-from flowerbed.clients.bridge.tasks import ProtocolError, Task
+from flowerbed.clients.bridge.tasks import ProtocolError, Task, TaskBuildError
 from flowerbed.clients.bridge.tokens import TokenTable
 
 log = logging.getLogger("flowerbed.bridge")
 
-PROTOCOL_VERSION = 1
-SUPPORTED_VERSIONS = (PROTOCOL_VERSION,)
+PROTOCOL_VERSION = 2
+"""Newest protocol revision (android_client/PROTOCOL.md); 2 adds program delivery."""
+SUPPORTED_VERSIONS = (1, 2)
+"""Revisions this gateway speaks; every revision lives under the ``/v1`` path."""
+PATH_VERSION = 1
+"""The version in the URL path (``/v1``); it changes only if the paths do."""
+
+
+def negotiate(hello: Mapping[str, Any]) -> int:
+    """The protocol revision of a hello: the newest both sides speak.
+
+    A phone lists its revisions in ``protocols`` (revision 2 on) or names one in
+    ``protocol`` (revision 1). No common revision: ``426`` with the revisions the
+    gateway speaks and a request to update the app.
+    """
+    offered = hello.get("protocols", [hello.get("protocol")])
+    if not isinstance(offered, list):
+        offered = [offered]
+    common = [
+        v
+        for v in offered
+        if isinstance(v, int) and not isinstance(v, bool) and v in SUPPORTED_VERSIONS
+    ]
+    if not common:
+        raise ProtocolError(
+            426,
+            f"protocol revisions {offered!r:.100} not supported; this gateway speaks "
+            f"{list(SUPPORTED_VERSIONS)}: update the flowerbed app",
+            supported=list(SUPPORTED_VERSIONS),
+            update=True,
+        )
+    return max(common)
 
 
 @dataclass
@@ -42,6 +73,8 @@ class Phone:
     task: Task | None = None
     in_flight: int = 0
     """Requests of this phone being served now (capped by the server)."""
+    protocol: int = 1
+    """The protocol revision agreed at hello."""
 
 
 class Gateway:
@@ -58,6 +91,9 @@ class Gateway:
         Limits and timings.
     clock : Callable[[], float]
         Monotonic seconds (injectable for tests).
+    programs : Sequence[Program]
+        Training programs to serve (revision 2); the first is the default of tasks
+        whose config names none (key ``program``).
     """
 
     def __init__(
@@ -66,7 +102,13 @@ class Gateway:
         connector: NodeConnector,
         settings: GatewaySettings | None = None,
         clock: Callable[[], float] = time.monotonic,
+        programs: Sequence[Program] = (),
     ) -> None:
+        self.programs = {p.name: p for p in programs}
+        if len(self.programs) != len(programs):
+            raise ValueError("two programs share a model name; give each its own")
+        self._programs_by_hash = {p.sha256: p for p in programs}
+        self._default_program = programs[0] if programs else None
         self.settings = settings or GatewaySettings()
         self.connector = connector
         self.clock = clock
@@ -124,15 +166,12 @@ class Gateway:
         """``POST /v1/hello``: register the phone's node once, start its relay."""
         if not isinstance(body, dict):
             raise ProtocolError(400, "hello body must be a JSON object")
-        version = body.get("protocol")
-        if version not in SUPPORTED_VERSIONS:
-            raise ProtocolError(
-                426,
-                f"protocol version {version!r} not supported",
-                supported=list(SUPPORTED_VERSIONS),
-            )
+        phone.protocol = negotiate(body)
         device = body.get("device", {})
         phone.device = device if isinstance(device, dict) else {"raw": str(device)}
+        app = body.get("app")
+        if isinstance(app, dict):
+            phone.device = {**phone.device, "app": app}
         with self._register_lock:
             if phone.node_id is None:
                 identity = self.connector.new_identity(phone.name)
@@ -163,13 +202,47 @@ class Gateway:
             phone.address,
             phone.device,
         )
-        return {
+        answer = {
             "node_id": phone.node_id,
             "phone": phone.name,
             "poll_s": self.settings.poll_s,
             "max_upload_bytes": self.settings.max_upload_bytes,
             "chunk_bytes": self.settings.chunk_bytes,
         }
+        if phone.protocol >= 2:
+            answer["protocol"] = phone.protocol
+            answer["supported"] = list(SUPPORTED_VERSIONS)
+        return answer
+
+    def program_for(self, phone_name: str, config: Mapping[str, Any]) -> Program | None:
+        """The program a task with ``config`` needs (None: the phone's own trainer).
+
+        Raises :class:`~flowerbed.clients.bridge.tasks.TaskBuildError` when the config
+        names an unknown program, or the phone speaks a revision without programs.
+        """
+        name = config.get(PROGRAM_CONFIG_KEY)
+        if name is None:
+            program = self._default_program
+        elif not isinstance(name, str) or name not in self.programs:
+            raise TaskBuildError(
+                f"config {PROGRAM_CONFIG_KEY}={name!r} names no program of this "
+                f"gateway; it serves {sorted(self.programs) or 'none'}"
+            )
+        else:
+            program = self.programs[name]
+        if program is not None and self._by_name[phone_name].protocol < 2:
+            raise TaskBuildError(
+                f"phone {phone_name} speaks protocol 1, which cannot fetch program "
+                f"{program.name!r}; update the flowerbed app on it"
+            )
+        return program
+
+    def program_blob(self, sha256: str) -> bytes:
+        """The bytes of the program with this hash; 404 if the gateway has none."""
+        program = self._programs_by_hash.get(sha256)
+        if program is None:
+            raise ProtocolError(404, f"no program with sha256 {sha256[:64]!r}")
+        return program.data
 
     def open_task(self, phone: Phone) -> Task | None:
         """``GET /v1/task`` without waiting: the phone's open task, if any.

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from functools import partial
 from pathlib import Path
@@ -30,6 +30,7 @@ from typing import Any, Protocol
 import httpx
 from cryptography.hazmat.primitives.asymmetric import ec
 from flowerbed import keys
+from flowerbed.clients.bridge.programs import Program
 from flowerbed.clients.bridge.tasks import (
     Task,
     TaskBuildError,
@@ -104,6 +105,10 @@ class RelayTarget(Protocol):
     def wants_node(self, phone_name: str) -> bool: ...
 
     def wait_for_phone(self, phone_name: str, timeout: float) -> None: ...
+
+    def program_for(
+        self, phone_name: str, config: Mapping[str, Any]
+    ) -> Program | None: ...
 
 
 class StateDirError(ValueError):
@@ -398,7 +403,11 @@ class NodeRelay:
         """The reply to one message, or ``None`` when the phone did not finish."""
         meta = message.metadata
         try:
-            task = task_from_message(message, self.deadline_slack_s)
+            task = task_from_message(
+                message,
+                self.deadline_slack_s,
+                program_for=partial(self.target.program_for, self.phone_name),
+            )
         except TaskBuildError as err:
             log.warning(
                 "phone %s: cannot relay %s: %s", self.phone_name, meta.message_type, err

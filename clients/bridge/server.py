@@ -44,11 +44,17 @@ from urllib.parse import parse_qs, urlsplit
 
 import numpy as np
 from flowerbed.clients.bridge.codec import CONTENT_TYPE
-from flowerbed.clients.bridge.gateway import SUPPORTED_VERSIONS, Gateway, Phone
+from flowerbed.clients.bridge.gateway import (
+    PATH_VERSION,
+    SUPPORTED_VERSIONS,
+    Gateway,
+    Phone,
+)
 from flowerbed.clients.bridge.tasks import ProtocolError
 
 log = logging.getLogger("flowerbed.bridge")
 
+PROGRAM_CONTENT_TYPE = "application/octet-stream"
 MAX_JSON_BYTES = 64 * 1024
 """Largest JSON request body (hello, complete, fail)."""
 MAX_HEAD_BYTES = 16 * 1024
@@ -411,10 +417,11 @@ class _Protocol:
     async def _authorise(self, request: _Request, address: str) -> Phone:
         path = urlsplit(request.target).path
         match = _VERSION_RE.match(path)
-        if match and int(match.group(1)) not in SUPPORTED_VERSIONS:
+        if match and int(match.group(1)) != PATH_VERSION:
             raise ProtocolError(
                 426,
-                f"protocol version {match.group(1)} not supported",
+                f"API path /v{match.group(1)} not supported; the API is under "
+                f"/v{PATH_VERSION}",
                 supported=list(SUPPORTED_VERSIONS),
             )
         if not match:
@@ -460,7 +467,11 @@ class _Protocol:
         elif method == "GET" and parts == ["task"]:
             await self._poll(writer, phone, query)
         elif method == "GET" and len(parts) == 3 and parts[::2] == ["task", "arrays"]:
-            await self._arrays(request, writer, phone, parts[1])
+            blob = self.gateway.task(phone, parts[1]).arrays_blob
+            await self._send_ranged(request, writer, blob, CONTENT_TYPE)
+        elif method == "GET" and len(parts) == 2 and parts[0] == "program":
+            blob = self.gateway.program_blob(parts[1])
+            await self._send_ranged(request, writer, blob, PROGRAM_CONTENT_TYPE)
         elif (
             method == "POST" and len(parts) == 3 and parts[::2] == ["task", "complete"]
         ):
@@ -510,14 +521,14 @@ class _Protocol:
         else:
             await self._send_json(writer, 200, task.describe())
 
-    async def _arrays(
+    async def _send_ranged(
         self,
         request: _Request,
         writer: asyncio.StreamWriter,
-        phone: Phone,
-        task_id: str,
+        blob: bytes,
+        content_type: str,
     ) -> None:
-        blob = self.gateway.task(phone, task_id).arrays_blob
+        """Send ``blob``, or the part a ``Range: bytes=a-[b]`` header asks for (206)."""
         start, end, status = 0, len(blob) - 1, 200
         header = request.headers.get("range")
         if header is not None:
@@ -538,7 +549,7 @@ class _Protocol:
         if status == 206:
             headers["Content-Range"] = f"bytes {start}-{end}/{len(blob)}"
         await self._send(
-            writer, status, blob[start : end + 1], CONTENT_TYPE, headers=headers
+            writer, status, blob[start : end + 1], content_type, headers=headers
         )
 
     async def _upload(

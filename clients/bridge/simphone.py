@@ -1,4 +1,4 @@
-"""A small Python phone speaking protocol version 1, for tests and scale checks.
+"""A small Python phone speaking the phone protocol, for tests and scale checks.
 
 It does what ``android_client/core``'s Java client does on the wire (hello, long
 poll, ranged download, chunked upload, complete/fail) with ``http.client`` only, so
@@ -113,8 +113,14 @@ class SimPhone:
         )
 
     # -- protocol steps -------------------------------------------------------------
-    def hello(self, device: dict[str, Any] | None = None) -> dict[str, Any]:
-        resp = self.post_json("/v1/hello", {"protocol": 1, "device": device or {}})
+    def hello(
+        self, device: dict[str, Any] | None = None, protocols: tuple[int, ...] = (1,)
+    ) -> dict[str, Any]:
+        """Say hello speaking ``protocols`` (revision 1 only by default)."""
+        body: dict[str, Any] = {"protocol": max(protocols), "device": device or {}}
+        if protocols != (1,):
+            body["protocols"] = list(protocols)
+        resp = self.post_json("/v1/hello", body)
         if resp.status != 200:
             raise RuntimeError(f"hello answered {resp.status}: {resp.body!r}")
         info: dict[str, Any] = resp.json()

@@ -30,6 +30,7 @@ from flowerbed.clients.bridge.codec import (
     layout_of,
     tensors_to_arrayrecord,
 )
+from flowerbed.clients.bridge.programs import Program, ProgramError
 from flowerbed.strategies.utils import ReplyRejected
 from flowerbed.strategies.utils import check_metrics as check_reply_metrics
 from flwr.app import ConfigRecord, Error, Message, MetricRecord, RecordDict
@@ -89,6 +90,8 @@ class Task:
     expires_at: float
     """Monotonic time after which the task is expired."""
     arrays_key: str = keys.ARRAYS
+    program: Program | None = None
+    """The training program the phone must run it with (protocol revision 2)."""
     task_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     clock: Callable[[], float] = time.monotonic
     outcome: TaskOutcome | None = None
@@ -151,13 +154,16 @@ class Task:
 
     def describe(self) -> dict[str, Any]:
         """The task as the phone sees it (``GET /v1/task``)."""
-        return {
+        described = {
             "task_id": self.task_id,
             "type": self.kind,
             "config": self.config,
             "arrays_bytes": len(self.arrays_blob),
             "expires_in_s": round(self.expires_in_s(), 3),
         }
+        if self.program is not None:
+            described["program"] = self.program.describe()
+        return described
 
     # -- phone actions ------------------------------------------------------------
     def receive_chunk(
@@ -328,13 +334,17 @@ def task_from_message(
     deadline_slack_s: float,
     clock: Callable[[], float] = time.monotonic,
     wall: Callable[[], float] = time.time,
+    program_for: Callable[[dict[str, Any]], Program | None] | None = None,
 ) -> Task:
     """Turn a Flower train/evaluate message into a phone task.
 
     The task expires when the message's TTL runs out or, when the config sets
     ``deadline-s``, ``deadline_slack_s`` after that deadline (whichever is first).
+    ``program_for(config)`` picks the training program the task needs, if any; the
+    arrays must then be exactly that program's parameters.
     Raises :class:`TaskBuildError` for other message types, a missing or repeated
-    ArrayRecord, non-float32 arrays, or a message already past its TTL.
+    ArrayRecord, non-float32 arrays, arrays that do not match the program, or a
+    message already past its TTL.
     """
     meta = message.metadata
     kind = meta.message_type.split(".")[0]
@@ -359,6 +369,12 @@ def task_from_message(
         blob = encode_tensors(tensors)
     except TensorCodecError as err:
         raise TaskBuildError(str(err)) from err
+    program = program_for(config) if program_for is not None else None
+    if program is not None:
+        try:
+            program.check_arrays(layout_of(tensors))
+        except ProgramError as err:
+            raise TaskBuildError(str(err)) from err
     expires_in = meta.created_at + meta.ttl - wall()
     deadline = config.get(keys.DEADLINE_S)
     if isinstance(deadline, int | float) and not isinstance(deadline, bool):
@@ -373,6 +389,7 @@ def task_from_message(
         expires_at=clock() + expires_in,
         arrays_key=arrays_key,
         clock=clock,
+        program=program,
     )
 
 

@@ -57,10 +57,13 @@ def check_phone_name(name: str) -> str:
     return name
 
 
-def parse_tokens(text: str, source: str = "<tokens>") -> dict[str, str]:
+def parse_tokens(
+    text: str, source: str = "<tokens>", allow_empty: bool = False
+) -> dict[str, str]:
     """Parse token-table text into ``{sha256:digest: phone_name}``.
 
-    Plain tokens are hashed on the way in; hashed lines are kept as they are.
+    Plain tokens are hashed on the way in; hashed lines are kept as they are. A
+    table without tokens is an error unless ``allow_empty`` (every phone revoked).
 
     Raises
     ------
@@ -105,12 +108,12 @@ def parse_tokens(text: str, source: str = "<tokens>") -> dict[str, str]:
             raise TokenFileError(f"{where}: phone name {name!r} repeated")
         table[digest] = name
         names.add(name)
-    if not table:
+    if not table and not allow_empty:
         raise TokenFileError(f"{source}: no tokens; add lines '<token> <phone-name>'")
     return table
 
 
-def load_tokens(path: str | Path) -> dict[str, str]:
+def load_tokens(path: str | Path, allow_empty: bool = False) -> dict[str, str]:
     """Read a token file (see module docstring) into ``{sha256:digest: phone_name}``."""
     p = Path(path).expanduser()
     try:
@@ -118,7 +121,7 @@ def load_tokens(path: str | Path) -> dict[str, str]:
     except (OSError, UnicodeDecodeError) as err:
         reason = err.strerror if isinstance(err, OSError) else "not UTF-8 text"
         raise TokenFileError(f"cannot read token file {p}: {reason}") from err
-    return parse_tokens(text, source=str(p))
+    return parse_tokens(text, source=str(p), allow_empty=allow_empty)
 
 
 def _file_key(path: Path) -> tuple[int, int, int] | None:
@@ -164,8 +167,19 @@ class TokenTable:
 
     @classmethod
     def from_file(cls, path: str | Path, check_interval_s: float = 1.0) -> TokenTable:
-        """The table of a token file, watched for changes (raises TokenFileError)."""
-        return cls(load_tokens(path), path, check_interval_s)
+        """The table of a token file, watched for changes (raises TokenFileError).
+
+        An empty file is allowed (no phone enrolled yet), with a warning.
+        """
+        digests = load_tokens(path, allow_empty=True)
+        if not digests:
+            log.warning(
+                "token file %s lists no phones yet; enrol one with "
+                "'flowerbed bridge enroll --tokens %s --phone NAME --url URL'",
+                path,
+                path,
+            )
+        return cls(digests, path, check_interval_s)
 
     @classmethod
     def from_tokens(cls, tokens: Mapping[str, str]) -> TokenTable:
@@ -199,7 +213,7 @@ class TokenTable:
             if key == self._key or (self._refused and key == self._refused_key):
                 return
             try:
-                digests = load_tokens(self.path)
+                digests = load_tokens(self.path, allow_empty=True)
             except TokenFileError as err:
                 self._refused, self._refused_key = True, key
                 log.error("token file change refused, previous tokens kept: %s", err)
