@@ -265,3 +265,79 @@ def test_node_ids_survive_a_gateway_restart_with_a_state_dir(tmp_path, superlink
             server.stop()
     assert node_ids[0] == node_ids[1]
     assert (tmp_path / "state" / "survivor.pem").stat().st_mode & 0o777 == 0o600
+
+
+@pytest.mark.java
+def test_a_jvm_phone_enrolled_with_a_pin_trains_over_tls_and_refuses_another_key(
+    tmp_path, procs
+):
+    """Issue 18, TLS: a gateway with a self-signed certificate, a phone enrolled with
+    `flowerbed bridge enroll --cert` (the URI pins the certificate's key): the phone
+    trains one task over HTTPS without installing the certificate; a phone pinned
+    to another key never connects."""
+    from bridge_fakes import TOKENS, FakeFlower, self_signed
+    from flowerbed.clients.bridge.enroll import enrolment_uri, spki_pin
+    from flwr.supercore.task_identity import TaskIdentity
+
+    jar = _phone_jar()
+    write_phone_csvs(tmp_path, 1)
+    cert, key = self_signed(tmp_path)
+    flower = FakeFlower()
+    gateway = Gateway(TOKENS, flower, GatewaySettings(pull_interval_s=0.05))
+    server = GatewayServer(gateway, "127.0.0.1", 0, certfile=cert, keyfile=key).start()
+    token = next(t for t, n in TOKENS.items() if n == "alice")
+    pin = spki_pin(Path(cert).read_bytes())
+    (tmp_path / "other").mkdir()
+    other = spki_pin(Path(self_signed(tmp_path / "other")[0]).read_bytes())
+
+    def phone(uri: str, log: Path) -> subprocess.Popen[bytes]:
+        cmd = ["java", "-cp", str(jar), "org.flowerbed.phone.PhoneMain", "--enrol"]
+        cmd += [uri, "--data", str(tmp_path / "phone-0.csv"), "--max-tasks", "1"]
+        with open(log, "wb") as fh:
+            return subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT)
+
+    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 7, 0
+    try:
+        good = phone(
+            enrolment_uri(server.url, "alice", token, pin), tmp_path / "ok.log"
+        )
+        procs.append(good)
+        deadline = time.monotonic() + 60
+        while gateway.phone("alice").node_id is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        node = gateway.phone("alice").node_id
+        assert node is not None, (tmp_path / "ok.log").read_text()
+        # The digits demo's softmax layout: 64 features, 10 classes.
+        import numpy as np
+        from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
+
+        content = RecordDict(
+            {
+                "arrays": ArrayRecord(
+                    {
+                        "fc.weight": Array(np.zeros((10, 64), np.float32)),
+                        "fc.bias": Array(np.zeros(10, np.float32)),
+                    }
+                ),
+                "config": ConfigRecord({"local-steps": 5, "lr": 0.1}),
+            }
+        )
+        msg = Message(content, dst_node_id=node, message_type="train", ttl=60)
+        msg.metadata.__dict__["_message_id"] = "tls-train"
+        flower.inbox[node].put(msg)
+        reply = flower.reply(timeout=60)
+        assert reply.has_content(), reply.error.reason if reply.has_error() else ""
+        assert good.wait(timeout=30) == 0
+        assert "status=accepted" in (tmp_path / "ok.log").read_text()
+
+        bad = phone(
+            enrolment_uri(server.url, "alice", token, other), tmp_path / "no.log"
+        )
+        procs.append(bad)
+        assert bad.wait(timeout=60) == 3  # refused at once, not retried
+        refused = (tmp_path / "no.log").read_text()
+        assert "refused status=-2" in refused and "is not the enrolled" in refused
+        assert "hello node_id" not in refused
+    finally:
+        TaskIdentity._task_id = TaskIdentity._run_id = TaskIdentity._node_id = None
+        server.stop()

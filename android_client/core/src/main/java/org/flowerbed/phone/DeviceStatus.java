@@ -32,8 +32,20 @@ public interface DeviceStatus {
   Double tempC();
 
   /**
-   * Why the device must not train now (for example "not charging", "metered network"), or null if
-   * it may. Asked before taking work and before every training step.
+   * Why the device must not take work now (for example "not charging", "metered network"), or null
+   * if it may. Asked before taking work.
    */
   String blockReason();
+
+  /**
+   * Why training in progress must stop now, or null if it may go on; asked before every training
+   * step. By default the same as {@link #blockReason()}; a policy may be more lenient once training
+   * has started (hysteresis).
+   */
+  default String stopReason() {
+    return blockReason();
+  }
+
+  /** Called after a training task ran to its end (a policy may forget past overheating). */
+  default void trained() {}
 }

@@ -1,23 +1,30 @@
 package org.flowerbed.phone;
 
 import java.io.ByteArrayOutputStream;
+import java.io.File;
 import java.io.IOException;
 import java.io.InputStream;
 import java.io.InterruptedIOException;
 import java.io.OutputStream;
+import java.io.RandomAccessFile;
 import java.io.UnsupportedEncodingException;
 import java.net.HttpURLConnection;
 import java.net.URL;
 import java.net.URLEncoder;
 import java.nio.charset.StandardCharsets;
+import java.security.cert.CertificateException;
+import java.util.ArrayList;
 import java.util.LinkedHashMap;
+import java.util.List;
 import java.util.Map;
 import java.util.regex.Matcher;
 import java.util.regex.Pattern;
+import javax.net.ssl.HttpsURLConnection;
+import javax.net.ssl.SSLSocketFactory;
 
 /**
- * The phone side of protocol version 1 (android_client/PROTOCOL.md) over {@link HttpURLConnection},
- * which Android and every JVM have.
+ * The phone side of protocol revisions 1 and 2 (android_client/PROTOCOL.md) over {@link
+ * HttpURLConnection}, which Android and every JVM have.
  *
  * <p>Every request carries {@code Authorization: Bearer <token>}; the token is the phone's
  * identity, so calling {@link #hello} again after sleep or a network change returns the same node
@@ -28,12 +35,19 @@ import java.util.regex.Pattern;
  * <p>One client serves one thread; {@link #close} may be called from any thread to abort.
  */
 public final class GatewayClient {
-  /** The protocol version this client speaks. */
-  public static final int PROTOCOL_VERSION = 1;
+  /** The newest protocol revision this client speaks. */
+  public static final int PROTOCOL_VERSION = 2;
+
+  /** Every revision this client speaks, oldest first. */
+  static final int[] PROTOCOLS = {1, 2};
+
+  /** The version in the API path; every revision lives under {@code /v1}. */
+  static final int PATH_VERSION = 1;
 
   private static final Pattern CONTENT_RANGE = Pattern.compile("bytes (\\d+)-(\\d+)/(\\d+|\\*)");
   private static final int MAX_CONFLICTS_IN_A_ROW = 3;
 
+  private final String root;
   private final String base;
   private final String token;
   private final Backoff backoff;
@@ -42,6 +56,8 @@ public final class GatewayClient {
   private final int readTimeoutMs;
   private volatile boolean closed;
   private volatile HttpURLConnection active;
+  private SSLSocketFactory pinned;
+  private Map<String, Object> app = new LinkedHashMap<String, Object>();
 
   /**
    * @param gatewayUrl gateway root such as {@code http://192.168.1.10:8765} (the client adds {@code
@@ -70,7 +86,8 @@ public final class GatewayClient {
     while (root.endsWith("/")) {
       root = root.substring(0, root.length() - 1);
     }
-    this.base = root + "/v" + PROTOCOL_VERSION;
+    this.root = root;
+    this.base = root + "/v" + PATH_VERSION;
     this.token = token;
     this.backoff = backoff;
     this.sleeper = sleeper;
@@ -83,15 +100,59 @@ public final class GatewayClient {
     this(gatewayUrl, token, Backoff.defaults(), Sleeper.SYSTEM, 10_000, 60_000);
   }
 
+  /** Whether this client speaks protocol revision {@code revision}. */
+  public static boolean speaks(long revision) {
+    for (int p : PROTOCOLS) {
+      if (p == revision) {
+        return true;
+      }
+    }
+    return false;
+  }
+
   /**
-   * {@code POST /v1/hello}: announce this phone and learn its node id and limits.
+   * Trust exactly the gateway certificate whose public key has {@code pin} (from the enrolment
+   * URI; see {@link CertificatePin}) instead of the platform's CAs. HTTPS gateways only.
+   */
+  public GatewayClient pinCertificate(String pin) {
+    if (!root.startsWith("https://")) {
+      throw new IllegalArgumentException("a certificate pin needs an https:// gateway URL");
+    }
+    this.pinned = CertificatePin.socketFactory(pin);
+    return this;
+  }
+
+  /** Versions sent with hello: the app's and its ExecuTorch runtime's (null: none). */
+  public GatewayClient appVersions(String appVersion, String runtimeVersion) {
+    Map<String, Object> versions = new LinkedHashMap<String, Object>();
+    versions.put("version", appVersion);
+    if (runtimeVersion != null) {
+      versions.put("runtime", runtimeVersion);
+    }
+    this.app = versions;
+    return this;
+  }
+
+  /**
+   * {@code POST /v1/hello}: announce this phone, agree on a protocol revision, learn its node id
+   * and limits.
    *
    * @param device free-form device facts (model, cores, ...), logged by the gateway
+   * @throws GatewayException 426 when the gateway speaks none of this app's revisions (the message
+   *     lists the ones it speaks: the app needs an update)
    */
   public Hello hello(Map<String, Object> device) throws IOException {
     Map<String, Object> body = new LinkedHashMap<String, Object>();
     body.put("protocol", PROTOCOL_VERSION);
+    List<Object> offered = new ArrayList<Object>();
+    for (int p : PROTOCOLS) {
+      offered.add((long) p);
+    }
+    body.put("protocols", offered);
     body.put("device", device);
+    if (!app.isEmpty()) {
+      body.put("app", app);
+    }
     Response r = withRetry("hello", "POST", "/hello", json(body), readTimeoutMs);
     expect(r, 200);
     return Hello.fromJson(r.json());
@@ -132,7 +193,7 @@ public final class GatewayClient {
       checkOpen();
       int before = got.size();
       try {
-        downloadOnce(path, got, total);
+        downloadOnce(path, new MemorySink(got), total);
         return got.toByteArray();
       } catch (GatewayException e) {
         throw e;
@@ -145,7 +206,97 @@ public final class GatewayClient {
     }
   }
 
-  private void downloadOnce(String path, ByteArrayOutputStream got, long total) throws IOException {
+  /**
+   * {@code GET /v1/program/<sha256>} into {@code part}, appending to the bytes it already holds
+   * ({@code Range}), so an interrupted download resumes. The caller checks the hash.
+   *
+   * @throws GatewayException 404 if the gateway no longer serves the program
+   */
+  public void downloadProgram(ProgramInfo program, File part) throws IOException {
+    String path = "/program/" + segment(program.sha256());
+    int failures = 0;
+    while (true) {
+      checkOpen();
+      FileSink sink = new FileSink(part);
+      long before = sink.size();
+      try {
+        downloadOnce(path, sink, program.bytes());
+        return;
+      } catch (GatewayException e) {
+        throw e;
+      } catch (IOException e) {
+        if (sink.size() > before) {
+          failures = 0;
+        }
+        failures = waitBeforeRetry("download of program " + program.name(), failures, e);
+      } finally {
+        sink.close();
+      }
+    }
+  }
+
+  /** Where a download's bytes go: memory for arrays, a file for programs. */
+  private interface Sink {
+    long size() throws IOException;
+
+    void reset() throws IOException;
+
+    void write(byte[] buf, int off, int len) throws IOException;
+  }
+
+  private static final class MemorySink implements Sink {
+    final ByteArrayOutputStream bytes;
+
+    MemorySink(ByteArrayOutputStream bytes) {
+      this.bytes = bytes;
+    }
+
+    @Override
+    public long size() {
+      return bytes.size();
+    }
+
+    @Override
+    public void reset() {
+      bytes.reset();
+    }
+
+    @Override
+    public void write(byte[] buf, int off, int len) {
+      bytes.write(buf, off, len);
+    }
+  }
+
+  private static final class FileSink implements Sink {
+    final RandomAccessFile file;
+
+    FileSink(File f) throws IOException {
+      this.file = new RandomAccessFile(f, "rw");
+      file.seek(file.length());
+    }
+
+    @Override
+    public long size() throws IOException {
+      return file.length();
+    }
+
+    @Override
+    public void reset() throws IOException {
+      file.setLength(0);
+      file.seek(0);
+    }
+
+    @Override
+    public void write(byte[] buf, int off, int len) throws IOException {
+      file.write(buf, off, len);
+    }
+
+    void close() throws IOException {
+      file.close();
+    }
+  }
+
+  private void downloadOnce(String path, Sink got, long total) throws IOException {
     HttpURLConnection c = open("GET", path, readTimeoutMs);
     try {
       if (got.size() > 0) {
@@ -178,7 +329,7 @@ public final class GatewayClient {
           if (got.size() > total) {
             throw new GatewayException(
                 GatewayException.PROTOCOL_VIOLATION,
-                "the arrays are longer than the " + total + " bytes the task announced");
+                "the download is longer than the " + total + " bytes the task announced");
           }
         }
       } finally {
@@ -337,6 +488,13 @@ public final class GatewayClient {
 
   /** Count one more failure and wait, or give up if closed or out of attempts. */
   private int waitBeforeRetry(String what, int failures, IOException cause) throws IOException {
+    for (Throwable t = cause; t != null; t = t.getCause()) {
+      if (t instanceof CertificateException) {
+        throw new GatewayException(
+            GatewayException.CERTIFICATE_REFUSED,
+            what + ": gateway certificate refused: " + t.getMessage());
+      }
+    }
     if (closed) {
       throw new InterruptedIOException("gateway client closed during " + what);
     }
@@ -357,6 +515,9 @@ public final class GatewayClient {
 
   private HttpURLConnection open(String method, String path, int timeoutMs) throws IOException {
     HttpURLConnection c = (HttpURLConnection) new URL(base + path).openConnection();
+    if (pinned != null && c instanceof HttpsURLConnection) {
+      ((HttpsURLConnection) c).setSSLSocketFactory(pinned);
+    }
     active = c;
     if (closed) {
       c.disconnect();
@@ -488,7 +649,7 @@ public final class GatewayClient {
       if (status == 401) {
         reason = "token refused by the gateway";
       } else if (status == 426) {
-        reason = "gateway does not speak protocol version " + PROTOCOL_VERSION;
+        reason = "gateway speaks none of this app's protocol revisions; update the app";
       } else {
         reason = what + " answered " + status;
       }

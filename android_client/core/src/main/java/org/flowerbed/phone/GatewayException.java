@@ -13,6 +13,12 @@ public final class GatewayException extends IOException {
   /** Status used when the gateway's answer does not follow PROTOCOL.md. */
   public static final int PROTOCOL_VIOLATION = -1;
 
+  /**
+   * Status used when the gateway's TLS certificate is not trusted (not the pinned key, or not
+   * signed by a trusted CA): a wrong gateway or a man in the middle, never worth retrying.
+   */
+  public static final int CERTIFICATE_REFUSED = -2;
+
   private final int status;
 
   public GatewayException(int status, String message) {

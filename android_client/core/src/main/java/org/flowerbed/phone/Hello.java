@@ -10,25 +10,40 @@ public final class Hello {
   private final int pollS;
   private final long maxUploadBytes;
   private final int chunkBytes;
+  private final int protocol;
 
   public Hello(long nodeId, String phone, int pollS, long maxUploadBytes, int chunkBytes) {
+    this(nodeId, phone, pollS, maxUploadBytes, chunkBytes, 1);
+  }
+
+  public Hello(
+      long nodeId, String phone, int pollS, long maxUploadBytes, int chunkBytes, int protocol) {
     this.nodeId = nodeId;
     this.phone = phone;
     this.pollS = pollS;
     this.maxUploadBytes = maxUploadBytes;
     this.chunkBytes = chunkBytes;
+    this.protocol = protocol;
   }
 
   /**
    * @throws GatewayException (protocol violation) naming the missing or ill-typed field
    */
   public static Hello fromJson(Map<String, Object> json) throws GatewayException {
+    // Revision 1 gateways name no revision: they speak 1.
+    long protocol = json.containsKey("protocol") ? integer(json, "protocol", 1) : 1;
+    if (!GatewayClient.speaks(protocol)) {
+      throw new GatewayException(
+          GatewayException.PROTOCOL_VIOLATION,
+          "bad hello from gateway: it chose protocol " + protocol + ", which this app never offered");
+    }
     return new Hello(
         uint64(json, "node_id"),
         string(json, "phone"),
         (int) integer(json, "poll_s", 0),
         integer(json, "max_upload_bytes", 1),
-        (int) Math.min(Integer.MAX_VALUE, integer(json, "chunk_bytes", 1)));
+        (int) Math.min(Integer.MAX_VALUE, integer(json, "chunk_bytes", 1)),
+        (int) protocol);
   }
 
   /** A uint64 (Flower's node id type) as the bits of a long; see {@link #nodeIdText()}. */
@@ -97,5 +112,10 @@ public final class Hello {
   /** Largest upload chunk the gateway accepts. */
   public int chunkBytes() {
     return chunkBytes;
+  }
+
+  /** The protocol revision agreed with the gateway. */
+  public int protocol() {
+    return protocol;
   }
 }

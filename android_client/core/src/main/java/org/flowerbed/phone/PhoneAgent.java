@@ -1,5 +1,6 @@
 package org.flowerbed.phone;
 
+import java.io.File;
 import java.io.IOException;
 import java.io.InterruptedIOException;
 import java.util.LinkedHashMap;
@@ -24,6 +25,21 @@ public final class PhoneAgent {
      * @throws IllegalArgumentException if the arrays do not fit this phone's model or data
      */
     Trainer create(List<NamedArray> arrays);
+
+    /**
+     * A trainer for a task, run with {@code program} (a cached, hash-checked ExecuTorch program)
+     * when the task names one, and sampling with {@code seed} (different on every phone and task).
+     * The default suits trainers without a runtime: it refuses programs and ignores the seed.
+     *
+     * @throws IllegalArgumentException if the arrays or the program do not fit
+     */
+    default Trainer create(List<NamedArray> arrays, File program, long seed) {
+      if (program != null) {
+        throw new IllegalArgumentException(
+            "program: this phone has no ExecuTorch runtime to run a training program");
+      }
+      return create(arrays);
+    }
   }
 
   /** Where the agent's one-line reports go. */
@@ -44,6 +60,9 @@ public final class PhoneAgent {
   private final Map<String, Object> deviceInfo;
   private final Log log;
   private final int pollWaitS;
+  private ProgramCache programs;
+  private String runtimeVersion;
+  private long tasksSeen;
   private volatile boolean stopping;
   private volatile Thread runner;
   private Hello hello;
@@ -74,6 +93,19 @@ public final class PhoneAgent {
     this.pollWaitS = pollWaitS;
   }
 
+  /** Seconds between hellos while the gateway asks for an app update (HTTP 426). */
+  static final long UPDATE_RETRY_MS = 3_600_000L;
+
+  /**
+   * Run tasks that name a training program: fetch programs into {@code cache} and check them
+   * against {@code runtimeVersion} (this phone's ExecuTorch version). Without it such tasks fail.
+   */
+  public PhoneAgent withPrograms(ProgramCache cache, String runtimeVersion) {
+    this.programs = cache;
+    this.runtimeVersion = runtimeVersion;
+    return this;
+  }
+
   /** Ask {@link #run} to return soon: aborts the request in flight; safe from any thread. */
   public void stop() {
     stopping = true;
@@ -87,8 +119,13 @@ public final class PhoneAgent {
   /**
    * Work until {@link #stop} or until {@code maxTasks} tasks were handled (0: no limit).
    *
+   * <p>A gateway that speaks no protocol revision of this app (426) does not end the run: the
+   * phone logs that it needs an update and says hello again every {@link #UPDATE_RETRY_MS}, so it
+   * comes back by itself when the gateway is rolled back.
+   *
    * @return the number of tasks handled (completed, failed, expired or rejected)
-   * @throws GatewayException if the gateway refuses this phone (401 or 426)
+   * @throws GatewayException if the gateway refuses this phone's token (401), or its certificate
+   *     is not the one this phone trusts
    */
   public int run(int maxTasks) throws GatewayException {
     runner = Thread.currentThread();
@@ -125,6 +162,12 @@ public final class PhoneAgent {
             handled++;
           }
         } catch (GatewayException e) {
+          if (e.status() == 426) {
+            log.line("update required reason=\"" + e.getMessage() + "\"");
+            hello = null;
+            sleepQuietly(UPDATE_RETRY_MS);
+            continue;
+          }
           if (isRefusal(e)) {
             log.line("refused status=" + e.status() + " reason=\"" + e.getMessage() + "\"");
             throw e;
@@ -145,7 +188,9 @@ public final class PhoneAgent {
   }
 
   private static boolean isRefusal(GatewayException e) {
-    return e.status() == 401 || e.status() == 426;
+    return e.status() == 401
+        || e.status() == 426
+        || e.status() == GatewayException.CERTIFICATE_REFUSED;
   }
 
   /** Log, forget the session (the next round says hello again) and wait before retrying. */
@@ -155,12 +200,16 @@ public final class PhoneAgent {
     }
     log.line("reconnecting after " + what + ": " + e.getMessage());
     hello = null;
+    sleepQuietly(reconnect.delayMs(failures));
+    return failures + 1;
+  }
+
+  private void sleepQuietly(long ms) {
     try {
-      sleeper.sleep(reconnect.delayMs(failures));
+      sleeper.sleep(ms);
     } catch (InterruptedIOException ie) {
       // stop() interrupts the wait; the loop condition sees the flag
     }
-    return failures + 1;
   }
 
   /**
@@ -174,12 +223,21 @@ public final class PhoneAgent {
     String head = "task=" + task.id() + " type=" + task.type();
     String step = "download";
     try {
+      File program = null;
+      if (task.program() != null) {
+        step = "program";
+        program = fetchProgram(task.program());
+      }
+      step = "download";
       byte[] blob = client.downloadArrays(task);
       double downloadS = (ticker.nanoTime() - received) / 1e9;
       step = "decode";
       List<NamedArray> arrays = TensorCodec.decode(blob);
+      if (task.program() != null) {
+        task.program().checkArrays(arrays);
+      }
       step = "build";
-      Trainer trainer = factory.create(arrays);
+      Trainer trainer = factory.create(arrays, program, taskSeed(tasksSeen++));
       Map<String, Object> metrics;
       String detail;
       if (task.isTrain()) {
@@ -192,6 +250,9 @@ public final class PhoneAgent {
         client.uploadResult(
             task.id(), TensorCodec.encode(trainer.getParameters()), hello.chunkBytes());
         metrics = report.metrics(device);
+        if (!report.deadlineHit) {
+          device.trained();
+        }
         detail =
             String.format(
                 Locale.ROOT,
@@ -237,6 +298,30 @@ public final class PhoneAgent {
       // reason and the phone keeps serving.
       return head + " status=failed at=" + step + reason(e) + giveUp(task, step, e);
     }
+  }
+
+  /** The task's program file: cached by hash, else downloaded and checked; runtime checked. */
+  private File fetchProgram(ProgramInfo info) throws IOException {
+    if (programs == null) {
+      throw new IllegalArgumentException(
+          "program: this phone keeps no program cache, so it cannot run program '"
+              + info.name()
+              + "'");
+    }
+    info.checkRuntime(runtimeVersion);
+    return programs.fetch(info);
+  }
+
+  /**
+   * The sampling seed of this phone's {@code n}-th task: the node id and the task count mixed by
+   * SplitMix64's finaliser (Steele, Lea, Flood, "Fast splittable pseudorandom number generators",
+   * OOPSLA 2014), so no two phones draw the same minibatches.
+   */
+  long taskSeed(long n) {
+    long z = (hello == null ? 0 : hello.nodeId()) + (n + 1) * 0x9E3779B97F4A7C15L;
+    z = (z ^ (z >>> 30)) * 0xBF58476D1CE4E5B9L;
+    z = (z ^ (z >>> 27)) * 0x94D049BB133111EBL;
+    return z ^ (z >>> 31);
   }
 
   /**
@@ -286,6 +371,11 @@ public final class PhoneAgent {
       @Override
       public String blockReason() {
         return stopping ? "phone is stopping" : device.blockReason();
+      }
+
+      @Override
+      public String stopReason() {
+        return stopping ? "phone is stopping" : device.stopReason();
       }
     };
   }

@@ -17,24 +17,31 @@ import java.util.Map;
  * </pre>
  *
  * Exit status: 0 after --max-tasks tasks or on SIGTERM, 2 for bad arguments or data, 3 when the
- * gateway refuses the phone (wrong token, unsupported protocol).
+ * gateway refuses the phone (wrong token) or the phone refuses the gateway (certificate).
  */
 public final class PhoneMain {
   static final String USAGE =
       "usage: java -cp flowerbed-phone.jar org.flowerbed.phone.PhoneMain\n"
-          + "  --gateway URL      gateway root, e.g. http://127.0.0.1:8765 (required)\n"
-          + "  --token TOKEN      this phone's bearer token (required)\n"
+          + "  --gateway URL      gateway root, e.g. http://127.0.0.1:8470\n"
+          + "  --token TOKEN      this phone's bearer token\n"
+          + "  --enrol URI        flowerbed://enroll?... from 'flowerbed bridge enroll' (instead\n"
+          + "                     of --gateway and --token; carries the certificate pin)\n"
+          + "  --pin PIN          trust only the gateway key sha256/<base64> (HTTPS)\n"
           + "  --data FILE.csv    local data, rows 'label,f1,f2,...' (required)\n"
           + "  --max-tasks N      exit after N tasks (default 0: run until SIGTERM)\n"
           + "  --slow-ms N        sleep N ms per training step, to act as a slow phone (default"
           + " 0)\n"
           + "  --poll-wait S      seconds of each long poll (default 20)\n"
-          + "  --seed N           seed of the minibatch order (default 0)\n"
+          + "  --seed N           mixed into each task's sampling seed, which differs per phone\n"
+          + "                     and task (default 0)\n"
           + "  --model NAME       device model sent with hello (default jvm-phone)\n"
           + "  --battery-pct X    battery level to report (default: not reported)\n"
           + "  --temp-c X         temperature to report (default: not reported)\n"
           + "One line per task goes to stdout: task=<id> type=<train|evaluate> status=<accepted|\n"
           + "failed|expired|rejected> followed by key=value details.\n";
+
+  /** This phone core's version, sent with hello. */
+  static final String VERSION = "0.2.0";
 
   /** Set by the shutdown hook: the JVM is already exiting (SIGTERM). */
   private static volatile boolean signalled;
@@ -73,7 +80,16 @@ public final class PhoneMain {
 
           @Override
           public Trainer create(List<NamedArray> arrays) {
-            Trainer t = Models.fromArrays(arrays, local, opts.seed + tasks++);
+            return create(arrays, null, 0);
+          }
+
+          @Override
+          public Trainer create(List<NamedArray> arrays, File program, long seed) {
+            if (program != null) {
+              throw new IllegalArgumentException(
+                  "program: the JVM phone trains its own models, not ExecuTorch programs");
+            }
+            Trainer t = Models.fromArrays(arrays, local, opts.seed ^ seed);
             return opts.slowMs > 0 ? new SlowTrainer(t, opts.slowMs) : t;
           }
         };
@@ -83,9 +99,13 @@ public final class PhoneMain {
     info.put("cores", Runtime.getRuntime().availableProcessors());
     info.put("runtime", "java " + System.getProperty("java.version"));
     info.put("examples", data.size());
+    GatewayClient client = new GatewayClient(o.gateway, o.token).appVersions(VERSION, null);
+    if (o.pin != null) {
+      client.pinCertificate(o.pin);
+    }
     final PhoneAgent agent =
         new PhoneAgent(
-            new GatewayClient(o.gateway, o.token),
+            client,
             factory,
             new FixedStatus(o.batteryPct, o.tempC),
             Ticker.SYSTEM,
@@ -140,6 +160,7 @@ public final class PhoneMain {
   static final class Options {
     String gateway;
     String token;
+    String pin;
     String data;
     int maxTasks;
     long slowMs;
@@ -166,6 +187,14 @@ public final class PhoneMain {
           o.gateway = v;
         } else if (flag.equals("--token")) {
           o.token = v;
+        } else if (flag.equals("--enrol")) {
+          // A test tool on a lab machine: a plain-HTTP gateway is allowed here.
+          EnrolmentUri e = EnrolmentUri.parse(v, true);
+          o.gateway = e.gateway();
+          o.token = e.token();
+          o.pin = e.pin();
+        } else if (flag.equals("--pin")) {
+          o.pin = v;
         } else if (flag.equals("--data")) {
           o.data = v;
         } else if (flag.equals("--max-tasks")) {
@@ -186,14 +215,18 @@ public final class PhoneMain {
           throw new IllegalArgumentException(
               "unknown option "
                   + flag
-                  + "; valid: --gateway --token --data --max-tasks"
+                  + "; valid: --gateway --token --enrol --pin --data --max-tasks"
                   + " --slow-ms --poll-wait --seed --model --battery-pct --temp-c --help");
         }
       }
       if (o.gateway == null || o.token == null || o.data == null) {
-        throw new IllegalArgumentException("--gateway, --token and --data are required");
+        throw new IllegalArgumentException(
+            "--data and either --enrol or --gateway and --token are required");
       }
-      new GatewayClient(o.gateway, o.token); // validates URL and token now, not at first use
+      GatewayClient check = new GatewayClient(o.gateway, o.token); // validates them now
+      if (o.pin != null) {
+        check.pinCertificate(o.pin);
+      }
       return o;
     }
 

@@ -15,14 +15,26 @@ public final class Task {
   private final Map<String, Object> config;
   private final long arraysBytes;
   private final double expiresInS;
+  private final ProgramInfo program;
 
   public Task(
       String id, String type, Map<String, Object> config, long arraysBytes, double expiresInS) {
+    this(id, type, config, arraysBytes, expiresInS, null);
+  }
+
+  public Task(
+      String id,
+      String type,
+      Map<String, Object> config,
+      long arraysBytes,
+      double expiresInS,
+      ProgramInfo program) {
     this.id = id;
     this.type = type;
     this.config = Collections.unmodifiableMap(config);
     this.arraysBytes = arraysBytes;
     this.expiresInS = expiresInS;
+    this.program = program;
   }
 
   /**
@@ -52,12 +64,14 @@ public final class Task {
     if (!(expires instanceof Number)) {
       throw violation("expires_in_s must be a number", json);
     }
+    Object program = json.get("program");
     return new Task(
         (String) id,
         (String) type,
         (Map<String, Object>) config,
         (Long) bytes,
-        ((Number) expires).doubleValue());
+        ((Number) expires).doubleValue(),
+        program == null ? null : ProgramInfo.fromJson(program));
   }
 
   private static GatewayException violation(String what, Map<String, Object> json) {
@@ -88,6 +102,11 @@ public final class Task {
 
   public double expiresInS() {
     return expiresInS;
+  }
+
+  /** The training program the task must run with (protocol revision 2), or null. */
+  public ProgramInfo program() {
+    return program;
   }
 
   @Override

@@ -30,7 +30,7 @@ public final class TrainingLoop {
   /**
    * Train {@code trainer} as {@code settings} ask.
    *
-   * @throws Abandoned if {@code device.blockReason()} becomes non-null during training
+   * @throws Abandoned if {@code device.stopReason()} becomes non-null during training
    */
   public static Report train(
       Trainer trainer, TrainSettings settings, Ticker ticker, DeviceStatus device)
@@ -41,7 +41,7 @@ public final class TrainingLoop {
     double lossSum = 0;
     boolean deadlineHit = false;
     while (steps < settings.localSteps) {
-      String block = device.blockReason();
+      String block = device.stopReason();
       if (block != null) {
         throw new Abandoned(block);
       }

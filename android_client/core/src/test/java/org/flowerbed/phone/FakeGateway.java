@@ -33,6 +33,8 @@ final class FakeGateway implements AutoCloseable {
     final ByteArrayOutputStream upload = new ByteArrayOutputStream();
     Map<String, Object> metrics;
     String failReason;
+    /** The task's "program" object (protocol revision 2), or null. */
+    Map<String, Object> program;
 
     FakeTask(String id, String type, Map<String, Object> config, byte[] arrays) {
       this.id = id;
@@ -75,8 +77,14 @@ final class FakeGateway implements AutoCloseable {
   /** Milliseconds a poll waits before answering 204 when there is no task. */
   volatile long pollDelayMs;
 
-  /** Bytes of the next arrays download to send before cutting the connection; -1: all. */
+  /** Bytes of the next download (arrays or program) to send before cutting it; -1: all. */
   volatile int cutDownloadAt = -1;
+
+  /** Programs served at /v1/program/<sha256>. */
+  final Map<String, byte[]> programs = Collections.synchronizedMap(new HashMap<String, byte[]>());
+
+  /** The hello answer's "protocol" (0: leave it out, as a revision-1 gateway does). */
+  volatile long protocol = 2;
 
   private final HttpServer server;
   private final ExecutorService pool = Executors.newCachedThreadPool();
@@ -163,7 +171,17 @@ final class FakeGateway implements AutoCloseable {
                 + maxUploadBytes
                 + ", \"chunk_bytes\": "
                 + chunkBytes
+                + (protocol > 0 ? ", \"protocol\": " + protocol : "")
                 + "}");
+        return;
+      }
+      if (path.startsWith("/v1/program/")) {
+        byte[] program = programs.get(path.substring("/v1/program/".length()));
+        if (program == null) {
+          send(ex, 404, "{\"error\": \"no such program\"}");
+        } else {
+          sendRanged(ex, program, range);
+        }
         return;
       }
       if (path.equals("/v1/task")) {
@@ -185,6 +203,9 @@ final class FakeGateway implements AutoCloseable {
         j.put("config", t.config);
         j.put("arrays_bytes", (long) t.arrays.length);
         j.put("expires_in_s", expiresInS);
+        if (t.program != null) {
+          j.put("program", t.program);
+        }
         send(ex, 200, Json.write(j));
         return;
       }
@@ -196,7 +217,7 @@ final class FakeGateway implements AutoCloseable {
       }
       String what = m.group(2);
       if (what.equals("arrays")) {
-        sendArrays(ex, t, range);
+        sendRanged(ex, t.arrays, range);
       } else if (what.equals("result")) {
         Map<String, String> q = params(query);
         long offset = Long.parseLong(q.get("offset"));
@@ -234,7 +255,7 @@ final class FakeGateway implements AutoCloseable {
     }
   }
 
-  private void sendArrays(HttpExchange ex, FakeTask t, String range) throws IOException {
+  private void sendRanged(HttpExchange ex, byte[] blob, String range) throws IOException {
     int start = 0;
     int status = 200;
     if (range != null) {
@@ -248,20 +269,20 @@ final class FakeGateway implements AutoCloseable {
       ex.getResponseHeaders()
           .set(
               "Content-Range",
-              "bytes " + start + "-" + (t.arrays.length - 1) + "/" + t.arrays.length);
+              "bytes " + start + "-" + (blob.length - 1) + "/" + blob.length);
     }
-    int len = t.arrays.length - start;
+    int len = blob.length - start;
     ex.getResponseHeaders().set("Content-Type", TensorCodec.CONTENT_TYPE);
     ex.sendResponseHeaders(status, len);
     OutputStream out = ex.getResponseBody();
     int cut = cutDownloadAt;
     if (cut >= 0) {
       cutDownloadAt = -1;
-      out.write(t.arrays, start, Math.min(cut, len));
+      out.write(blob, start, Math.min(cut, len));
       out.flush();
       throw new IOException("fault: cut the download after " + cut + " bytes");
     }
-    out.write(t.arrays, start, len);
+    out.write(blob, start, len);
     out.close();
   }
 

@@ -86,7 +86,7 @@ public class GatewayClientTest {
     assertEquals(7, h.nodeId());
     assertEquals("phone-7", h.phone());
     assertEquals(1 << 20, h.chunkBytes());
-    assertEquals(1L, gw.hellos.get(0).get("protocol"));
+    assertEquals(2L, gw.hellos.get(0).get("protocol"));
     assertEquals(device, gw.hellos.get(0).get("device"));
   }
 
@@ -140,7 +140,7 @@ public class GatewayClientTest {
       fail("expected GatewayException");
     } catch (IOException e) {
       assertEquals(426, ((GatewayException) e).status());
-      assertEquals("gateway does not speak protocol version 1: speak v2", e.getMessage());
+      assertEquals("gateway speaks none of this app's protocol revisions; update the app: speak v2", e.getMessage());
     }
   }
 

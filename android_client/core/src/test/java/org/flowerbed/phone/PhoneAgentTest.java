@@ -233,7 +233,7 @@ public class PhoneAgentTest {
     Arrays.fill(junk, 'x');
     gw.fault("/v1/task/t-9/arrays", 200, new String(junk));
     agent("tok-a").run(1);
-    assertTrue(t.failReason, t.failReason.startsWith("download: the arrays are longer than"));
+    assertTrue(t.failReason, t.failReason.startsWith("download: the download is longer than the 68 bytes"));
     assertTrue(
         lastTaskLine(), lastTaskLine().startsWith("task=t-9 type=train status=failed at=download"));
   }

@@ -113,7 +113,7 @@ public class PhoneMainTest {
     assertEquals(2, run("--gateway", gw.url(), "--token", "t"));
     assertTrue(
         err.toString(),
-        err.toString().startsWith("error: --gateway, --token and --data are required"));
+        err.toString().startsWith("error: --data and either --enrol or --gateway and --token are required"));
     err.reset();
     assertEquals(2, run("--gateway", "ftp://x", "--token", "t", "--data", csv.getPath()));
     assertTrue(

@@ -1,0 +1,211 @@
+package org.flowerbed.phone;
+
+import java.util.ArrayList;
+import java.util.Arrays;
+import java.util.Collections;
+import java.util.HashMap;
+import java.util.List;
+import java.util.Map;
+import java.util.regex.Pattern;
+
+/**
+ * The training program a task needs (protocol revision 2): which ExecuTorch program, by SHA-256,
+ * where to fetch it, and the parameters it trains. See android_client/PROTOCOL.md.
+ */
+public final class ProgramInfo {
+  private static final Pattern SHA256 = Pattern.compile("[0-9a-f]{64}");
+  private static final Pattern VERSION = Pattern.compile("\\d+(\\.\\d+){0,3}");
+
+  private final String name;
+  private final String sha256;
+  private final long bytes;
+  private final String minRuntime;
+  private final String path;
+  private final Map<String, int[]> parameters;
+  private final List<String> order;
+
+  ProgramInfo(
+      String name,
+      String sha256,
+      long bytes,
+      String minRuntime,
+      String path,
+      Map<String, int[]> parameters,
+      List<String> order) {
+    this.name = name;
+    this.sha256 = sha256;
+    this.bytes = bytes;
+    this.minRuntime = minRuntime;
+    this.path = path;
+    this.parameters = parameters;
+    this.order = Collections.unmodifiableList(order);
+  }
+
+  /**
+   * Read the {@code program} object of a task.
+   *
+   * @throws GatewayException (protocol violation) naming the missing or ill-typed field
+   */
+  @SuppressWarnings("unchecked")
+  public static ProgramInfo fromJson(Object value) throws GatewayException {
+    if (!(value instanceof Map)) {
+      throw violation("program must be an object", value);
+    }
+    Map<String, Object> json = (Map<String, Object>) value;
+    Object name = json.get("name");
+    Object sha = json.get("sha256");
+    Object bytes = json.get("bytes");
+    Object minRuntime = json.get("min_runtime");
+    Object url = json.get("url");
+    Object params = json.get("parameters");
+    if (!(name instanceof String)) {
+      throw violation("program.name must be a string", json);
+    }
+    if (!(sha instanceof String) || !SHA256.matcher((String) sha).matches()) {
+      throw violation("program.sha256 must be 64 lowercase hex digits", json);
+    }
+    if (!(bytes instanceof Long) || (Long) bytes <= 0) {
+      throw violation("program.bytes must be an integer > 0", json);
+    }
+    if (!(minRuntime instanceof String) || !VERSION.matcher((String) minRuntime).matches()) {
+      throw violation("program.min_runtime must be a dotted version such as 1.5.1", json);
+    }
+    if (!(url instanceof String) || !((String) url).equals("/v1/program/" + sha)) {
+      throw violation("program.url must be /v1/program/<sha256>", json);
+    }
+    if (!(params instanceof List) || ((List<Object>) params).isEmpty()) {
+      throw violation("program.parameters must be a non-empty list", json);
+    }
+    Map<String, int[]> layout = new HashMap<String, int[]>();
+    List<String> order = new ArrayList<String>();
+    for (Object p : (List<Object>) params) {
+      Object pname = p instanceof Map ? ((Map<String, Object>) p).get("name") : null;
+      Object shape = p instanceof Map ? ((Map<String, Object>) p).get("shape") : null;
+      if (!(pname instanceof String) || !(shape instanceof List)) {
+        throw violation("each parameter needs a name and a shape", json);
+      }
+      List<Object> dims = (List<Object>) shape;
+      int[] s = new int[dims.size()];
+      for (int i = 0; i < s.length; i++) {
+        Object d = dims.get(i);
+        if (!(d instanceof Long) || (Long) d < 0 || (Long) d > Integer.MAX_VALUE) {
+          throw violation("parameter shapes hold integers >= 0", json);
+        }
+        s[i] = (int) (long) (Long) d;
+      }
+      if (layout.put((String) pname, s) != null) {
+        throw violation("parameter " + pname + " appears twice", json);
+      }
+      order.add((String) pname);
+    }
+    return new ProgramInfo(
+        (String) name,
+        (String) sha,
+        (Long) bytes,
+        (String) minRuntime,
+        (String) url,
+        layout,
+        order);
+  }
+
+  private static GatewayException violation(String what, Object json) {
+    return new GatewayException(
+        GatewayException.PROTOCOL_VIOLATION, "bad task from gateway: " + what + ": " + json);
+  }
+
+  /**
+   * Refuse arrays that are not exactly this program's parameters (names and shapes).
+   *
+   * @throws IllegalArgumentException starting "program:" and naming the arrays at fault
+   */
+  public void checkArrays(List<NamedArray> arrays) {
+    List<String> problems = new ArrayList<String>();
+    Map<String, int[]> seen = new HashMap<String, int[]>();
+    for (NamedArray a : arrays) {
+      seen.put(a.name(), a.shape());
+      int[] want = parameters.get(a.name());
+      if (want == null) {
+        problems.add("unexpected " + a.name());
+      } else if (!Arrays.equals(want, a.shape())) {
+        problems.add(
+            a.name() + " " + Arrays.toString(a.shape()) + " (program: " + Arrays.toString(want) + ")");
+      }
+    }
+    for (String p : order) {
+      if (!seen.containsKey(p)) {
+        problems.add("missing " + p);
+      }
+    }
+    if (!problems.isEmpty()) {
+      throw new IllegalArgumentException(
+          "program: the arrays do not match program '" + name + "': " + problems);
+    }
+  }
+
+  /**
+   * Refuse a runtime older than {@link #minRuntime()}.
+   *
+   * @param runtimeVersion this phone's ExecuTorch version, or null if it has none
+   * @throws IllegalArgumentException starting "program:" saying what is needed
+   */
+  public void checkRuntime(String runtimeVersion) {
+    if (runtimeVersion == null) {
+      throw new IllegalArgumentException(
+          "program: this phone has no ExecuTorch runtime to run program '" + name + "'");
+    }
+    if (compareVersions(runtimeVersion, minRuntime) < 0) {
+      throw new IllegalArgumentException(
+          "program: '"
+              + name
+              + "' needs ExecuTorch "
+              + minRuntime
+              + " or newer, this phone has "
+              + runtimeVersion
+              + "; update the app");
+    }
+  }
+
+  /** Compare dotted versions number by number ("1.10" is newer than "1.9"); missing parts are 0. */
+  public static int compareVersions(String a, String b) {
+    if (!VERSION.matcher(a).matches() || !VERSION.matcher(b).matches()) {
+      throw new IllegalArgumentException("versions are dotted numbers: '" + a + "', '" + b + "'");
+    }
+    String[] x = a.split("\\.");
+    String[] y = b.split("\\.");
+    for (int i = 0; i < Math.max(x.length, y.length); i++) {
+      long u = i < x.length ? Long.parseLong(x[i]) : 0;
+      long v = i < y.length ? Long.parseLong(y[i]) : 0;
+      if (u != v) {
+        return u < v ? -1 : 1;
+      }
+    }
+    return 0;
+  }
+
+  public String name() {
+    return name;
+  }
+
+  /** SHA-256 of the program's bytes: its identity and its cache key. */
+  public String sha256() {
+    return sha256;
+  }
+
+  public long bytes() {
+    return bytes;
+  }
+
+  public String minRuntime() {
+    return minRuntime;
+  }
+
+  /** Path under the gateway root, {@code /v1/program/<sha256>}. */
+  public String path() {
+    return path;
+  }
+
+  /** Parameter names in the program's own order. */
+  public List<String> parameterNames() {
+    return order;
+  }
+}
