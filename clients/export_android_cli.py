@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from flowerbed.data import DATASETS
-from flowerbed.zoo import MODEL_NAMES
+from flowerbed.zoo import MODEL_NAMES, ONE_D_MODELS
 
 DEFAULT_HIDDEN = 64
 """Hidden width of ``mlp`` (must match the phone trainer's MLP when they are mixed)."""
@@ -24,8 +24,16 @@ PHONE_MODELS = ("mlp", "softmax")
 """The small models of the pure-Java phone trainer, in PyTorch's ``nn.Linear`` layout
 (weight ``[out, in]``, bias ``[out]``)."""
 
-EXPORT_MODELS = tuple(sorted(MODEL_NAMES)) + PHONE_MODELS
-"""Every model name ``export-android`` accepts."""
+EXPORT_MODELS = (
+    tuple(
+        sorted(
+            n for n in MODEL_NAMES if n not in ONE_D_MODELS and n not in PHONE_MODELS
+        )
+    )
+    + PHONE_MODELS
+)
+"""Every model name ``export-android`` accepts: the zoo's image models and the phone
+trainer's (the zoo's 1-D models take sequences, not images)."""
 
 
 def register(subparsers: Any) -> None:
@@ -34,17 +42,19 @@ def register(subparsers: Any) -> None:
         "export-android",
         help="export a model as an ExecuTorch training program (.pte) for phones",
         description=(
-            "Export a flowerbed model with its cross-entropy loss as an ExecuTorch "
-            "training program. The program names its parameters by the model's "
-            "state_dict keys, the names of the Flower arrays the gateway relays. "
-            "See docs/export-android.md."
+            "Export a model with its cross-entropy loss as an ExecuTorch training "
+            "program, load it and step it once in ExecuTorch's runtime, and write it "
+            "with its metadata (<out>.json) for `flowerbed bridge --program`. The "
+            "program names its parameters by the model's state_dict keys, the names "
+            "of the Flower arrays the gateway relays. See docs/export-android.md."
         ),
     )
     parser.add_argument(
         "--model",
         required=True,
         metavar="NAME",
-        help=f"one of {', '.join(EXPORT_MODELS)}",
+        help=f"one of {', '.join(EXPORT_MODELS)}, or your own as module:attr (an "
+        "nn.Module, or a factory called with in_channels, image_size, num_classes)",
     )
     parser.add_argument(
         "--dataset", required=True, metavar="NAME", help=f"one of {', '.join(DATASETS)}"
@@ -73,6 +83,24 @@ def register(subparsers: Any) -> None:
         f"(default {DEFAULT_MAX_BATCH_SIZE})",
     )
     parser.add_argument(
+        "--batchnorm",
+        choices=("groupnorm", "refuse"),
+        default="groupnorm",
+        help="BatchNorm layers: replace by GroupNorm (default; use "
+        "flowerbed.clients.export_android.replace_batchnorm on the ServerApp's model "
+        "too) or refuse the model",
+    )
+    parser.add_argument(
+        "--profile",
+        type=int,
+        nargs="?",
+        const=8,
+        default=None,
+        metavar="BATCH",
+        help="also time training steps of BATCH samples (default 8) in ExecuTorch's "
+        "runtime and in torch on this machine, and print the ratio",
+    )
+    parser.add_argument(
         "--seed", type=int, default=0, help="seed of the initial weights (default 0)"
     )
     parser.set_defaults(func=run)
@@ -80,41 +108,82 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``flowerbed export-android``; returns the exit code."""
+    import json
+
     import torch
     from flowerbed.clients.export_android import (
         METHOD_NAME,
-        build_export_model,
+        ExportError,
         export_training_program,
         load_arrays,
+        profile_program,
+        resolve_model,
     )
     from rich.console import Console
     from rich.table import Table
 
     console = Console()
     try:
+        if args.profile is not None and not 1 <= args.profile <= args.max_batch_size:
+            raise ValueError(
+                f"--profile {args.profile}: the batch must be 1..--max-batch-size "
+                f"({args.max_batch_size})"
+            )
         torch.manual_seed(args.seed)
-        model, shape = build_export_model(args.model, args.dataset, hidden=args.hidden)
+        model, shape = resolve_model(args.model, args.dataset, hidden=args.hidden)
         if args.arrays is not None:
             load_arrays(model, args.arrays)
-        program = export_training_program(
-            model, shape, max_batch_size=args.max_batch_size
-        )
-    except (ValueError, ImportError) as err:
+        with console.status(
+            f"exporting {args.model} and stepping it once in ExecuTorch's runtime"
+        ):
+            program = export_training_program(
+                model,
+                shape,
+                max_batch_size=args.max_batch_size,
+                batchnorm=args.batchnorm,
+            )
+    except (ValueError, ImportError, ExportError) as err:
         print(f"flowerbed export-android: error: {err}", file=sys.stderr)
-        return 2 if isinstance(err, ValueError) else 1
+        return 1 if isinstance(err, ImportError) else 2
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_bytes(program)
-    table = Table(title=f"{args.out} ({len(program):,} bytes)")
-    table.add_column("parameter (Flower array name)")
+    args.out.write_bytes(program.data)
+    meta_path = args.out.with_name(args.out.name + ".json")
+    meta = program.metadata(args.model, args.dataset, shape, args.max_batch_size)
+    meta_path.write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
+    table = Table(title=f"{args.out} ({len(program.data):,} bytes), {meta_path.name}")
+    table.add_column("parameter (Flower array name, program order)")
     table.add_column("shape")
-    for name, value in model.state_dict().items():
-        table.add_row(name, str(list(value.shape)))
+    for name, dims in program.parameters:
+        table.add_row(name, str(list(dims)))
     console.print(table)
+    if program.replaced_batchnorm:
+        console.print(
+            f"BatchNorm replaced by GroupNorm in {len(program.replaced_batchnorm)} "
+            "layers: build the ServerApp's model with replace_batchnorm(model) too",
+            markup=False,
+        )
     console.print(
         f"method {METHOD_NAME!r}: images float32 "
         f"[batch, {shape.in_channels}, {shape.image_size}, {shape.image_size}], "
-        f"labels int64 [batch], batch 1..{args.max_batch_size}; "
-        "returns loss, logits, gradients, parameters",
+        f"labels int64 [batch], batch 1..{args.max_batch_size}; returns loss, "
+        f"logits, gradients, parameters; sha256 {program.sha256[:16]}; checked in "
+        f"ExecuTorch {program.executorch_version} (loss {program.check_loss:.4f}"
+        + (
+            f", torch {program.torch_loss:.4f})"
+            if program.torch_loss is not None
+            else ")"
+        ),
         markup=False,
     )
+    if args.profile is not None:
+        with console.status("timing training steps"):
+            prof = profile_program(program, model, shape, args.profile)
+        console.print(
+            f"step of {prof.batch_size}: ExecuTorch {prof.executorch_s * 1e3:.1f} ms, "
+            f"torch {prof.torch_s * 1e3:.1f} ms, ratio {prof.ratio:.1f}x; memory "
+            f"+{prof.rss_growth_bytes / 2**20:.0f} MiB; a round of K local steps "
+            f"costs about K x {prof.executorch_s:.2f} s on this CPU (a phone core: "
+            "2-4x more)",
+            markup=False,
+        )
     return 0

@@ -5,9 +5,11 @@ Image models, chosen by the run config key ``model``:
 - ``lenet``: LeNet-5-style CNN (LeCun et al., "Gradient-based learning applied to
   document recognition", Proc. IEEE 1998), two 5x5 conv + pool stages, three FC layers.
 - ``mobilenet``: MobileNet-v1-style CNN of depthwise-separable blocks (Howard et al.,
-  "MobileNets", arXiv:1704.04861, Sec. 3.1), narrow enough for phones. No batch
-  norm: with a handful of samples per node, batch statistics are noise, and
-  federated averaging of running statistics is ill-defined.
+  "MobileNets", arXiv:1704.04861, Sec. 3.1), narrow enough for phones (18.6 K
+  parameters). No batch norm: with a handful of samples per node, batch statistics
+  are noise, and federated averaging of running statistics is ill-defined.
+- ``mobilenetv2``: the real MobileNetV2 (Sandler et al., CVPR 2018; 2.2 M
+  parameters) with group norm in place of batch norm, for the same reasons.
 
 Models for 1-D data (N x C x L, ``mnist1d`` and ``synthetic``):
 
@@ -91,6 +93,91 @@ class MobileNetV1Small(nn.Module):
         return self.classifier(self.features(x))
 
 
+GROUPS = 32
+"""GroupNorm's default group count (Wu & He, "Group Normalization", ECCV 2018,
+Sec. 3.1: G = 32); a layer whose channels 32 does not divide uses gcd(channels, 32)."""
+
+
+def group_norm(channels: int, affine: bool = True, eps: float = 1e-5) -> nn.GroupNorm:
+    """GroupNorm over ``channels`` with gcd(channels, :data:`GROUPS`) groups."""
+    return nn.GroupNorm(math.gcd(channels, GROUPS), channels, eps=eps, affine=affine)
+
+
+class InvertedResidual(nn.Module):
+    """MobileNetV2's block (Sandler et al., CVPR 2018, Sec. 3.3 and Table 1): a 1x1
+    expansion by ``t``, a 3x3 depthwise convolution, a linear 1x1 projection, and a
+    skip connection when the shape allows."""
+
+    def __init__(self, in_ch: int, out_ch: int, stride: int, t: int) -> None:
+        super().__init__()
+        hidden = in_ch * t
+        layers: list[nn.Module] = []
+        if t != 1:
+            layers += [nn.Conv2d(in_ch, hidden, 1, bias=False), group_norm(hidden)]
+            layers.append(nn.ReLU6())
+        layers += [
+            nn.Conv2d(hidden, hidden, 3, stride, 1, groups=hidden, bias=False),
+            group_norm(hidden),
+            nn.ReLU6(),
+            nn.Conv2d(hidden, out_ch, 1, bias=False),
+            group_norm(out_ch),
+        ]
+        self.conv = nn.Sequential(*layers)
+        self.residual = stride == 1 and in_ch == out_ch
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.conv(x) if self.residual else self.conv(x)
+
+
+class MobileNetV2(nn.Module):
+    """MobileNetV2 at width 1.0 (Sandler et al., CVPR 2018, Table 2): 17 inverted
+    residual blocks, 2.2 M parameters with 10 classes.
+
+    Group norm instead of batch norm: a phone trains on a few samples per step, where
+    batch statistics are noise, and a training program cannot carry running
+    statistics; group norm (Wu & He, ECCV 2018) normalises each sample alone. For
+    inputs of 32 pixels or less (CIFAR, MNIST, digits) the stem and the first
+    stride-2 stage keep their resolution, the usual adaptation to small images.
+    """
+
+    # (expansion t, channels c, repeats n, stride s) of the paper's Table 2.
+    STAGES: tuple[tuple[int, int, int, int], ...] = (
+        (1, 16, 1, 1),
+        (6, 24, 2, 2),
+        (6, 32, 3, 2),
+        (6, 64, 4, 2),
+        (6, 96, 3, 1),
+        (6, 160, 3, 2),
+        (6, 320, 1, 1),
+    )
+
+    def __init__(self, in_channels: int, image_size: int, num_classes: int) -> None:
+        super().__init__()
+        small = image_size <= 32
+        layers: list[nn.Module] = [
+            nn.Conv2d(in_channels, 32, 3, 1 if small else 2, 1, bias=False),
+            group_norm(32),
+            nn.ReLU6(),
+        ]
+        channels = 32
+        for index, (t, c, n, s) in enumerate(self.STAGES):
+            stride = 1 if small and index == 1 else s
+            for i in range(n):
+                layers.append(InvertedResidual(channels, c, stride if i == 0 else 1, t))
+                channels = c
+        layers += [
+            nn.Conv2d(channels, 1280, 1, bias=False),
+            group_norm(1280),
+            nn.ReLU6(),
+            nn.AdaptiveAvgPool2d(1),
+        ]
+        self.features = nn.Sequential(*layers)
+        self.classifier = nn.Sequential(nn.Flatten(), nn.Linear(1280, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x))
+
+
 class ConvNet1D(nn.Module):
     """Three 1-D convolutions (25 channels, kernel 5, stride 2) and a linear head."""
 
@@ -152,6 +239,7 @@ class LogReg1D(nn.Module):
 MODELS: dict[str, ModelFactory] = {
     "lenet": LeNet,
     "mobilenet": MobileNetV1Small,
+    "mobilenetv2": MobileNetV2,
     "cnn1d": ConvNet1D,
     "mlp": MLP1D,
     "logreg": LogReg1D,

@@ -67,7 +67,7 @@ class Program:
 
     def describe(self) -> dict[str, Any]:
         """The program as a task shows it to a phone."""
-        return {
+        described: dict[str, Any] = {
             "name": self.name,
             "sha256": self.sha256,
             "bytes": len(self.data),
@@ -77,6 +77,11 @@ class Program:
                 {"name": name, "shape": list(shape)} for name, shape in self.parameters
             ],
         }
+        # What the app needs to feed the program: one sample's shape, largest batch.
+        for key in ("input", "max_batch_size"):
+            if key in self.metadata:
+                described[key] = self.metadata[key]
+        return described
 
     def check_arrays(self, layout: Layout) -> None:
         """Raise :class:`ProgramError` unless ``layout`` is exactly its parameters."""

@@ -2,38 +2,31 @@ package org.flowerbed.app;
 
 import android.content.Context;
 import android.content.SharedPreferences;
+import org.flowerbed.phone.TrainingPolicy;
 
-/** What the user sets on the settings screen, kept in SharedPreferences. */
+/** The training conditions the user sets (the enrolment is in {@link KeystoreTokens}). */
 final class AppSettings {
   private static final String PREFS = "flowerbed";
-
-  /** Gateway root, e.g. http://192.168.1.10:8765. */
-  String gatewayUrl;
-
-  /** This phone's bearer token, from the gateway's token file. */
-  String token;
 
   /** Train only while plugged in (default on). */
   boolean requireCharging;
 
-  /** Train only on an unmetered Wi-Fi network (default on). */
-  boolean requireUnmeteredWifi;
+  /** Take work only on an unmetered network (default on). */
+  boolean requireUnmetered;
 
-  /** Shape of one sample as the .pte expects it, e.g. "1,8,8" for digits. */
-  String sampleShape;
+  /** Train only while the phone is idle (default off: idle windows are short). */
+  boolean requireIdle;
 
-  /** Largest batch the .pte accepts (flowerbed export-android --max-batch-size). */
-  int maxBatchSize;
+  /** Start only at or above this battery charge, percent (default 30). */
+  int minBatteryPct;
 
   static AppSettings load(Context context) {
     SharedPreferences p = context.getSharedPreferences(PREFS, Context.MODE_PRIVATE);
     AppSettings s = new AppSettings();
-    s.gatewayUrl = p.getString("gateway_url", "http://192.168.1.10:8765");
-    s.token = p.getString("token", "");
     s.requireCharging = p.getBoolean("require_charging", true);
-    s.requireUnmeteredWifi = p.getBoolean("require_unmetered_wifi", true);
-    s.sampleShape = p.getString("sample_shape", "1,8,8");
-    s.maxBatchSize = p.getInt("max_batch_size", 64);
+    s.requireUnmetered = p.getBoolean("require_unmetered", true);
+    s.requireIdle = p.getBoolean("require_idle", false);
+    s.minBatteryPct = p.getInt("min_battery_pct", 30);
     return s;
   }
 
@@ -41,40 +34,20 @@ final class AppSettings {
     context
         .getSharedPreferences(PREFS, Context.MODE_PRIVATE)
         .edit()
-        .putString("gateway_url", gatewayUrl)
-        .putString("token", token)
         .putBoolean("require_charging", requireCharging)
-        .putBoolean("require_unmetered_wifi", requireUnmeteredWifi)
-        .putString("sample_shape", sampleShape)
-        .putInt("max_batch_size", maxBatchSize)
+        .putBoolean("require_unmetered", requireUnmetered)
+        .putBoolean("require_idle", requireIdle)
+        .putInt("min_battery_pct", minBatteryPct)
         .apply();
   }
 
-  /**
-   * The sample shape as numbers.
-   *
-   * @throws IllegalArgumentException if it is not a comma-separated list of positive integers
-   */
-  long[] sampleShapeDims() {
-    String[] parts = sampleShape.split(",");
-    long[] dims = new long[parts.length];
-    for (int i = 0; i < parts.length; i++) {
-      try {
-        dims[i] = Long.parseLong(parts[i].trim());
-      } catch (NumberFormatException e) {
-        dims[i] = 0;
-      }
-      if (dims[i] < 1) {
-        throw new IllegalArgumentException(
-            "sample shape must be positive integers separated by commas, like 1,8,8; got '"
-                + sampleShape
-                + "'");
-      }
-    }
-    return dims;
+  /** Core's policy with these conditions: 5-minute to 2-hour cool-downs after overheating. */
+  TrainingPolicy policy() {
+    return new TrainingPolicy(
+        requireCharging, requireUnmetered, requireIdle, minBatteryPct, 5 * 60_000L, 7_200_000L);
   }
 
-  /** The last line the service logged, for the settings screen. */
+  /** The last line the worker logged, for the settings screen. */
   static String lastLine(Context context) {
     return context
         .getSharedPreferences(PREFS, Context.MODE_PRIVATE)

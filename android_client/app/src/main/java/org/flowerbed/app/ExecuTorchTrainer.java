@@ -36,7 +36,7 @@ final class ExecuTorchTrainer implements Trainer {
   private final long[] sampleShape;
   private final int sampleSize;
   private final int maxBatchSize;
-  private final MinibatchSampler sampler;
+  private MinibatchSampler sampler;
   private List<NamedArray> layout = new ArrayList<NamedArray>();
   private SGD sgd;
   private double sgdLr = Double.NaN;
@@ -48,6 +48,11 @@ final class ExecuTorchTrainer implements Trainer {
    *     shape
    * @throws RuntimeException from ExecuTorch if the file is missing or not a program
    */
+  /** Draw the next task's minibatches with {@code seed} (each phone and task has its own). */
+  void reseed(long seed) {
+    sampler = new MinibatchSampler(data.size(), seed);
+  }
+
   static ExecuTorchTrainer load(
       File pte, Dataset data, long[] sampleShape, int maxBatchSize, long seed) {
     long size = 1;

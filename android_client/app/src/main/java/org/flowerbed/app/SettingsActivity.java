@@ -2,7 +2,7 @@ package org.flowerbed.app;
 
 import android.app.Activity;
 import android.content.Intent;
-import android.os.Build;
+import android.net.Uri;
 import android.os.Bundle;
 import android.text.InputType;
 import android.widget.Button;
@@ -12,57 +12,56 @@ import android.widget.LinearLayout;
 import android.widget.ScrollView;
 import android.widget.TextView;
 import java.io.File;
+import org.flowerbed.phone.EnrolmentUri;
 
-/** The one screen: gateway URL, token, training conditions, start and stop. */
+/**
+ * The one screen: enrol (scan the QR code of {@code flowerbed bridge enroll} with the camera, which
+ * opens this screen, or paste the URI), set the training conditions, start and stop.
+ */
 public final class SettingsActivity extends Activity {
-  private EditText url;
-  private EditText token;
+  private EditText uri;
   private CheckBox charging;
   private CheckBox unmetered;
-  private EditText sampleShape;
-  private EditText maxBatch;
+  private CheckBox idle;
+  private EditText minBattery;
   private TextView status;
 
   @Override
   protected void onCreate(Bundle saved) {
     super.onCreate(saved);
-    if (Build.VERSION.SDK_INT >= 33) {
-      requestPermissions(new String[] {"android.permission.POST_NOTIFICATIONS"}, 1);
-    }
     AppSettings s = AppSettings.load(this);
     LinearLayout col = new LinearLayout(this);
     col.setOrientation(LinearLayout.VERTICAL);
     int pad = (int) (16 * getResources().getDisplayMetrics().density);
     col.setPadding(pad, pad, pad, pad);
 
-    url = field(col, "Gateway URL", s.gatewayUrl, InputType.TYPE_TEXT_VARIATION_URI);
-    token = field(col, "Token", s.token, InputType.TYPE_TEXT_VARIATION_VISIBLE_PASSWORD);
+    uri = field(col, "Enrolment URI (flowerbed://enroll?...)", "", InputType.TYPE_TEXT_VARIATION_URI);
+    Button enrol = new Button(this);
+    enrol.setText("Enrol");
+    enrol.setOnClickListener(v -> enrol(uri.getText().toString()));
+    col.addView(enrol);
     charging = check(col, "Train only while charging", s.requireCharging);
-    unmetered = check(col, "Train only on unmetered Wi-Fi", s.requireUnmeteredWifi);
-    sampleShape = field(col, "Sample shape of the .pte (e.g. 1,8,8)", s.sampleShape, 0);
-    maxBatch =
-        field(
-            col,
-            "Max batch size of the .pte",
-            Integer.toString(s.maxBatchSize),
+    unmetered = check(col, "Only on an unmetered network (Wi-Fi)", s.requireUnmetered);
+    idle = check(col, "Only while the phone is idle", s.requireIdle);
+    minBattery =
+        field(col, "Lowest battery to start, %", Integer.toString(s.minBatteryPct),
             InputType.TYPE_CLASS_NUMBER);
 
     Button start = new Button(this);
     start.setText("Save and start");
-    start.setOnClickListener(v -> startTraining());
+    start.setOnClickListener(v -> start());
     col.addView(start);
     Button stop = new Button(this);
     stop.setText("Stop");
-    stop.setOnClickListener(v -> stopService(new Intent(this, TrainingService.class)));
+    stop.setOnClickListener(
+        v -> {
+          Scheduler.stop(this);
+          status.setText("Stopped.");
+        });
     col.addView(stop);
 
     TextView files = new TextView(this);
-    File dir = getExternalFilesDir(null);
-    files.setText(
-        "Files: "
-            + new File(dir, TrainingService.MODEL_FILE)
-            + "\n       "
-            + new File(dir, TrainingService.DATA_FILE));
+    files.setText("Local data: " + new File(getExternalFilesDir(null), TrainingWorker.DATA_FILE));
     col.addView(files);
     status = new TextView(this);
     col.addView(status);
@@ -70,6 +69,13 @@ public final class SettingsActivity extends Activity {
     ScrollView scroll = new ScrollView(this);
     scroll.addView(col);
     setContentView(scroll);
+    handle(getIntent());
+  }
+
+  @Override
+  protected void onNewIntent(Intent intent) {
+    super.onNewIntent(intent);
+    handle(intent);
   }
 
   @Override
@@ -78,28 +84,45 @@ public final class SettingsActivity extends Activity {
     status.setText("Last: " + AppSettings.lastLine(this));
   }
 
-  private void startTraining() {
-    AppSettings s = new AppSettings();
-    s.gatewayUrl = url.getText().toString().trim();
-    s.token = token.getText().toString().trim();
-    s.requireCharging = charging.isChecked();
-    s.requireUnmeteredWifi = unmetered.isChecked();
-    s.sampleShape = sampleShape.getText().toString().trim();
+  /** A scanned enrolment QR code opens the app with its URI. */
+  private void handle(Intent intent) {
+    Uri data = intent == null ? null : intent.getData();
+    if (data != null && Intent.ACTION_VIEW.equals(intent.getAction())) {
+      enrol(data.toString());
+    }
+  }
+
+  private void enrol(String text) {
     try {
-      s.maxBatchSize = Integer.parseInt(maxBatch.getText().toString().trim());
-      s.sampleShapeDims();
-      if (s.maxBatchSize < 1) {
-        throw new IllegalArgumentException("max batch size must be >= 1");
+      // Debug builds may enrol a plain-HTTP lab gateway (network_security_config still
+      // limits cleartext to the hosts it lists); release builds need HTTPS.
+      EnrolmentUri e = EnrolmentUri.parse(text, BuildConfig.DEBUG);
+      KeystoreTokens.save(this, e);
+      status.setText("Enrolled as " + e.phone() + " at " + e.gateway() + ". Start when ready.");
+      uri.setText("");
+    } catch (Exception ex) {
+      status.setText("Not enrolled: " + ex.getMessage());
+    }
+  }
+
+  private void start() {
+    AppSettings s = new AppSettings();
+    s.requireCharging = charging.isChecked();
+    s.requireUnmetered = unmetered.isChecked();
+    s.requireIdle = idle.isChecked();
+    try {
+      s.minBatteryPct = Integer.parseInt(minBattery.getText().toString().trim());
+      s.policy(); // checks the range
+      if (KeystoreTokens.load(this) == null) {
+        throw new IllegalStateException("enrol first");
       }
-    } catch (IllegalArgumentException e) {
-      status.setText("Not saved: " + e.getMessage());
+    } catch (Exception ex) {
+      status.setText("Not started: " + ex.getMessage());
       return;
     }
     s.save(this);
-    // A running service keeps the settings it started with: restart it with the new ones.
-    stopService(new Intent(this, TrainingService.class));
-    startForegroundService(new Intent(this, TrainingService.class));
-    status.setText("Started; the notification shows each task.");
+    Scheduler.start(this, s.policy());
+    status.setText("Scheduled: trains whenever the conditions hold, also after a reboot.");
   }
 
   private EditText field(LinearLayout col, String label, String value, int variation) {

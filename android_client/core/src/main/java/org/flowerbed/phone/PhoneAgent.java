@@ -27,13 +27,14 @@ public final class PhoneAgent {
     Trainer create(List<NamedArray> arrays);
 
     /**
-     * A trainer for a task, run with {@code program} (a cached, hash-checked ExecuTorch program)
-     * when the task names one, and sampling with {@code seed} (different on every phone and task).
-     * The default suits trainers without a runtime: it refuses programs and ignores the seed.
+     * A trainer for a task, run with {@code program} (a cached, hash-checked ExecuTorch program
+     * described by {@code info}; both null when the task names none), sampling with {@code seed}
+     * (different on every phone and task). The default suits trainers without a runtime: it
+     * refuses programs and ignores the seed.
      *
      * @throws IllegalArgumentException if the arrays or the program do not fit
      */
-    default Trainer create(List<NamedArray> arrays, File program, long seed) {
+    default Trainer create(List<NamedArray> arrays, ProgramInfo info, File program, long seed) {
       if (program != null) {
         throw new IllegalArgumentException(
             "program: this phone has no ExecuTorch runtime to run a training program");
@@ -45,6 +46,16 @@ public final class PhoneAgent {
   /** Where the agent's one-line reports go. */
   public interface Log {
     void line(String text);
+  }
+
+  /**
+   * Told when the phone starts and ends work on a task: the Android app holds a wake lock, with
+   * a timeout ({@link TrainingPolicy#wakeLockTimeoutMs}), exactly between the two.
+   */
+  public interface TaskListener {
+    void taskStarted(Task task);
+
+    void taskEnded(Task task);
   }
 
   private final GatewayClient client;
@@ -62,6 +73,8 @@ public final class PhoneAgent {
   private final int pollWaitS;
   private ProgramCache programs;
   private String runtimeVersion;
+  private TaskListener listener;
+  private long idleLimitNanos;
   private long tasksSeen;
   private volatile boolean stopping;
   private volatile Thread runner;
@@ -106,6 +119,22 @@ public final class PhoneAgent {
     return this;
   }
 
+  /** Call {@code listener} around every task. */
+  public PhoneAgent withTaskListener(TaskListener listener) {
+    this.listener = listener;
+    return this;
+  }
+
+  /**
+   * Make {@link #run} return once no task has arrived for {@code idleLimitMs} (0: never), or the
+   * device blocks work: scheduled work then ends and hands the phone back to the system instead
+   * of polling (and holding the CPU) while there is nothing to do.
+   */
+  public PhoneAgent returnWhenIdle(long idleLimitMs) {
+    this.idleLimitNanos = idleLimitMs * 1_000_000L;
+    return this;
+  }
+
   /** Ask {@link #run} to return soon: aborts the request in flight; safe from any thread. */
   public void stop() {
     stopping = true;
@@ -132,8 +161,13 @@ public final class PhoneAgent {
     int handled = 0;
     int failures = 0;
     String lastBlock = null;
+    long lastWork = ticker.nanoTime();
     try {
       while (!stopping && (maxTasks <= 0 || handled < maxTasks)) {
+        if (idleLimitNanos > 0 && ticker.nanoTime() - lastWork >= idleLimitNanos) {
+          log.line("idle: no task for " + idleLimitNanos / 1_000_000_000L + " s");
+          break;
+        }
         try {
           if (hello == null) {
             hello = client.hello(deviceInfo);
@@ -151,6 +185,9 @@ public final class PhoneAgent {
               log.line("waiting reason=\"" + block + "\"");
             }
             lastBlock = block;
+            if (idleLimitNanos > 0) {
+              break; // scheduled work: the scheduler runs it again when allowed
+            }
             sleeper.sleep(1000L * Math.max(1, hello.pollS()));
             continue;
           }
@@ -158,8 +195,18 @@ public final class PhoneAgent {
           Task task = client.pollTask(pollWaitS);
           failures = 0;
           if (task != null) {
-            log.line(handle(task));
+            if (listener != null) {
+              listener.taskStarted(task);
+            }
+            try {
+              log.line(handle(task));
+            } finally {
+              if (listener != null) {
+                listener.taskEnded(task);
+              }
+            }
             handled++;
+            lastWork = ticker.nanoTime();
           }
         } catch (GatewayException e) {
           if (e.status() == 426) {
@@ -237,7 +284,7 @@ public final class PhoneAgent {
         task.program().checkArrays(arrays);
       }
       step = "build";
-      Trainer trainer = factory.create(arrays, program, taskSeed(tasksSeen++));
+      Trainer trainer = factory.create(arrays, task.program(), program, taskSeed(tasksSeen++));
       Map<String, Object> metrics;
       String detail;
       if (task.isTrain()) {

@@ -80,11 +80,12 @@ public final class PhoneMain {
 
           @Override
           public Trainer create(List<NamedArray> arrays) {
-            return create(arrays, null, 0);
+            return create(arrays, null, null, 0);
           }
 
           @Override
-          public Trainer create(List<NamedArray> arrays, File program, long seed) {
+          public Trainer create(
+              List<NamedArray> arrays, ProgramInfo info, File program, long seed) {
             if (program != null) {
               throw new IllegalArgumentException(
                   "program: the JVM phone trains its own models, not ExecuTorch programs");

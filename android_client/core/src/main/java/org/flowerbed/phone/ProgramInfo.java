@@ -23,6 +23,8 @@ public final class ProgramInfo {
   private final String path;
   private final Map<String, int[]> parameters;
   private final List<String> order;
+  private long[] sampleShape;
+  private int maxBatchSize;
 
   ProgramInfo(
       String name,
@@ -98,14 +100,38 @@ public final class ProgramInfo {
       }
       order.add((String) pname);
     }
-    return new ProgramInfo(
-        (String) name,
-        (String) sha,
-        (Long) bytes,
-        (String) minRuntime,
-        (String) url,
-        layout,
-        order);
+    ProgramInfo info =
+        new ProgramInfo(
+            (String) name,
+            (String) sha,
+            (Long) bytes,
+            (String) minRuntime,
+            (String) url,
+            layout,
+            order);
+    Object input = json.get("input");
+    Object maxBatch = json.get("max_batch_size");
+    if (input != null) {
+      if (!(input instanceof List) || ((List<Object>) input).isEmpty()) {
+        throw violation("program.input must be a list of sample dimensions", json);
+      }
+      List<Object> dims = (List<Object>) input;
+      info.sampleShape = new long[dims.size()];
+      for (int i = 0; i < dims.size(); i++) {
+        Object d = dims.get(i);
+        if (!(d instanceof Long) || (Long) d < 1) {
+          throw violation("program.input holds integers >= 1", json);
+        }
+        info.sampleShape[i] = (Long) d;
+      }
+    }
+    if (maxBatch != null) {
+      if (!(maxBatch instanceof Long) || (Long) maxBatch < 1 || (Long) maxBatch > 1 << 20) {
+        throw violation("program.max_batch_size must be an integer >= 1", json);
+      }
+      info.maxBatchSize = (int) (long) (Long) maxBatch;
+    }
+    return info;
   }
 
   private static GatewayException violation(String what, Object json) {
@@ -207,5 +233,15 @@ public final class ProgramInfo {
   /** Parameter names in the program's own order. */
   public List<String> parameterNames() {
     return order;
+  }
+
+  /** Shape of one input sample the program takes (e.g. [3, 32, 32]), or null if not given. */
+  public long[] sampleShape() {
+    return sampleShape == null ? null : sampleShape.clone();
+  }
+
+  /** Largest batch the program accepts, or 0 if not given. */
+  public int maxBatchSize() {
+    return maxBatchSize;
   }
 }

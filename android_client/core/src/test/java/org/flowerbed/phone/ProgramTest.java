@@ -123,6 +123,17 @@ public class ProgramTest {
   }
 
   @Test
+  public void theSampleShapeAndMaximumBatchAreReadWhenGiven() throws IOException {
+    Map<String, Object> json = programJson("tiny", PTE, "1.5.1");
+    assertEquals(null, ProgramInfo.fromJson(json).sampleShape());
+    json.put("input", new ArrayList<Object>(Arrays.asList((Object) 3L, 32L, 32L)));
+    json.put("max_batch_size", 16L);
+    ProgramInfo p = ProgramInfo.fromJson(json);
+    assertArrayEquals(new long[] {3, 32, 32}, p.sampleShape());
+    assertEquals(16, p.maxBatchSize());
+  }
+
+  @Test
   public void malformedMetadataIsAProtocolViolation() throws IOException {
     Map<String, Object> p = programJson("tiny", PTE, "1.5.1");
     p.put("url", "/elsewhere");
@@ -286,7 +297,8 @@ public class ProgramTest {
         }
 
         @Override
-        public Trainer create(List<NamedArray> arrays, File program, long seed) {
+        public Trainer create(
+            List<NamedArray> arrays, ProgramInfo info, File program, long seed) {
           programsGiven.add(program);
           seedsGiven.add(seed);
           return Models.fromArrays(arrays, DATA, seed);
@@ -345,5 +357,98 @@ public class ProgramTest {
         .withPrograms(cache(client()), "1.5.1")
         .run(1);
     assertTrue(jvm.failReason, jvm.failReason.contains("no ExecuTorch runtime"));
+  }
+
+  @Test
+  public void theListenerBracketsEveryTaskAndAnIdleAgentReturns() throws IOException {
+    programTask("t1", model(2));
+    final List<String> events = new ArrayList<String>();
+    final long[] now = {0};
+    PhoneAgent agent =
+        new PhoneAgent(
+                client(),
+                runtime,
+                DeviceStatus.NONE,
+                new Ticker() {
+                  @Override
+                  public long nanoTime() {
+                    return now[0] += 1_000_000_000L; // one second per look at the clock
+                  }
+                },
+                new Sleeper() {
+                  @Override
+                  public void sleep(long millis) {}
+                },
+                new Backoff(10, 100, 0, 4, 0),
+                new HashMap<String, Object>(),
+                new PhoneAgent.Log() {
+                  @Override
+                  public void line(String text) {
+                    events.add(text.split(" ")[0]);
+                  }
+                },
+                0)
+            .withPrograms(cache(client()), "1.5.1")
+            .withTaskListener(
+                new PhoneAgent.TaskListener() {
+                  @Override
+                  public void taskStarted(Task task) {
+                    events.add("start " + task.id());
+                  }
+
+                  @Override
+                  public void taskEnded(Task task) {
+                    events.add("end " + task.id());
+                  }
+                })
+            .returnWhenIdle(30_000);
+    assertEquals(1, agent.run(0)); // returns by itself: no task for 30 s
+    assertEquals("hello", events.get(0));
+    assertEquals(Arrays.asList("start t1", "task=t1", "end t1"), events.subList(1, 4));
+    assertEquals("idle:", events.get(events.size() - 1));
+  }
+
+  @Test
+  public void scheduledWorkEndsAsSoonAsTheDeviceBlocksIt() throws IOException {
+    programTask("t1", model(2));
+    PhoneAgent agent =
+        new PhoneAgent(
+                client(),
+                runtime,
+                new DeviceStatus() {
+                  @Override
+                  public Double batteryPct() {
+                    return null;
+                  }
+
+                  @Override
+                  public Double tempC() {
+                    return null;
+                  }
+
+                  @Override
+                  public String blockReason() {
+                    return "not charging";
+                  }
+                },
+                Ticker.SYSTEM,
+                new Sleeper() {
+                  @Override
+                  public void sleep(long millis) {
+                    throw new AssertionError("scheduled work must not wait in place");
+                  }
+                },
+                new Backoff(10, 100, 0, 4, 0),
+                new HashMap<String, Object>(),
+                new PhoneAgent.Log() {
+                  @Override
+                  public void line(String text) {
+                    log.add(text);
+                  }
+                },
+                0)
+            .returnWhenIdle(60_000);
+    assertEquals(0, agent.run(0));
+    assertEquals("waiting reason=\"not charging\"", log.get(log.size() - 1));
   }
 }
