@@ -129,6 +129,15 @@ def test_tasks_that_do_not_fit_the_program_or_the_phone_become_error_replies(
             old.close()
 
 
+def test_the_input_shape_and_batch_limit_reach_the_phone_when_exported(tmp_path):
+    pte = _write_program(tmp_path)
+    meta = json.loads((tmp_path / "tiny.pte.json").read_text())
+    meta.update(input=[1, 8, 8], max_batch_size=16)
+    (tmp_path / "tiny.pte.json").write_text(json.dumps(meta))
+    described = load_program(pte).describe()
+    assert (described["input"], described["max_batch_size"]) == ([1, 8, 8], 16)
+
+
 def test_a_program_changed_after_export_is_refused(tmp_path):
     pte = _write_program(tmp_path)
     pte.write_bytes(PTE + b"tampered")
