@@ -580,6 +580,11 @@ class StepProfile:
     """Median seconds per forward/backward step in ExecuTorch's portable runtime."""
     torch_s: float
     """Median seconds per forward/backward step of the same model in torch (eager)."""
+    executorch_cpu_s: float
+    """Median CPU seconds (all threads of this process) per ExecuTorch step: less
+    sensitive than wall time to other load on the machine."""
+    torch_cpu_s: float
+    """Median CPU seconds per torch step (torch may use several threads)."""
     rss_growth_bytes: int
     """Growth of this process's resident memory while loading and stepping it."""
 
@@ -623,19 +628,26 @@ def profile_program(
     y = torch.randint(0, shape.num_classes, (batch_size,), generator=generator)
     before = _rss_bytes()
     module = load_program(program.data)
-    et = []
+    et, et_cpu = [], []
     for _ in range(steps + 1):
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         module.forward_backward(METHOD_NAME, (x, y))
         et.append(time.perf_counter() - start)
+        et_cpu.append(time.process_time() - cpu)
     growth = max(0, _rss_bytes() - before)
     reference = copy.deepcopy(model)
-    eager = []
+    eager, eager_cpu = [], []
     for _ in range(steps + 1):
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         reference.zero_grad()
         F.cross_entropy(reference(x), y).backward()
         eager.append(time.perf_counter() - start)
+        eager_cpu.append(time.process_time() - cpu)
     return StepProfile(
-        batch_size, statistics.median(et[1:]), statistics.median(eager[1:]), growth
+        batch_size,
+        statistics.median(et[1:]),
+        statistics.median(eager[1:]),
+        statistics.median(et_cpu[1:]),
+        statistics.median(eager_cpu[1:]),
+        growth,
     )

@@ -179,11 +179,12 @@ def run(args: argparse.Namespace) -> int:
         with console.status("timing training steps"):
             prof = profile_program(program, model, shape, args.profile)
         console.print(
-            f"step of {prof.batch_size}: ExecuTorch {prof.executorch_s * 1e3:.1f} ms, "
-            f"torch {prof.torch_s * 1e3:.1f} ms, ratio {prof.ratio:.1f}x; memory "
-            f"+{prof.rss_growth_bytes / 2**20:.0f} MiB; a round of K local steps "
-            f"costs about K x {prof.executorch_s:.2f} s on this CPU (a phone core: "
-            "2-4x more)",
+            f"step of {prof.batch_size}: ExecuTorch {prof.executorch_s * 1e3:.1f} ms "
+            f"({prof.executorch_cpu_s * 1e3:.1f} ms CPU), torch "
+            f"{prof.torch_s * 1e3:.1f} ms ({prof.torch_cpu_s * 1e3:.1f} ms CPU), ratio "
+            f"{prof.ratio:.1f}x; memory +{prof.rss_growth_bytes / 2**20:.0f} MiB; a "
+            f"round of K local steps costs about K x {prof.executorch_s:.2f} s on this "
+            "machine now (a phone core: 2-4x more)",
             markup=False,
         )
     return 0
