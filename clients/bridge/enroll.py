@@ -19,13 +19,13 @@ from __future__ import annotations
 import base64
 import hashlib
 import io
-import os
 import secrets
 from pathlib import Path
 from urllib.parse import quote, urlsplit
 
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
+from flowerbed.clients.bridge.files import write_atomic
 from flowerbed.clients.bridge.tokens import (
     TokenFileError,
     check_phone_name,
@@ -101,24 +101,6 @@ def _line_name(line: str) -> str | None:
     return None
 
 
-def write_token_file(path: Path, lines: list[str]) -> None:
-    """Replace the token file atomically (mode 600): temporary file, fsync, rename.
-
-    The gateway's reload sees the old file or the new one, never half of one.
-    """
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write("".join(line + "\n" for line in lines))
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def issue_token(path: str | Path, phone: str, *, rotate: bool = False) -> str:
     """Give ``phone`` a new random token; return it (the file keeps its hash only).
 
@@ -147,7 +129,7 @@ def issue_token(path: str | Path, phone: str, *, rotate: bool = False) -> str:
     else:
         lines.append(entry)
     _check(lines, p)
-    write_token_file(p, lines)
+    write_atomic(p, "".join(line + "\n" for line in lines).encode())
     return token
 
 
@@ -159,7 +141,7 @@ def revoke(path: str | Path, phone: str) -> None:
     if len(kept) == len(lines):
         raise EnrolmentError(f"no phone {phone!r} in {p}")
     _check(kept, p)
-    write_token_file(p, kept)
+    write_atomic(p, "".join(line + "\n" for line in kept).encode())
 
 
 def enrolled(path: str | Path) -> list[str]:

@@ -30,6 +30,7 @@ from typing import Any, Protocol
 import httpx
 from cryptography.hazmat.primitives.asymmetric import ec
 from flowerbed import keys
+from flowerbed.clients.bridge.files import write_atomic
 from flowerbed.clients.bridge.programs import Program
 from flowerbed.clients.bridge.tasks import (
     Task,
@@ -184,19 +185,7 @@ class SuperLinkConnector:
             private_key = bytes_to_private_key(path.read_bytes())
             return private_key, private_key.public_key()
         private_key, public_key = generate_key_pairs()
-        # Written whole or not at all: a kill mid-write leaves only a *.tmp file,
-        # which the next start removes.
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(private_key_to_bytes(private_key))
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+        write_atomic(path, private_key_to_bytes(private_key))
         return private_key, public_key
 
     def register(self, identity: KeyPair) -> int:
