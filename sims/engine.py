@@ -486,11 +486,15 @@ def task_outcome(
 
 
 def reply_duration(reply: Message) -> float:
-    """Virtual seconds a reply reports for its task (sum of its duration keys)."""
+    """Virtual seconds a reply reports for its task (sum of its duration keys).
+
+    A duration that is not a finite, non-negative number counts as 0: one node's
+    NaN must not become an arrival time that stalls every other reply.
+    """
     total = 0.0
     for record in reply.content.metric_records.values():
         for key in DURATION_KEYS:
             value = record.get(key)
-            if isinstance(value, (int, float)):
+            if isinstance(value, (int, float)) and 0 <= value < math.inf:
                 total += float(value)
     return total
