@@ -23,6 +23,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 from flwr.supercore import log
 
+from .robust import DEFAULT_CLIP_FACTOR, DEFAULT_WEIGHT_CAP
 from .runtime_weighted import (
     DEFAULT_QUARANTINE_AFTER,
     DEFAULT_QUARANTINE_ROUNDS,
@@ -33,6 +34,7 @@ from .runtime_weighted import (
     RuntimeWeightedFedAvg,
 )
 from .utils import (
+    MAX_NUM_EXAMPLES,
     ROUND_DEADLINE_S,
     ROUND_LATE_UPDATES,
     ROUND_PARTICIPANTS,
@@ -153,7 +155,8 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
       update ``x_i - x_r`` (relative to the model it trained from), its weight
       multiplied by ``staleness_fn(s)`` (default ``1/sqrt(1+s)``).
     - **Minimum completion**: a round with fewer than ``min_completion`` usable
-      replies keeps the previous model and logs it.
+      replies keeps the previous model and logs it (default 1: as Flower's
+      FedAvg, a round uses whatever usable replies it got).
     - **TTLs**: messages expire after ``message_ttl_s``; by default
       ``D * (max_staleness + 2)`` with late updates (the last round that may use
       the reply, plus one deadline of slack), ``2 D`` without (the reply is
@@ -203,9 +206,11 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
     staleness_fn : str or callable (default: "polynomial", i.e. 1/sqrt(1+s))
         Discount of a late update's weight; a name from
         ``flowerbed.strategies.utils.STALENESS_FUNCTIONS`` or ``s -> factor``.
-    min_completion : int, optional (default: None)
-        Fewest usable replies to update the model; None means ``min_train_nodes``
-        (at least 1).
+    min_completion : int, optional (default: 1)
+        Fewest usable replies to update the model; None means
+        ``min_train_nodes``. ``min_train_nodes`` is how many nodes are sampled,
+        as in FedAvg; a round in which some of them fail still trains on the
+        others unless this asks for more.
     evaluate_timeout_s : float, optional (default: None)
         Clock seconds federated evaluation waits for replies; None means a
         quarter of the round's deadline (``timeout`` while there is none).
@@ -242,7 +247,7 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
         late_updates: bool = True,
         max_staleness: int = 2,
         staleness_fn: str | StalenessFn = polynomial_staleness,
-        min_completion: int | None = None,
+        min_completion: int | None = 1,
         evaluate_timeout_s: float | None = None,
         weighting: str = DEFAULT_WEIGHTING,
         balance_work: bool = False,
@@ -255,6 +260,11 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
         message_ttl_s: float | None = None,
         checkpoint_path: str | Path | None = None,
         seed: int = 0,
+        max_num_examples: float = MAX_NUM_EXAMPLES,
+        weight_cap: float | None = DEFAULT_WEIGHT_CAP,
+        clip_factor: float | None = DEFAULT_CLIP_FACTOR,
+        aggregation: str = "mean",
+        trim_fraction: float = 0.2,
     ) -> None:
         super().__init__(
             fraction_train,
@@ -278,6 +288,11 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
             message_ttl_s=message_ttl_s,
             checkpoint_path=checkpoint_path,
             seed=seed,
+            max_num_examples=max_num_examples,
+            weight_cap=weight_cap,
+            clip_factor=clip_factor,
+            aggregation=aggregation,
+            trim_fraction=trim_fraction,
         )
         checks = [
             (deadline_s is None or deadline_s > 0, "deadline_s must be > 0"),
@@ -290,7 +305,10 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
             (over_selection >= 1, "over_selection must be >= 1"),
             (0 < work_fraction <= 1, "work_fraction must be in (0, 1]"),
             (max_staleness >= 0, "max_staleness must be >= 0"),
-            (min_completion is None or min_completion >= 1, "min_completion >= 1"),
+            (
+                min_completion is None or min_completion >= 1,
+                "min_completion must be >= 1 (or None)",
+            ),
             (
                 evaluate_timeout_s is None or evaluate_timeout_s > 0,
                 "evaluate_timeout_s must be > 0",
@@ -314,7 +332,9 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
         self.late_updates = late_updates
         self.max_staleness = max_staleness
         self.staleness_fn = resolve_staleness_fn(staleness_fn)
-        self.min_completion = min_completion or max(1, min_train_nodes)
+        self.min_completion = (
+            max(1, min_train_nodes) if min_completion is None else min_completion
+        )
         self.evaluate_timeout_s = evaluate_timeout_s
         self.pacing = 1.0
         self.durations: list[Observation] = []

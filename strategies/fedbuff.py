@@ -20,6 +20,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 from flwr.supercore import log
 
+from .robust import DEFAULT_CLIP_FACTOR, DEFAULT_WEIGHT_CAP
 from .runtime_weighted import (
     DEFAULT_QUARANTINE_AFTER,
     DEFAULT_QUARANTINE_ROUNDS,
@@ -27,6 +28,7 @@ from .runtime_weighted import (
     RuntimeWeightedFedAvg,
 )
 from .utils import (
+    MAX_NUM_EXAMPLES,
     ROUND_CLOCK_S,
     ROUND_PARTICIPANTS,
     ROUND_STALENESS,
@@ -115,6 +117,11 @@ class FedBuff(RuntimeWeightedFedAvg):
         message_ttl_s: float | None = None,
         checkpoint_path: str | Path | None = None,
         seed: int = 0,
+        max_num_examples: float = MAX_NUM_EXAMPLES,
+        weight_cap: float | None = DEFAULT_WEIGHT_CAP,
+        clip_factor: float | None = DEFAULT_CLIP_FACTOR,
+        aggregation: str = "mean",
+        trim_fraction: float = 0.2,
     ) -> None:
         super().__init__(
             fraction_train,
@@ -138,6 +145,11 @@ class FedBuff(RuntimeWeightedFedAvg):
             message_ttl_s=message_ttl_s,
             checkpoint_path=checkpoint_path,
             seed=seed,
+            max_num_examples=max_num_examples,
+            weight_cap=weight_cap,
+            clip_factor=clip_factor,
+            aggregation=aggregation,
+            trim_fraction=trim_fraction,
         )
         checks = [
             (concurrency is None or concurrency >= 1, "concurrency must be >= 1"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import math
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -27,7 +28,17 @@ from flwr.serverapp.strategy import FedAvg, Result
 from flwr.serverapp.strategy.strategy_utils import log_strategy_start_info
 from flwr.supercore import log
 
+from .robust import (
+    AGGREGATIONS,
+    DEFAULT_CLIP_FACTOR,
+    DEFAULT_WEIGHT_CAP,
+    BoundedSum,
+    CoordinateRobust,
+    Reference,
+    UpdateSum,
+)
 from .utils import (
+    MAX_NUM_EXAMPLES,
     ROUND_CLOCK_S,
     UNAVAILABLE_CODES,
     ArraySpec,
@@ -45,6 +56,7 @@ from .utils import (
     load_checkpoint,
     metric_history_from_json,
     metric_history_to_json,
+    remove_stale_temporaries,
     round_rng,
     sample_nodes,
     save_checkpoint,
@@ -71,7 +83,7 @@ class TrainFold:
     """The running sums of one ``aggregate_train`` call, and its counts."""
 
     metrics: MetricsAccumulator
-    updates: UpdateAccumulator = field(default_factory=UpdateAccumulator)
+    updates: UpdateSum = field(default_factory=UpdateAccumulator)
     reference: dict[str, ArraySpec] | None = None
     """Names, shapes, dtypes replies must have when no global model is known."""
     zeros: dict[str, np.ndarray] | None = None
@@ -178,6 +190,23 @@ class RuntimeWeightedFedAvg(FedAvg):
         an existing checkpoint there is resumed.
     seed : int (default: 0)
         Seeds node sampling (per round, so resumed runs sample the same nodes).
+    max_num_examples : float (default: 1e9)
+        Ceiling on a reply's weight (``weighted_by_key``): a reply above it is
+        rejected, naming the ceiling.
+    weight_cap : float, optional (default: 2.0)
+        Bounded influence: a reply's weight counts as at most ``weight_cap``
+        times the median weight of recent replies. None: no cap.
+    clip_factor : float, optional (default: 3.0)
+        Bounded influence: an update longer than ``clip_factor`` times the
+        median norm of recent updates is scaled down to that length (Sun et al.
+        2019). None: no clipping.
+    aggregation : str (default: "mean")
+        ``"mean"`` (weighted, streaming, with the bounds above), ``"median"`` or
+        ``"trimmed-mean"`` (coordinate-wise, Yin et al. 2018; hold every update
+        of a round: O(n * model) memory).
+    trim_fraction : float (default: 0.2)
+        Share of the largest and of the smallest values ``"trimmed-mean"`` drops
+        per coordinate, in [0, 0.5).
     """
 
     # pylint: disable=too-many-arguments,too-many-locals
@@ -207,6 +236,11 @@ class RuntimeWeightedFedAvg(FedAvg):
         message_ttl_s: float | None = None,
         checkpoint_path: str | Path | None = None,
         seed: int = 0,
+        max_num_examples: float = MAX_NUM_EXAMPLES,
+        weight_cap: float | None = DEFAULT_WEIGHT_CAP,
+        clip_factor: float | None = DEFAULT_CLIP_FACTOR,
+        aggregation: str = "mean",
+        trim_fraction: float = 0.2,
     ) -> None:
         super().__init__(
             fraction_train=fraction_train,
@@ -239,6 +273,22 @@ class RuntimeWeightedFedAvg(FedAvg):
             )
         if message_ttl_s is not None and message_ttl_s <= 0:
             raise ValueError(f"message_ttl_s must be > 0, got {message_ttl_s}")
+        bounds = [
+            ("max_num_examples", max_num_examples),
+            ("weight_cap", weight_cap),
+            ("clip_factor", clip_factor),
+        ]
+        for label, value in bounds:
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{label} must be finite and > 0, got {value}")
+        if weight_cap is not None and weight_cap < 1:
+            raise ValueError(f"weight_cap must be >= 1 (or None), got {weight_cap}")
+        if aggregation not in AGGREGATIONS:
+            raise ValueError(
+                f"unknown aggregation {aggregation!r}; valid: {', '.join(AGGREGATIONS)}"
+            )
+        if not 0 <= trim_fraction < 0.5:
+            raise ValueError(f"trim_fraction must be in [0, 0.5), got {trim_fraction}")
         self.weighting = weighting
         self.balance_work = balance_work
         self.local_steps = local_steps
@@ -250,6 +300,15 @@ class RuntimeWeightedFedAvg(FedAvg):
             None if checkpoint_path is None else Path(checkpoint_path)
         )
         self.seed = seed
+        self.max_num_examples = max_num_examples
+        self.weight_cap = weight_cap
+        self.clip_factor = clip_factor
+        self.aggregation = aggregation
+        self.trim_fraction = trim_fraction
+        self.recent_weights = Reference()
+        """Weights of recent accepted replies (the weight cap's reference)."""
+        self.recent_norms = Reference()
+        """Norms of recent accepted updates (the clipping's reference)."""
         self.quarantine = Quarantine(quarantine_after, quarantine_rounds)
         self.speeds: dict[int, float] = {}
         """Smoothed speed of each node, in optimiser steps per second."""
@@ -285,6 +344,15 @@ class RuntimeWeightedFedAvg(FedAvg):
             "\t│\t├── Quarantine: after %d rejected replies, for %d rounds",
             self.quarantine.after,
             self.quarantine.rounds,
+        )
+        log(
+            INFO,
+            "\t│\t├── Influence bound: %s aggregation, weight cap %s, clip factor %s, "
+            "num-examples ceiling %g",
+            self.aggregation,
+            self.weight_cap,
+            self.clip_factor,
+            self.max_num_examples,
         )
         log(INFO, "\t│\t└── Checkpoint: %s", self.checkpoint_path or "(none)")
         super().summary()
@@ -604,7 +672,10 @@ class RuntimeWeightedFedAvg(FedAvg):
         update_scale = arrival.update_scale if arrival is not None else 1.0
         try:
             arrays, metrics, n = check_train_reply(
-                reply, spec_of(base) if base else fold.reference, self.weighted_by_key
+                reply,
+                spec_of(base) if base else fold.reference,
+                self.weighted_by_key,
+                max_weight=self.max_num_examples,
             )
             weight, scale, steps = self.reply_weight(metrics, n, ticket, arrived)
             if not base:  # no model known: average the arrays as they are
@@ -618,12 +689,41 @@ class RuntimeWeightedFedAvg(FedAvg):
                 arrival.accepted, arrival.reason = False, rejection.reason
                 arrival.fault = rejection.fault
             return False
+        except Exception as err:  # whatever a reply holds, the run goes on
+            return self.fold_train_reply_failed(reply, server_round, node, err, arrival)
         if arrival is not None:
             arrival.accepted = True
         self.quarantine.record_success(node)
         self._update_speed(node, metrics, ticket, arrived)
         fold.metrics.add(metrics, n)
         return True
+
+    def fold_train_reply_failed(
+        self,
+        reply: Message,
+        server_round: int,
+        node: int,
+        err: Exception,
+        arrival: Arrival | None,
+    ) -> bool:
+        """A reply that broke validation itself: rejected like any bad reply."""
+        rejection = ReplyRejected(f"unusable reply ({type(err).__name__}: {err})")
+        self._reject(reply, server_round, node, rejection)
+        if arrival is not None:
+            arrival.accepted, arrival.reason = False, rejection.reason
+            arrival.fault = True
+        return False
+
+    def _new_sum(self, *, clip: bool = True) -> UpdateSum:
+        """What one aggregation folds updates into (``aggregation``, the bounds)."""
+        if self.aggregation != "mean":
+            return CoordinateRobust(self.aggregation, self.trim_fraction)
+        return BoundedSum(
+            self.weight_cap,
+            self.clip_factor if clip else None,
+            self.recent_weights,
+            self.recent_norms,
+        )
 
     def _server_step_size(self) -> float:
         """Server learning rate applied to the averaged update (FedBuff's eta_g)."""
@@ -641,7 +741,12 @@ class RuntimeWeightedFedAvg(FedAvg):
         (FedNova's step normalisation and a server learning rate need the model
         the nodes started from).
         """
-        fold = TrainFold(MetricsAccumulator(self.weighted_by_key))
+        # Without a global model the replies are whole models, not updates: no
+        # update norm to clip (the weight cap still applies).
+        fold = TrainFold(
+            MetricsAccumulator(self.weighted_by_key),
+            self._new_sum(clip=bool(self._global_np)),
+        )
         for reply in replies:
             self.fold_train_reply(reply, server_round, fold)
         log(
@@ -654,6 +759,18 @@ class RuntimeWeightedFedAvg(FedAvg):
             if fold.results or fold.failures:
                 log(WARNING, "round %d: no usable train replies", server_round)
             return None, None
+        updates = fold.updates
+        if isinstance(updates, BoundedSum) and (updates.capped or updates.clipped):
+            log(
+                INFO,
+                "round %s: influence bound: %d weights capped at %g x the median, "
+                "%d updates clipped to %g x the median norm",
+                server_round,
+                updates.capped,
+                self.weight_cap,
+                updates.clipped,
+                self.clip_factor,
+            )
         absolute = fold.zeros is not None
         if absolute and (
             self.weighting == "fednova" or self._server_step_size() != 1.0
@@ -669,6 +786,9 @@ class RuntimeWeightedFedAvg(FedAvg):
             normalise_steps=self.weighting == "fednova" and not absolute,
             step_size=1.0 if absolute else self._server_step_size(),
         )
+        reference = self.recent_weights.median(minimum=1)
+        if self.weight_cap is not None and reference is not None:
+            fold.metrics.cap(self.weight_cap * reference)  # metrics as the model
         return to_arrayrecord(new), fold.metrics.result(self.train_metrics_aggr_fn)
 
     def aggregate_evaluate(
@@ -694,7 +814,9 @@ class RuntimeWeightedFedAvg(FedAvg):
     ) -> bool:
         """Validate one evaluate reply and keep its metrics; False if rejected."""
         try:
-            metrics = check_evaluate_reply(reply, self.weighted_by_key)
+            metrics = check_evaluate_reply(
+                reply, self.weighted_by_key, max_weight=self.max_num_examples
+            )
         except ReplyRejected as rejection:
             if reply.has_error():
                 log(
@@ -886,12 +1008,19 @@ class RuntimeWeightedFedAvg(FedAvg):
         return {
             "speeds": {str(k): v for k, v in self.speeds.items()},
             "quarantine": self.quarantine.state(),
+            "influence": {
+                "weights": list(self.recent_weights.values),
+                "norms": list(self.recent_norms.values),
+            },
         }
 
     def load_state(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state` returned."""
         self.speeds = {int(k): float(v) for k, v in state["speeds"].items()}
         self.quarantine.load_state(state["quarantine"])
+        influence = state["influence"]
+        self.recent_weights = Reference([float(v) for v in influence["weights"]])
+        self.recent_norms = Reference([float(v) for v in influence["norms"]])
 
     def _write_checkpoint(self, server_round: int, result: Result) -> None:
         if self.checkpoint_path is None:
@@ -915,7 +1044,10 @@ class RuntimeWeightedFedAvg(FedAvg):
 
     def _resume(self, initial_arrays: ArrayRecord, result: Result) -> int:
         """Load the checkpoint if there is one; return the last completed round."""
-        if self.checkpoint_path is None or not self.checkpoint_path.exists():
+        if self.checkpoint_path is None:
+            return 0
+        remove_stale_temporaries(self.checkpoint_path)
+        if not self.checkpoint_path.exists():
             return 0
         arrays, saved = load_checkpoint(self.checkpoint_path, initial_arrays)
         if saved.get("strategy") != type(self).__name__:
@@ -923,17 +1055,25 @@ class RuntimeWeightedFedAvg(FedAvg):
                 f"checkpoint {self.checkpoint_path} was written by "
                 f"{saved.get('strategy')!r}, not {type(self).__name__!r}"
             )
+        before = self.state()
         try:
-            last_round = int(saved["round"])
+            last_round = saved["round"]
+            if isinstance(last_round, bool) or not isinstance(last_round, int):
+                raise TypeError(f"round is {last_round!r}, not a whole number")
+            if last_round < 0:
+                raise ValueError(f"round is {last_round}, not >= 0")
             histories = (
                 metric_history_from_json(saved["train_metrics"]),
                 metric_history_from_json(saved["evaluate_metrics"]),
                 metric_history_from_json(saved["server_metrics"]),
             )
             self.load_state(saved["strategy_state"])
-        except (KeyError, TypeError, ValueError) as err:
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            self.load_state(before)  # nothing half-loaded
             raise CheckpointError(
-                f"checkpoint {self.checkpoint_path} has incomplete state ({err!r})"
+                f"checkpoint {self.checkpoint_path} has incomplete or malformed "
+                f"state ({err!r}); delete it to start afresh or point "
+                "checkpoint_path elsewhere"
             ) from err
         (
             result.train_metrics_clientapp,

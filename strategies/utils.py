@@ -7,6 +7,7 @@ the clock-driven push/pull loop, and atomic checkpoints.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import io
 import json
@@ -129,10 +130,46 @@ class ReplyRejected(Exception):
         self.fault = fault
 
 
-NON_NEGATIVE_METRICS = (keys.TRAIN_TIME_S, keys.NUM_STEPS, keys.COMM_TIME_S)
+MAX_NUM_EXAMPLES = 1e9
+"""Default ceiling on a reply's weight (``num-examples``): samples in one task."""
+MIN_TIME_S = 1e-6
+"""Shortest non-zero time a reply may report (seconds); below it, 1/t overflows."""
+MAX_TIME_S = 1e7
+"""Longest time a reply may report (seconds): about 116 days."""
+MAX_STEPS = 1e9
+"""Most optimiser steps a reply may report for one task."""
+MAX_METRIC_MAGNITUDE = 1e15
+"""Largest magnitude of any other metric: weighted sums of them stay finite."""
+
+METRIC_RANGES: dict[str, tuple[float, float, str]] = {
+    keys.TRAIN_TIME_S: (0.0, MAX_TIME_S, "s"),
+    keys.COMM_TIME_S: (0.0, MAX_TIME_S, "s"),
+    keys.EVAL_TIME_S: (0.0, MAX_TIME_S, "s"),
+    keys.NUM_STEPS: (0.0, MAX_STEPS, "steps"),
+    keys.SAMPLES_PER_S: (0.0, MAX_NUM_EXAMPLES / MIN_TIME_S, "samples/s"),
+    keys.ENERGY_J: (0.0, 1e12, "J"),
+    keys.POWER_W: (0.0, 1e6, "W"),
+    keys.BATTERY_PCT: (0.0, 100.0, "%"),
+    keys.TEMP_C: (-100.0, 200.0, "degrees C"),
+}
+"""Valid range of each metric a strategy (or the phone gateway) reads."""
+TIME_METRICS = (keys.TRAIN_TIME_S, keys.COMM_TIME_S, keys.EVAL_TIME_S)
+"""Times: 0 (no work) or at least :data:`MIN_TIME_S`."""
 
 
-def _number(metrics: MetricRecord, key: str, *, required: bool) -> float | None:
+def _number(
+    metrics: MetricRecord,
+    key: str,
+    *,
+    required: bool,
+    low: float = 0.0,
+    high: float = MAX_METRIC_MAGNITUDE,
+    unit: str = "",
+) -> float | None:
+    """A reply's metric if it is a finite number in ``[low, high]``.
+
+    The rejection names the key, the value, the valid range and what was wrong.
+    """
     if key not in metrics:
         if required:
             raise ReplyRejected(f"metric {key!r} is missing")
@@ -140,10 +177,14 @@ def _number(metrics: MetricRecord, key: str, *, required: bool) -> float | None:
     value = metrics[key]
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ReplyRejected(f"metric {key!r} must be a number, got {value!r}")
+    valid = f"valid: [{low:g}, {high:g}]{' ' + unit if unit else ''}"
     if not math.isfinite(value):
-        raise ReplyRejected(f"metric {key!r} is not finite ({value})")
-    if value < 0:
-        raise ReplyRejected(f"metric {key!r} is negative ({value})")
+        raise ReplyRejected(f"metric {key!r} is not finite ({value}); {valid}")
+    if value < low:
+        problem = "negative" if low == 0 else "below its floor"
+        raise ReplyRejected(f"metric {key!r} is {problem} ({value:g}); {valid}")
+    if value > high:
+        raise ReplyRejected(f"metric {key!r} is above its ceiling ({value:g}); {valid}")
     return float(value)
 
 
@@ -188,26 +229,58 @@ def _content(reply: Message) -> RecordDict:
     return reply.content
 
 
-def check_metrics(metrics: MetricRecord, weighted_by_key: str) -> float:
+def check_metrics(
+    metrics: MetricRecord,
+    weighted_by_key: str,
+    *,
+    max_weight: float = MAX_NUM_EXAMPLES,
+) -> float:
     """Check a reply's metrics and return its weight (``weighted_by_key``).
+
+    Every number must be finite. The weight must lie in ``[0, max_weight]`` (0
+    is no work: rejected, not the node's fault). The metrics of
+    :data:`METRIC_RANGES` must lie in their range; times are 0 or at least
+    :data:`MIN_TIME_S` (a runtime weighting divides by them); ``num-steps`` is a
+    whole number; any other metric is at most :data:`MAX_METRIC_MAGNITUDE` in
+    size, so weighted sums of metrics stay finite.
 
     Raises
     ------
     ReplyRejected
-        When the weight is missing, not a number, negative, NaN/Inf or zero, or a
-        runtime metric (``train-time-s``, ``num-steps``, ``comm-time-s``) is invalid.
+        Naming the metric, its value, the valid range and what was wrong.
     """
-    weight = _number(metrics, weighted_by_key, required=True)
-    for key in NON_NEGATIVE_METRICS:
-        if key != weighted_by_key:
-            _number(metrics, key, required=False)
+    weight = _number(metrics, weighted_by_key, required=True, high=max_weight)
+    assert weight is not None
     for key, value in metrics.items():
+        if key == weighted_by_key:
+            continue
+        if key in METRIC_RANGES:
+            low, high, unit = METRIC_RANGES[key]
+            number = _number(metrics, key, required=True, low=low, high=high, unit=unit)
+            assert number is not None
+            if key in TIME_METRICS and 0 < number < MIN_TIME_S:
+                raise ReplyRejected(
+                    f"metric {key!r} is below its floor ({number:g}); valid: 0, or "
+                    f"[{MIN_TIME_S:g}, {high:g}] s"
+                )
+            if key == keys.NUM_STEPS and not number.is_integer():
+                raise ReplyRejected(
+                    f"metric {key!r} is not a whole number ({number:g}); valid: "
+                    f"0, 1, 2, ... up to {high:g}"
+                )
+            continue
         values = value if isinstance(value, list) else [value]
-        if any(isinstance(v, float) and not math.isfinite(v) for v in values):
-            raise ReplyRejected(f"metric {key!r} is not finite ({value})")
+        for v in values:
+            if isinstance(v, int | float) and not isinstance(v, bool):
+                if not math.isfinite(v):
+                    raise ReplyRejected(f"metric {key!r} is not finite ({value})")
+                if abs(v) > MAX_METRIC_MAGNITUDE:
+                    raise ReplyRejected(
+                        f"metric {key!r} is too large ({v:g}); valid: magnitude "
+                        f"up to {MAX_METRIC_MAGNITUDE:g}"
+                    )
     if weight == 0:
         raise ReplyRejected(f"weight {weighted_by_key!r} is 0: no work", fault=False)
-    assert weight is not None
     return weight
 
 
@@ -264,6 +337,8 @@ def check_train_reply(
     reply: Message,
     reference: Mapping[str, ArraySpec] | None,
     weighted_by_key: str,
+    *,
+    max_weight: float = MAX_NUM_EXAMPLES,
 ) -> tuple[dict[str, np.ndarray], MetricRecord, float]:
     """Validate a training reply; return its arrays, MetricRecord and weight.
 
@@ -287,7 +362,7 @@ def check_train_reply(
     if len(found) != 1:
         raise ReplyRejected(f"expected exactly one ArrayRecord, got {len(found)}")
     metrics = _single_metricrecord(content)
-    weight = check_metrics(metrics, weighted_by_key)
+    weight = check_metrics(metrics, weighted_by_key, max_weight=max_weight)
     record = found[0]
     if reference is not None:
         missing = sorted(set(reference) - set(record))
@@ -324,10 +399,12 @@ def check_train_reply(
     return arrays, metrics, weight
 
 
-def check_evaluate_reply(reply: Message, weighted_by_key: str) -> MetricRecord:
+def check_evaluate_reply(
+    reply: Message, weighted_by_key: str, *, max_weight: float = MAX_NUM_EXAMPLES
+) -> MetricRecord:
     """Validate an evaluation reply; return its MetricRecord."""
     metrics = _single_metricrecord(_content(reply))
-    check_metrics(metrics, weighted_by_key)
+    check_metrics(metrics, weighted_by_key, max_weight=max_weight)
     return metrics
 
 
@@ -578,6 +655,15 @@ class MetricsAccumulator:
         kept = MetricRecord(dict(metrics))
         kept[self.weighted_by_key] = weight
         self.records.append(RecordDict({keys.METRICS: kept}))
+
+    def cap(self, most: float) -> None:
+        """Count no record's weight above ``most`` (the influence bound's cap)."""
+        for record in self.records:
+            kept = record[keys.METRICS]
+            assert isinstance(kept, MetricRecord)
+            weight = kept[self.weighted_by_key]
+            assert isinstance(weight, int | float)
+            kept[self.weighted_by_key] = min(weight, most)
 
     def result(
         self, aggr_fn: Callable[[list[RecordDict], str], MetricRecord]
@@ -911,6 +997,7 @@ def save_checkpoint(
     """Write arrays and JSON-able state atomically (temp file, fsync, os.replace)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(path)
     state_json = json.dumps(
         {"format": CHECKPOINT_FORMAT, "state": state}, sort_keys=True
     ).encode()
@@ -940,6 +1027,29 @@ def save_checkpoint(
         os.close(dir_fd)
 
 
+def remove_stale_temporaries(path: str | Path) -> list[Path]:
+    """Delete temporary files a killed :func:`save_checkpoint` left beside ``path``.
+
+    They are named ``<name>.<random>.tmp``; the checkpoint itself is only ever
+    replaced whole, so they hold nothing worth keeping. Returns what was removed.
+    """
+    path = Path(path)
+    removed = []
+    for stale in path.parent.glob(f"{glob.escape(path.name)}.*.tmp"):
+        stale.unlink(missing_ok=True)
+        removed.append(stale)
+    if removed:
+        log(WARNING, "removed %d stale checkpoint temporary file(s)", len(removed))
+    return removed
+
+
+def _checkpoint_error(path: Path, what: str) -> CheckpointError:
+    return CheckpointError(
+        f"checkpoint {path} is unreadable or corrupt ({what}); delete it to start "
+        "afresh or point checkpoint_path elsewhere"
+    )
+
+
 def load_checkpoint(
     path: str | Path, reference: ArrayRecord
 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
@@ -956,16 +1066,24 @@ def load_checkpoint(
         with zipfile.ZipFile(path) as z:
             state_json = z.read("state.json")
             header = json.loads(z.read("header.json"))
+            if not (
+                isinstance(header, dict)
+                and isinstance(header.get("names"), list)
+                and all(isinstance(n, str) for n in header["names"])
+                and isinstance(header.get("sha256"), str)
+            ):
+                raise _checkpoint_error(path, "header.json is not {names, sha256}")
             arrays = {
                 name: np.load(io.BytesIO(z.read(f"arrays/{i}.npy")), allow_pickle=False)
                 for i, name in enumerate(header["names"])
             }
         payload = json.loads(state_json)
-    except (OSError, KeyError, ValueError, zipfile.BadZipFile) as err:
-        raise CheckpointError(
-            f"checkpoint {path} is unreadable or corrupt ({err}); delete it to start "
-            "afresh or point checkpoint_path elsewhere"
-        ) from err
+    except CheckpointError:
+        raise
+    except (OSError, KeyError, ValueError, TypeError, zipfile.BadZipFile) as err:
+        raise _checkpoint_error(path, str(err)) from err
+    if not isinstance(payload, dict) or not isinstance(payload.get("state"), dict):
+        raise _checkpoint_error(path, "state.json is not {format, state}")
     if payload.get("format") != CHECKPOINT_FORMAT:
         raise CheckpointError(
             f"checkpoint {path} has format {payload.get('format')!r}, "

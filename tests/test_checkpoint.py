@@ -16,6 +16,7 @@ from flowerbed.strategies.utils import (
     save_checkpoint,
     to_arrayrecord,
 )
+from flwr.serverapp.strategy import Result
 from test_strategies_fakes import FakeGrid, config_of, node, silent, weights
 
 
@@ -166,3 +167,118 @@ def test_checkpoint_of_another_strategy_is_refused(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="'RuntimeWeightedFedAvg', not"):
         strategy.start(fleet(), weights(), num_rounds=2)
     assert strategy.speeds == {}  # nothing half-loaded
+
+
+def _valid_state(**changes: object) -> dict:  # type: ignore[type-arg]
+    state: dict = {  # type: ignore[type-arg]
+        "strategy": "RuntimeWeightedFedAvg",
+        "round": 2,
+        "strategy_state": {
+            "speeds": {},
+            "quarantine": {"failures": {}, "until": {}},
+            "influence": {"weights": [], "norms": []},
+        },
+        "train_metrics": {},
+        "evaluate_metrics": {},
+        "server_metrics": {},
+    }
+    state.update(changes)
+    return state
+
+
+MALFORMED_STATES = {
+    "round is text": _valid_state(round="two"),
+    "round is negative": _valid_state(round=-1),
+    "round is a float": _valid_state(round=2.5),
+    "speeds is a list": _valid_state(
+        strategy_state={**_valid_state()["strategy_state"], "speeds": [1, 2]}
+    ),
+    "quarantine is text": _valid_state(
+        strategy_state={**_valid_state()["strategy_state"], "quarantine": "x"}
+    ),
+    "no influence": _valid_state(
+        strategy_state={
+            k: v
+            for k, v in _valid_state()["strategy_state"].items()
+            if k != "influence"
+        }
+    ),
+    "metrics history is a list": _valid_state(train_metrics=[1, 2]),
+    "metric record is text": _valid_state(train_metrics={"1": "loss"}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED_STATES))
+def test_a_checkpoint_with_malformed_state_gives_the_checkpoint_error(
+    tmp_path: Path, case: str
+) -> None:
+    path = tmp_path / "run.ckpt"
+    save_checkpoint(path, {"w": np.zeros(1, np.float32)}, MALFORMED_STATES[case])
+    strategy = RuntimeWeightedFedAvg(checkpoint_path=path)
+    with pytest.raises(CheckpointError, match="malformed state"):
+        strategy.start(fleet(), weights(), num_rounds=3)
+    assert strategy.speeds == {}  # nothing half-loaded
+
+
+def _rewrite(path: Path, member: str, data: bytes) -> None:
+    with zipfile.ZipFile(path) as z:
+        members = {n: z.read(n) for n in z.namelist()}
+    members[member] = data
+    with zipfile.ZipFile(path, "w") as z:
+        for name, content in members.items():
+            z.writestr(name, content)
+
+
+MALFORMED_FILES = {
+    "header is a list": ("header.json", b"[1, 2]"),
+    "header names are numbers": ("header.json", b'{"names": [1], "sha256": "x"}'),
+    "header without checksum": ("header.json", b'{"names": ["w"]}'),
+    "header is not JSON": ("header.json", b"{names"),
+    "state is a list": ("state.json", b"[]"),
+    "state without state": ("state.json", b'{"format": "flowerbed-checkpoint/1"}'),
+    "state is a number": ("state.json", b"7"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED_FILES))
+def test_a_checkpoint_with_malformed_json_gives_the_checkpoint_error(
+    tmp_path: Path, case: str
+) -> None:
+    path = tmp_path / "run.ckpt"
+    save_checkpoint(path, {"w": np.ones(1, np.float32)}, {"round": 1})
+    _rewrite(path, *MALFORMED_FILES[case])
+    with pytest.raises(CheckpointError, match="unreadable or corrupt"):
+        load_checkpoint(path, weights())
+
+
+def test_temporary_files_of_a_killed_write_are_removed(tmp_path: Path) -> None:
+    path = tmp_path / "run.ckpt"
+    stale = tmp_path / "run.ckpt.k1ll3d.tmp"
+    stale.write_bytes(b"half a zip")
+    other = tmp_path / "other.ckpt.x.tmp"  # not this checkpoint's
+    other.write_bytes(b"")
+    RuntimeWeightedFedAvg(checkpoint_path=path).start(fleet(), weights(), num_rounds=1)
+    assert not stale.exists() and other.exists() and path.exists()
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda path: RuntimeWeightedFedAvg(checkpoint_path=path),
+        lambda path: DeadlineFedAvg(checkpoint_path=path, deadline_s=5.0),
+    ],
+    ids=["RuntimeWeightedFedAvg", "DeadlineFedAvg"],
+)
+def test_resume_with_default_options_restores_every_saved_field(
+    tmp_path: Path, make
+) -> None:  # type: ignore[no-untyped-def]
+    # Defaults: the influence bound's references, speeds, quarantine and (for
+    # DeadlineFedAvg) durations, pacing and progress come back as they were.
+    path = tmp_path / "run.ckpt"
+    first = make(path)
+    first.start(fleet(), weights(), num_rounds=3)
+    resumed = make(path)
+    resumed._resume(weights(), Result())
+    assert resumed.state() == first.state()
+    assert resumed.recent_norms.values == first.recent_norms.values
+    assert len(first.recent_weights.values) > 0

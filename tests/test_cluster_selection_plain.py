@@ -69,7 +69,7 @@ def test_a_client_that_ignores_local_steps_is_all_overhead() -> None:
     assert model.overhead_s == pytest.approx(1.15)
 
 
-@pytest.mark.parametrize("bad", [math.nan, math.inf, -1.0])
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -1.0, 1e300])
 def test_unusable_timings_count_as_unknown(bad: float) -> None:
     metrics = MetricRecord(
         {keys.NUM_EXAMPLES: 10, keys.TRAIN_TIME_S: bad, keys.NUM_STEPS: bad}

@@ -13,6 +13,7 @@ from flwr.app import (
 )
 from flwr.serverapp import Grid
 
+from ..utils import MAX_METRIC_MAGNITUDE, METRIC_RANGES
 from .model import Observation
 
 
@@ -24,12 +25,14 @@ def _metrics(reply: Message) -> MetricRecord | None:
 
 
 def _number(metrics: MetricRecord, key: str) -> float | None:
-    """A finite, non-negative number, or None: an unusable value is unknown."""
+    """A finite number in the metric's valid range (``METRIC_RANGES``), or None:
+    an unusable value counts as unknown."""
     value = metrics.get(key)
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
     number = float(value)
-    return number if math.isfinite(number) and number >= 0 else None
+    low, high, _ = METRIC_RANGES.get(key, (0.0, MAX_METRIC_MAGNITUDE, ""))
+    return number if math.isfinite(number) and low <= number <= high else None
 
 
 def observation_of(
@@ -38,8 +41,8 @@ def observation_of(
     """An :class:`Observation` from a successful reply, None for an unusable one.
 
     ``steps`` is what the task asked for; the reply's ``num-steps`` wins when sent.
-    A metric that is not a finite, non-negative number counts as not sent, so a
-    node with unusable timings is timed by its round trip instead.
+    A metric that is not a finite number in its valid range counts as not sent,
+    so a node with unusable timings is timed by its round trip instead.
     """
     metrics = _metrics(reply)
     if metrics is None:
