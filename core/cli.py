@@ -27,6 +27,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "flowerbed.sims.cli",
         "fetch MNIST or CIFAR-10 once into a folder (needs torchvision)",
     ),
+    "pipeline": (
+        "flowerbed.sims.pipeline_cli",
+        "train one model across emulated devices as a pipeline (local processes)",
+    ),
     "bench": (
         "flowerbed.bench.cli",
         "benchmark strategies on unequal fleets and the machinery's cost",

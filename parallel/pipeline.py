@@ -38,12 +38,14 @@ import statistics
 import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from logging import INFO, WARNING
 from typing import Any
 
 import numpy as np
 import torch
 from flowerbed import keys
 from flowerbed.models import build_sequential, layer_shapes
+from flwr.supercore import log
 from torch import nn
 
 from .data import batch_indices, load_job_dataset
@@ -362,6 +364,18 @@ def run_segment(
             labels = _broadcast_labels(plan, data)
             schedule = _schedule(plan, _pipeline_stage(plan, timed, shapes))
             seg.setup_s = time.monotonic() - arrived
+            log(
+                INFO,
+                "pipeline %s segment %d: rank %d of %d, layers %d-%d, steps %d-%d",
+                plan.job,
+                plan.segment,
+                plan.rank,
+                plan.world_size,
+                layers.start,
+                layers.stop - 1,
+                plan.start_step,
+                plan.end_step - 1,
+            )
             timed.reset()
             for k in range(plan.steps):
                 seg.step = plan.start_step + k
@@ -372,6 +386,14 @@ def run_segment(
             store.save(OWN, plan.end_step, layers, stage_state(stage, optimizer))
     except PeerFailure as err:
         failure = f"{err.phase}: {err}"
+        log(
+            WARNING,
+            "pipeline %s: rank %d stopped at step %d: %s",
+            plan.job,
+            plan.rank,
+            seg.step,
+            failure,
+        )
     return _result(plan, seg, timed, stage, optimizer, store, failure, arrived)
 
 
@@ -452,6 +474,7 @@ def _maybe_replicate(
         seg.replicate_bytes = exchange.sent_bytes
     keep = {plan.start_step, *store.newest_steps(KEEP_REPLICATIONS)}
     store.prune(keep)
+    log(INFO, "pipeline %s: rank %d replicated at step %d", plan.job, plan.rank, done)
 
 
 def _result(

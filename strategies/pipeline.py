@@ -337,6 +337,11 @@ class PipelineTraining(SpanJobStrategy):
         self.holdings = Holdings(self.num_layers)
         self.events: list[str] = []
         """Re-partitions and recoveries, as logged."""
+        self.layouts: dict[int, list[dict[str, Any]]] = {}
+        """Round -> its stages: ``{"node": id, "device": label, "layers": [a, b]}``
+        (layers ``a .. b-1``), in stage order."""
+        self.profiled_power: dict[int, float] = {}
+        """Node -> computing power measured when it was admitted."""
         self._pending: dict[int, MemberPlan] = {}
         self._sources: tuple[LayerSource, ...] = ()
         self._timeout = 3600.0
@@ -399,6 +404,7 @@ class PipelineTraining(SpanJobStrategy):
                 continue
             self.members[node_id] = member
         self.planner.profiled(profiles)
+        self.profiled_power.update({n: self.planner.power[n] for n in profiles})
         if profiles and self.layout is not None:
             log(INFO, "PipelineTraining: new members %s", sorted(profiles))
         return sorted(profiles)
@@ -687,7 +693,9 @@ class PipelineTraining(SpanJobStrategy):
             if outcome.complete:
                 stitched, metrics = self._stitch(list(outcome.replies.values()))
                 if stitched is not None and metrics is not None:
-                    return self._finish(layout, outcome, stitched, metrics, book, began)
+                    return self._finish(
+                        server_round, layout, outcome, stitched, metrics, book, began
+                    )
             self._recover(server_round, layout, outcome, book, attempt)
         return None
 
@@ -727,6 +735,7 @@ class PipelineTraining(SpanJobStrategy):
 
     def _finish(
         self,
+        server_round: int,
         layout: Layout,
         outcome: SegmentOutcome,
         stitched: ArrayRecord,
@@ -746,6 +755,14 @@ class PipelineTraining(SpanJobStrategy):
         for node_id, reply in outcome.replies.items():
             self.holdings.add_report(node_id, _ints(reply.metrics[keys.SPAN_HOLDS]))
         _, predicted = self.planner.predict(layout)
+        self.layouts[server_round] = [
+            {
+                "node": node,
+                "device": self.members[node].label,
+                "layers": [layout.bounds[rank], layout.bounds[rank + 1]],
+            }
+            for rank, node in enumerate(layout.members)
+        ]
         replies = outcome.replies
         self.planner.measured(
             layout,

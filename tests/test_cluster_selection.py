@@ -280,7 +280,8 @@ def test_wraps_a_flowerbed_strategy() -> None:
 
 def test_reselects_when_a_chosen_node_goes_offline() -> None:
     victim = 3  # the Jetson Nano, the fastest node: always chosen
-    grid = build_fleet_grid(RUN, DEVICES)
+    # one ClientApp call per message, so that the wrapped ClientApp below runs
+    grid = build_fleet_grid(RUN, DEVICES, batch=False)
     client_app = grid.client_app
 
     def goes_offline_after_round_1(message: Message, context: Context) -> Message:
