@@ -95,12 +95,20 @@ class MobileNetV1Small(nn.Module):
 
 GROUPS = 32
 """GroupNorm's default group count (Wu & He, "Group Normalization", ECCV 2018,
-Sec. 3.1: G = 32); a layer whose channels 32 does not divide uses gcd(channels, 32)."""
+Sec. 3.1)."""
+CHANNELS_PER_GROUP = 16
+"""Fewest channels per group: Wu & He's Table 3 (b) fixes 16 channels per group as
+the other good setting; with fewer (G = 32 on a 16- or 32-channel layer is one or two
+channels per group, instance norm) a small network trained here on digits lost half
+its accuracy (docs/export-android.md, "Batch norm")."""
 
 
 def group_norm(channels: int, affine: bool = True, eps: float = 1e-5) -> nn.GroupNorm:
-    """GroupNorm over ``channels`` with gcd(channels, :data:`GROUPS`) groups."""
-    return nn.GroupNorm(math.gcd(channels, GROUPS), channels, eps=eps, affine=affine)
+    """GroupNorm over ``channels``: :data:`GROUPS` groups, but at least
+    :data:`CHANNELS_PER_GROUP` channels in each, and a group count that divides
+    ``channels``: gcd(channels, min(32, max(1, channels // 16)))."""
+    groups = math.gcd(channels, min(GROUPS, max(1, channels // CHANNELS_PER_GROUP)))
+    return nn.GroupNorm(groups, channels, eps=eps, affine=affine)
 
 
 class InvertedResidual(nn.Module):
