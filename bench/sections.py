@@ -51,6 +51,7 @@ SECTIONS: dict[str, str] = {
     "machinery": "flowerbed.bench.machinery_section",
     "selection": "flowerbed.bench.selection_section",
     "large-batch": "flowerbed.bench.large_batch_section",
+    "tiles": "flowerbed.bench.tiles_section",
 }
 """Section name -> module, in the order of the page."""
 

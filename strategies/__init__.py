@@ -15,7 +15,6 @@ from .fedbuff import FedBuff
 from .large_batch_rounds import LargeBatchRounds
 from .large_batch_sync import LargeBatchSync
 from .runtime_weighted import RuntimeWeightedFedAvg
-from .tile_clusters import TileClusters
 from .tiled import TiledTraining
 
 if TYPE_CHECKING:
@@ -31,7 +30,6 @@ __all__ = [
     "LargeBatchSync",
     "PipelineTraining",
     "RuntimeWeightedFedAvg",
-    "TileClusters",
     "TiledTraining",
 ]
 

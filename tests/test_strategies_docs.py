@@ -18,6 +18,7 @@ PAGES = {
     "ClusterSelection": "cluster-selection.md",
     "LargeBatchSync": "large-batch-sync.md",
     "LargeBatchRounds": "large-batch-rounds.md",
+    "TiledTraining": "tiled.md",
 }
 
 
