@@ -225,7 +225,7 @@ def render(data: Mapping[str, Any]) -> list[str]:
             f"| {r['name']} | {r['bounds']} | {r['step-s']:.2f} "
             f"| {r['predicted-step-s']:.2f} | {r['vs-core']:.2f}x "
             f"| {r['vs-board']:.2f}x | {_limit(r)} "
-            f"| {r['link-share']:.0%} | {r['halo']:.0%} "
+            f"| {r['link-share']:.0%} | {r['halo']:.1%} "
             f"| {r['activation-mb']:.1f} ({r['planned-activation-mb']:.1f}) "
             f"| {r['activation-ratio']:.1f}x "
             f"| {r['rss-mb']:.0f} (+{r['rss-growth-mb']:.0f}) |"
