@@ -60,7 +60,7 @@ public final class GatewayClient {
   private Map<String, Object> app = new LinkedHashMap<String, Object>();
 
   /**
-   * @param gatewayUrl gateway root such as {@code http://192.168.1.10:8765} (the client adds {@code
+   * @param gatewayUrl gateway root such as {@code https://192.168.1.10:8470} (the client adds {@code
    *     /v1})
    * @param token this phone's bearer token
    * @param backoff retry policy for network errors

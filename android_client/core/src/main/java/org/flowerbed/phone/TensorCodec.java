@@ -32,7 +32,8 @@ public final class TensorCodec {
   private static final byte[] MAGIC = {'F', 'B', 'T', '1'};
   private static final int DTYPE_FLOAT32 = 0;
   private static final int MAX_NAME_BYTES = 0xFFFF;
-  private static final int MAX_NDIM = 0xFF;
+  /** Most dimensions of a tensor (PROTOCOL.md; the gateway refuses more). */
+  private static final int MAX_NDIM = 32;
 
   private TensorCodec() {}
 
@@ -50,7 +51,7 @@ public final class TensorCodec {
    * Encode arrays in the given order.
    *
    * @throws IllegalArgumentException if a name is longer than 65535 UTF-8 bytes, an array has more
-   *     than 255 dimensions, names repeat, or the blob would exceed 2 GiB
+   *     than 32 dimensions, names repeat, or the blob would exceed 2 GiB
    */
   public static byte[] encode(List<NamedArray> arrays) {
     long size = encodedSize(arrays);
@@ -73,7 +74,7 @@ public final class TensorCodec {
       int[] shape = a.shape();
       if (shape.length > MAX_NDIM) {
         throw new IllegalArgumentException(
-            "array '" + a.name() + "' has " + shape.length + " dimensions; the limit is 255");
+            "array '" + a.name() + "' has " + shape.length + " dimensions; the limit is " + MAX_NDIM);
       }
       buf.putShort((short) name.length);
       buf.put(name);
@@ -138,6 +139,10 @@ public final class TensorCodec {
             where + " has unknown dtype " + dtype + "; version 1 knows only 0 (float32)");
       }
       int ndim = buf.get() & 0xFF;
+      if (ndim > MAX_NDIM) {
+        throw new MalformedBlobException(
+            where + " has " + ndim + " dimensions; the limit is " + MAX_NDIM);
+      }
       need(buf, 4L * ndim, "the dims of " + where);
       int[] shape = new int[ndim];
       // The product is capped once it exceeds what the blob could hold, so it cannot overflow.

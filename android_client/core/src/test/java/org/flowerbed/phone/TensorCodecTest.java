@@ -195,4 +195,33 @@ public class TensorCodecTest {
       assertEquals("array 'w' has shape [2, 2] (4 values) but 3 values were given", e.getMessage());
     }
   }
+
+  @Test
+  public void moreThan32DimensionsAreRefusedBothWays() throws Exception {
+    int[] shape = new int[33];
+    java.util.Arrays.fill(shape, 1);
+    try {
+      TensorCodec.encode(
+          java.util.Collections.singletonList(new NamedArray("x", shape, new float[1])));
+      org.junit.Assert.fail("encoded 33 dimensions");
+    } catch (IllegalArgumentException e) {
+      org.junit.Assert.assertTrue(e.getMessage(), e.getMessage().contains("the limit is 32"));
+    }
+    // "FBT1", count 1, name "x", float32, ndim 33, 33 dims of 1, one float.
+    java.nio.ByteBuffer b =
+        java.nio.ByteBuffer.allocate(4 + 4 + 2 + 1 + 2 + 33 * 4 + 4)
+            .order(java.nio.ByteOrder.LITTLE_ENDIAN);
+    b.put("FBT1".getBytes("US-ASCII")).putInt(1).putShort((short) 1).put((byte) 'x');
+    b.put((byte) 0).put((byte) 33);
+    for (int i = 0; i < 33; i++) {
+      b.putInt(1);
+    }
+    b.putFloat(1f);
+    try {
+      TensorCodec.decode(b.array());
+      org.junit.Assert.fail("decoded 33 dimensions");
+    } catch (MalformedBlobException e) {
+      org.junit.Assert.assertTrue(e.getMessage(), e.getMessage().contains("the limit is 32"));
+    }
+  }
 }
