@@ -41,6 +41,8 @@ from flowerbed.parallel.tiled import (
 from ranks import run_ranks
 from torch import nn
 
+pytestmark = pytest.mark.slow
+
 HOST = "127.0.0.1"
 MODEL = "test_tiles_exact:small_cnn"
 SHAPE = (3, 48, 48)
@@ -289,7 +291,6 @@ def test_four_processes_unequal_tiles_group_norm_and_batch_norm(tmp_path: Path) 
     )
 
 
-@pytest.mark.slow
 def test_six_processes_equal_and_unequal_tiles_shared_and_frozen_batch_norm(
     tmp_path: Path,
 ) -> None:
