@@ -69,6 +69,9 @@ STRATEGIES: dict[str, Callable[[], Strategy]] = {
         )
         for w in ("examples", "fednova", "throughput", "runtime")
     },
+    "runtime-weighted balanced": lambda: RuntimeWeightedFedAvg(
+        balance_work=True, local_steps=4, fraction_evaluate=0.0
+    ),
     "deadline": lambda: DeadlineFedAvg(
         weighting="runtime", fraction_evaluate=0.0, deadline_s=5.0
     ),

@@ -84,3 +84,40 @@ def _sent() -> Message:
     message = Message(RecordDict({keys.ARRAYS: weights()}), 1, "train", ttl=10.0)
     message.metadata.__dict__["_message_id"] = "m1"
     return message
+
+
+def test_a_node_reporting_nan_times_is_left_out_not_a_crash(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Node 3 reports train-time-s NaN and one step for every task: its timings
+    # are unknown (no train time, one task length), so it is left out, logged;
+    # with min_nodes=3 only two usable nodes remain and the run trains on them.
+    caplog.set_level(logging.WARNING, logger="flwr")
+
+    def nan_time(message: Message) -> tuple[Message | None, float]:
+        answer, delay = node(1.0, seconds=1.0, steps=1)(message)
+        assert answer is not None
+        metrics = answer.content[keys.METRICS]
+        assert isinstance(metrics, MetricRecord)
+        metrics[keys.TRAIN_TIME_S] = math.nan
+        return answer, delay
+
+    grid = FakeGrid(
+        {1: node(1.0, seconds=1.0, steps=1), 2: node(1.0, seconds=1.2, steps=1)}
+        | {3: nan_time}
+    )
+    strategy = ClusterSelection(
+        strategy=RuntimeWeightedFedAvg(fraction_evaluate=0.0), min_nodes=3
+    )
+    result = strategy.start(grid, weights(), num_rounds=2, train_config=_steps())
+    assert sorted(strategy.node_models) == [1, 2]
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("node 3" in m and "left out" in m for m in lines)
+    assert any("fewer than the 3 the wrapped strategy wants" in m for m in lines)
+    assert sorted(result.train_metrics_clientapp) == [1, 2]
+
+
+def _steps():  # type: ignore[no-untyped-def]
+    from flwr.app import ConfigRecord
+
+    return ConfigRecord({keys.LOCAL_STEPS: 1})
