@@ -690,7 +690,7 @@ class RuntimeWeightedFedAvg(FedAvg):
                 arrival.fault = rejection.fault
             return False
         except Exception as err:  # whatever a reply holds, the run goes on
-            return self.fold_train_reply_failed(reply, server_round, node, err, arrival)
+            return self._reject_unusable(reply, server_round, node, err, arrival)
         if arrival is not None:
             arrival.accepted = True
         self.quarantine.record_success(node)
@@ -698,7 +698,7 @@ class RuntimeWeightedFedAvg(FedAvg):
         fold.metrics.add(metrics, n)
         return True
 
-    def fold_train_reply_failed(
+    def _reject_unusable(
         self,
         reply: Message,
         server_round: int,
