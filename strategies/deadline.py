@@ -24,13 +24,12 @@ from flwr.serverapp.strategy import Result
 from flwr.supercore import log
 
 from .robust import DEFAULT_CLIP_FACTOR, DEFAULT_WEIGHT_CAP
+from .rounds import MIN_MESSAGE_TTL_S, RoundTally
 from .runtime_weighted import (
     DEFAULT_QUARANTINE_AFTER,
     DEFAULT_QUARANTINE_ROUNDS,
     DEFAULT_SPEED_SMOOTHING,
     DEFAULT_WEIGHTING,
-    MIN_MESSAGE_TTL_S,
-    RoundTally,
     RuntimeWeightedFedAvg,
 )
 from .utils import (

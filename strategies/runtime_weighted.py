@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import io
 import math
-import time
-from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from logging import ERROR, INFO, WARNING
+from logging import INFO, WARNING
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from flowerbed import keys
-from flowerbed.clock import Clock, WallClock, clock_of
+from flowerbed.clock import clock_of
 from flwr.app import (
     ArrayRecord,
     ConfigRecord,
@@ -24,8 +21,6 @@ from flwr.app import (
     RecordDict,
 )
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import FedAvg, Result
-from flwr.serverapp.strategy.strategy_utils import log_strategy_start_info
 from flwr.supercore import log
 
 from .robust import (
@@ -37,32 +32,22 @@ from .robust import (
     Reference,
     UpdateSum,
 )
+from .rounds import MIN_MESSAGE_TTL_S, RoundLoop
 from .utils import (
     MAX_NUM_EXAMPLES,
-    ROUND_CLOCK_S,
-    UNAVAILABLE_CODES,
     ArraySpec,
     Arrival,
-    CheckpointError,
-    InFlight,
     MetricsAccumulator,
     Quarantine,
     ReplyRejected,
-    ReplyStream,
     Ticket,
     UpdateAccumulator,
     check_evaluate_reply,
     check_train_reply,
-    load_checkpoint,
-    metric_history_from_json,
-    metric_history_to_json,
-    remove_stale_temporaries,
     round_rng,
     sample_nodes,
-    save_checkpoint,
     spec_of,
     to_arrayrecord,
-    to_numpy,
 )
 
 WEIGHTINGS = ("runtime", "throughput", "fednova", "examples")
@@ -72,10 +57,6 @@ DEFAULT_WEIGHTING = "fednova"
 DEFAULT_SPEED_SMOOTHING = 0.5
 DEFAULT_QUARANTINE_AFTER = 3
 DEFAULT_QUARANTINE_ROUNDS = 5
-MIN_MESSAGE_TTL_S = 1.0
-"""Shortest message time-to-live the strategies set (Flower refuses TTL <= 0)."""
-STALL_ROUNDS = 3
-"""Rounds in a row without an update before the log says so prominently."""
 
 
 @dataclass
@@ -99,32 +80,7 @@ class TrainFold:
         return self.zeros
 
 
-@dataclass
-class RoundTally:
-    """What became of one round's train messages (for the no-progress warning)."""
-
-    sampled: int
-    usable: int
-    rejected: Counter[str]
-    """Reasons of rejected replies (error replies included), with counts."""
-    unavailable: int
-    """Replies that never came: expired TTL or node gone."""
-    missing: int
-    """Messages still unanswered when the round closed."""
-
-    @classmethod
-    def of(cls, sampled: int, handed: list[Arrival], missing: int) -> RoundTally:
-        unavailable = sum(a.error_code in UNAVAILABLE_CODES for a in handed)
-        rejected = Counter(
-            a.reason
-            for a in handed
-            if not a.usable and a.error_code not in UNAVAILABLE_CODES
-        )
-        usable = sum(a.usable for a in handed)
-        return cls(sampled, usable, rejected, unavailable, missing)
-
-
-class RuntimeWeightedFedAvg(FedAvg):
+class RuntimeWeightedFedAvg(RoundLoop):
     """FedAvg with runtime-aware weights, work balancing and robust rounds.
 
     Each accepted reply ``i`` gets an unnormalised weight ``w_i`` and the new global
@@ -296,9 +252,6 @@ class RuntimeWeightedFedAvg(FedAvg):
         self.min_local_steps = min_local_steps
         self.max_local_steps = max_local_steps
         self.message_ttl_s = message_ttl_s
-        self.checkpoint_path = (
-            None if checkpoint_path is None else Path(checkpoint_path)
-        )
         self.seed = seed
         self.max_num_examples = max_num_examples
         self.weight_cap = weight_cap
@@ -313,19 +266,7 @@ class RuntimeWeightedFedAvg(FedAvg):
         self.speeds: dict[int, float] = {}
         """Smoothed speed of each node, in optimiser steps per second."""
         self._fallbacks_logged: set[str] = set()
-        self._global: ArrayRecord = ArrayRecord()
-        self._global_np: dict[str, np.ndarray] = {}
-        self._timeout = 3600.0
-        self._inflight: InFlight | None = None
-        self._clock: Clock = WallClock()
-        self._t0 = self._wall_t0 = 0.0
-        self._arrivals: dict[str, Arrival] = {}
-        """Replies handed to aggregate_train this round, by reply_to_message_id."""
-        self._handed: list[Arrival] = []
-        self._sent = 0
-        self._tally = RoundTally(0, 0, Counter(), 0, 0)
-        self._stalled = 0
-        self._updates_applied = 0
+        self._init_loop(checkpoint_path)
 
     # ------------------------------------------------------------------ summary
     def summary(self) -> None:
@@ -524,11 +465,6 @@ class RuntimeWeightedFedAvg(FedAvg):
         )
 
     # ------------------------------------------------------------------ replies
-    def _set_global(self, arrays: ArrayRecord) -> None:
-        if arrays is not self._global:
-            self._global = arrays
-            self._global_np = to_numpy(arrays)
-
     def _runtime(
         self, metrics: MetricRecord, ticket: Ticket | None, arrived: float | None
     ) -> float:
@@ -837,171 +773,6 @@ class RuntimeWeightedFedAvg(FedAvg):
         metrics_acc.add(metrics, float(metrics[self.weighted_by_key]))  # type: ignore[arg-type]
         return True
 
-    # -------------------------------------------------------------------- rounds
-    def _elapsed(self) -> float:
-        """Clock seconds since this run started (virtual seconds in simulation)."""
-        return self._clock.now() - self._t0
-
-    def _hand_over(
-        self,
-        reply: Message,
-        ticket: Ticket,
-        arrived: float,
-        base: Mapping[str, np.ndarray],
-        staleness: int = 0,
-        discount: float = 1.0,
-        update_scale: float = 1.0,
-    ) -> Message:
-        """File the reply's :class:`Arrival` for ``aggregate_train``; return it."""
-        arrival = Arrival(
-            ticket,
-            arrived,
-            base,
-            staleness,
-            discount,
-            update_scale,
-            error_code=reply.error.code if reply.has_error() else None,
-        )
-        self._arrivals[reply.metadata.reply_to_message_id] = arrival
-        self._handed.append(arrival)
-        return reply
-
-    def _prepare_round(self, server_round: int, grid: Grid) -> None:
-        """Hook run before ``configure_train`` (subclasses fix the deadline)."""
-
-    def _train_replies(self, server_round: int) -> Iterator[Message]:
-        """This round's replies as they arrive, until all replied or ``timeout``."""
-        assert self._inflight is not None
-        until = self._clock.now() + self._timeout
-        for reply, ticket, arrived in self._inflight.replies(
-            until, kind=MessageType.TRAIN
-        ):
-            yield self._hand_over(reply, ticket, arrived, self._global_np)
-
-    def _close_train(
-        self,
-        server_round: int,
-        arrays: ArrayRecord | None,
-        metrics: MetricRecord | None,
-    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """After ``aggregate_train``: forget the round's unanswered messages."""
-        assert self._inflight is not None
-        missing = self._inflight.ids(lambda t: t.server_round == server_round)
-        self._tally = RoundTally.of(self._sent, self._handed, len(missing))
-        if missing:
-            log(
-                INFO,
-                "round %d: %d nodes did not reply within timeout=%g s",
-                server_round,
-                len(missing),
-                self._timeout,
-            )
-        self._inflight.forget(missing)
-        return arrays, metrics
-
-    def _train_stage(
-        self, server_round: int, config: ConfigRecord, grid: Grid, result: Result
-    ) -> None:
-        """configure_train, push, aggregate_train over the arriving replies."""
-        assert self._inflight is not None
-        self._prepare_round(server_round, grid)
-        messages = self.configure_train(server_round, self._global, config, grid)
-        self._sent = len(self._inflight.push(messages, server_round))
-        self._handed = []
-        arrays, metrics = self.aggregate_train(
-            server_round, ReplyStream(self._train_replies(server_round))
-        )
-        arrays, metrics = self._close_train(server_round, arrays, metrics)
-        self._arrivals.clear()
-        if arrays is not None:
-            self._set_global(arrays)
-            result.arrays = arrays
-            self._stalled = 0
-            self._updates_applied += 1
-        elif self._sent or self.fraction_train > 0:
-            self._stalled += 1
-            if self._stalled % STALL_ROUNDS == 0:
-                self._warn_stalled(server_round, self._stalled)
-        log(
-            INFO,
-            "round %d: %s at t=%.2fs",
-            server_round,
-            "model updated" if arrays is not None else "model unchanged",
-            self._elapsed(),
-        )
-        if metrics is not None:
-            metrics[ROUND_CLOCK_S] = self._elapsed()
-            log(INFO, "\t└──> Aggregated MetricRecord: %s", metrics)
-            result.train_metrics_clientapp[server_round] = metrics
-
-    def _stall_cause(self, tally: RoundTally) -> str:
-        """Likely cause of a round without an update, and the setting to change."""
-        if tally.sampled == 0:
-            return (
-                "no node could be sampled (all quarantined or busy, or fewer than "
-                f"min_available_nodes={self.min_available_nodes} connected)"
-            )
-        if tally.rejected:
-            reason, count = tally.rejected.most_common(1)[0]
-            return (
-                f"{sum(tally.rejected.values())} of {tally.sampled} replies were "
-                f"rejected, most often ({count}x): {reason}"
-            )
-        return (
-            f"{tally.missing} of {tally.sampled} sampled nodes did not reply within "
-            f"start()'s timeout={self._timeout:g} s: raise timeout"
-        )
-
-    def _warn_stalled(self, server_round: int, rounds: int) -> None:
-        log(
-            WARNING,
-            "NO PROGRESS: no update applied for %d rounds (up to round %d); "
-            "the model is the one of round %d. Likely cause: %s",
-            rounds,
-            server_round,
-            server_round - rounds,
-            self._stall_cause(self._tally),
-        )
-
-    def _evaluate_wait(self) -> float:
-        """Clock seconds to wait for evaluation replies."""
-        return self._timeout
-
-    def _evaluate_stage(
-        self, server_round: int, config: ConfigRecord, grid: Grid, result: Result
-    ) -> None:
-        """configure_evaluate, push, aggregate_evaluate over the arriving replies."""
-        assert self._inflight is not None
-        inflight = self._inflight
-        messages = self.configure_evaluate(server_round, self._global, config, grid)
-        sent = inflight.push(messages, server_round)
-        until = self._clock.now() + self._evaluate_wait()
-        replies = (
-            reply for reply, _, _ in inflight.replies(until, kind=MessageType.EVALUATE)
-        )
-        metrics = self.aggregate_evaluate(server_round, ReplyStream(replies))
-        inflight.forget(sent)
-        if metrics is not None:
-            log(INFO, "\t└──> Aggregated MetricRecord: %s", metrics)
-            result.evaluate_metrics_clientapp[server_round] = metrics
-
-    def _central_evaluation(
-        self,
-        server_round: int,
-        result: Result,
-        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None,
-    ) -> None:
-        if evaluate_fn is None:
-            return
-        log(INFO, "Global evaluation")
-        res = evaluate_fn(server_round, self._global)
-        log(INFO, "\t└──> MetricRecord: %s", res)
-        if res is not None:
-            result.evaluate_metrics_serverapp[server_round] = res
-
-    def _after_round(self, server_round: int, result: Result) -> None:
-        """Hook run after each round's evaluation (subclasses adapt here)."""
-
     # ---------------------------------------------------------------- checkpoint
     def state(self) -> dict[str, Any]:
         """JSON-able strategy state (what a checkpoint holds besides arrays)."""
@@ -1021,165 +792,3 @@ class RuntimeWeightedFedAvg(FedAvg):
         influence = state["influence"]
         self.recent_weights = Reference([float(v) for v in influence["weights"]])
         self.recent_norms = Reference([float(v) for v in influence["norms"]])
-
-    def _write_checkpoint(self, server_round: int, result: Result) -> None:
-        if self.checkpoint_path is None:
-            return
-        save_checkpoint(
-            self.checkpoint_path,
-            self._global_np,
-            {
-                "strategy": type(self).__name__,
-                "round": server_round,
-                "strategy_state": self.state(),
-                "train_metrics": metric_history_to_json(result.train_metrics_clientapp),
-                "evaluate_metrics": metric_history_to_json(
-                    result.evaluate_metrics_clientapp
-                ),
-                "server_metrics": metric_history_to_json(
-                    result.evaluate_metrics_serverapp
-                ),
-            },
-        )
-
-    def _resume(self, initial_arrays: ArrayRecord, result: Result) -> int:
-        """Load the checkpoint if there is one; return the last completed round."""
-        if self.checkpoint_path is None:
-            return 0
-        remove_stale_temporaries(self.checkpoint_path)
-        if not self.checkpoint_path.exists():
-            return 0
-        arrays, saved = load_checkpoint(self.checkpoint_path, initial_arrays)
-        if saved.get("strategy") != type(self).__name__:
-            raise CheckpointError(
-                f"checkpoint {self.checkpoint_path} was written by "
-                f"{saved.get('strategy')!r}, not {type(self).__name__!r}"
-            )
-        before = self.state()
-        try:
-            last_round = saved["round"]
-            if isinstance(last_round, bool) or not isinstance(last_round, int):
-                raise TypeError(f"round is {last_round!r}, not a whole number")
-            if last_round < 0:
-                raise ValueError(f"round is {last_round}, not >= 0")
-            histories = (
-                metric_history_from_json(saved["train_metrics"]),
-                metric_history_from_json(saved["evaluate_metrics"]),
-                metric_history_from_json(saved["server_metrics"]),
-            )
-            self.load_state(saved["strategy_state"])
-        except (KeyError, TypeError, ValueError, AttributeError) as err:
-            self.load_state(before)  # nothing half-loaded
-            raise CheckpointError(
-                f"checkpoint {self.checkpoint_path} has incomplete or malformed "
-                f"state ({err!r}); delete it to start afresh or point "
-                "checkpoint_path elsewhere"
-            ) from err
-        (
-            result.train_metrics_clientapp,
-            result.evaluate_metrics_clientapp,
-            result.evaluate_metrics_serverapp,
-        ) = histories
-        self._set_global(to_arrayrecord(arrays))
-        log(INFO, "resumed from %s after round %d", self.checkpoint_path, last_round)
-        return last_round
-
-    # --------------------------------------------------------------------- start
-    def _begin(
-        self,
-        grid: Grid,
-        initial_arrays: ArrayRecord,
-        num_rounds: int,
-        timeout: float,
-        train_config: ConfigRecord | None,
-        evaluate_config: ConfigRecord | None,
-        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None,
-    ) -> tuple[Result, int]:
-        """Flower's start-up lines, clocks, resume, the initial evaluation."""
-        log(INFO, "Starting %s strategy:", type(self).__name__)
-        log_strategy_start_info(
-            num_rounds, initial_arrays, train_config, evaluate_config
-        )
-        self.summary()
-        log(INFO, "")
-        self._clock = clock_of(grid)
-        self._t0 = self._clock.now()
-        self._wall_t0 = time.time()
-        self._timeout = float(timeout)
-        self._inflight = InFlight(grid, self._clock)
-        self._stalled = self._updates_applied = 0
-        result = Result()
-        self._set_global(initial_arrays)
-        result.arrays = initial_arrays
-        done = self._resume(initial_arrays, result)
-        result.arrays = self._global
-        if done == 0 and evaluate_fn is not None:
-            res = evaluate_fn(0, initial_arrays)
-            log(INFO, "Initial global evaluation results: %s", res)
-            if res is not None:
-                result.evaluate_metrics_serverapp[0] = res
-        return result, done
-
-    def _end(self, result: Result, rounds_run: int) -> Result:
-        """Flower's closing lines and summary; say so if nothing was ever applied."""
-        result.arrays = self._global
-        if rounds_run and self._updates_applied == 0 and self.fraction_train > 0:
-            log(
-                ERROR,
-                "NO TRAINING: none of the %d rounds applied an update, so the final "
-                "model is the initial one. Likely cause: %s",
-                rounds_run,
-                self._stall_cause(self._tally),
-            )
-        log(INFO, "")
-        log(INFO, "Strategy execution finished in %.2fs", time.time() - self._wall_t0)
-        log(
-            INFO,
-            "Clock time of the run: %.2fs (virtual in simulation)",
-            self._elapsed(),
-        )
-        log(INFO, "")
-        log(INFO, "Final results:")
-        log(INFO, "")
-        for line in io.StringIO(str(result)):
-            log(INFO, "\t%s", line.strip("\n"))
-        log(INFO, "")
-        return result
-
-    def start(
-        self,
-        grid: Grid,
-        initial_arrays: ArrayRecord,
-        num_rounds: int = 3,
-        timeout: float = 3600,
-        train_config: ConfigRecord | None = None,
-        evaluate_config: ConfigRecord | None = None,
-        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
-    ) -> Result:
-        """Run ``num_rounds`` rounds on the grid's clock; same contract as FedAvg.
-
-        Each round calls ``configure_train``, ``aggregate_train`` (over the
-        replies as they arrive), ``configure_evaluate``, ``aggregate_evaluate``
-        and ``evaluate_fn``, as Flower's ``Strategy.start`` does, so a subclass
-        overriding any of them changes the run.
-        """
-        result, done = self._begin(
-            grid,
-            initial_arrays,
-            num_rounds,
-            timeout,
-            train_config,
-            evaluate_config,
-            evaluate_fn,
-        )
-        train_config = ConfigRecord() if train_config is None else train_config
-        evaluate_config = ConfigRecord() if evaluate_config is None else evaluate_config
-        for server_round in range(done + 1, num_rounds + 1):
-            log(INFO, "")
-            log(INFO, "[ROUND %s/%s]", server_round, num_rounds)
-            self._train_stage(server_round, train_config, grid, result)
-            self._evaluate_stage(server_round, evaluate_config, grid, result)
-            self._central_evaluation(server_round, result, evaluate_fn)
-            self._after_round(server_round, result)
-            self._write_checkpoint(server_round, result)
-        return self._end(result, num_rounds - done)
