@@ -64,7 +64,8 @@ def _member(
     from flowerbed.parallel.emulation import DeviceSpeed
     from flowerbed.parallel.member import MemberContext
     from flowerbed.parallel.plan import MemberPlan
-    from flowerbed.parallel.tiled import front_names, run
+    from flowerbed.parallel.tile_member import front_names
+    from flowerbed.parallel.tiled import run
 
     try:
         plan = MemberPlan.from_json(plan_json)
@@ -150,8 +151,8 @@ def measure(
     )
     from flowerbed.parallel.plan import MemberPlan
     from flowerbed.parallel.tile_groups import Cluster, plan_tiles
+    from flowerbed.parallel.tile_member import TileSettings
     from flowerbed.parallel.tile_model import front_geometry
-    from flowerbed.parallel.tiled import TileSettings
 
     model = build_sequential("yolo-tiny", dict(model_args), seed=0)
     shape = (3, image, image)

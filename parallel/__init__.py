@@ -49,9 +49,23 @@ Large-batch synchronous training (S1; Goyal et al. 2017, LARS/LAMB):
 - :mod:`~flowerbed.parallel.optim` — momentum SGD, LARS and LAMB on named NumPy
   arrays (pure).
 
-Pure modules (plan, partition, makespan, recovery, large_batch, optim) import
-neither torch nor torch.distributed, so strategies, the virtual clock and the
-benchmark share them. Nothing here imports :mod:`flowerbed.sims`.
+Fused-tile training (S2; Rama, Threadgill, Gerstlauer, arXiv 2409.09083):
+
+- :mod:`~flowerbed.parallel.tiles` — the tracer: the input region each output
+  tile needs, tile grids sized to device speed (pure).
+- :mod:`~flowerbed.parallel.tile_layout` — a model's geometry, every rank's
+  regions and the pieces exchanged at group boundaries (pure).
+- :mod:`~flowerbed.parallel.tile_groups` — the step's cost model and the
+  grouping DP under memory (pure).
+- :mod:`~flowerbed.parallel.tile_model` — torch layers as ops, ops on regions,
+  normalisation statistics shared across boards.
+- :mod:`~flowerbed.parallel.tile_member` — one member's exact tiled step;
+  :mod:`~flowerbed.parallel.tiled` — the mode's runner, profiler, evaluator.
+
+Pure modules (plan, partition, makespan, recovery, large_batch, optim, tiles,
+tile_layout, tile_groups) import neither torch nor torch.distributed, so
+strategies, the virtual clock and the benchmark share them. Nothing here
+imports :mod:`flowerbed.sims`.
 """
 
 from __future__ import annotations

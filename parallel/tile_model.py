@@ -1,7 +1,7 @@
 """A model's tiled front in torch: layer geometry, ops on regions, shared norms.
 
 :func:`front_geometry` reads an ``nn.Sequential`` into the pure description the
-planner uses (:class:`~flowerbed.parallel.tile_groups.FrontGeometry`): the
+planner uses (:class:`~flowerbed.parallel.tile_layout.FrontGeometry`): the
 operations of every top-level layer that can be tiled, and the costs of the rest.
 :class:`RegionOp` runs one operation on the region a device holds
 (:class:`~flowerbed.parallel.tiles.OpRegion`): it slices what the op reads,
@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .tile_groups import FrontGeometry
+from .tile_layout import FrontGeometry
 from .tiles import (
     NEG_INF,
     NORM,

@@ -10,7 +10,7 @@ a device computes its tile from its region alone; the regions of neighbouring
 tiles overlap (the *halo*), and the overlap is computed redundantly. Rama,
 Threadgill, Gerstlauer ("Distributed Convolutional Neural Network Training on
 Mobile and Edge Clusters", arXiv 2409.09083) apply the same partitioning to the
-forward *and backward* passes of training; :mod:`flowerbed.parallel.tiled` runs
+forward *and backward* passes of training; :mod:`flowerbed.parallel.tile_member` runs
 it, this module only does the geometry (no torch), so the planner, the
 strategy and the tests share it.
 

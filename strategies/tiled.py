@@ -3,7 +3,7 @@
 The Flower side of S2 (Rama, Threadgill, Gerstlauer, "Distributed Convolutional
 Neural Network Training on Mobile and Edge Clusters", arXiv 2409.09083): the
 feature-map-heavy early layers of one model are split into spatial tiles, one per
-board, fused into groups, and trained exactly (:mod:`flowerbed.parallel.tiled`);
+board, fused into groups, and trained exactly (:mod:`flowerbed.parallel.tile_member`);
 the weight-heavy rest runs on one board. Flower is the control plane
 (ARCHITECTURE.md, "Jobs that span devices"): per round this strategy
 
@@ -42,7 +42,8 @@ from typing import Any
 import numpy as np
 from flowerbed import keys
 from flowerbed.parallel.plan import MemberPlan, PlanError
-from flowerbed.parallel.tile_groups import Cluster, TilePlan, layout, plan_tiles
+from flowerbed.parallel.tile_groups import Cluster, TilePlan, plan_tiles
+from flowerbed.parallel.tile_layout import layout
 from flowerbed.parallel.tiles import TileError
 from flwr.app import (
     ArrayRecord,
@@ -461,7 +462,7 @@ class TiledTraining(SpanJobStrategy):
         return SegmentPlan(tile_plan, ordered)
 
     def member_plans(self, segment: SegmentPlan) -> dict[int, MemberPlan]:
-        from flowerbed.parallel.tiled import TileSettings
+        from flowerbed.parallel.tile_member import TileSettings
 
         number, port = self.next_segment()
         tp = segment.tile_plan

@@ -29,15 +29,10 @@ from flowerbed.models import build_sequential
 from flowerbed.parallel.group import free_port, joined_group
 from flowerbed.parallel.member import MemberContext
 from flowerbed.parallel.plan import MemberPlan
-from flowerbed.parallel.tile_groups import layout
+from flowerbed.parallel.tile_layout import layout
+from flowerbed.parallel.tile_member import TiledMember, TileSettings, front_names
 from flowerbed.parallel.tile_model import freeze_front_norms, front_geometry
-from flowerbed.parallel.tiled import (
-    JobData,
-    TiledMember,
-    TileSettings,
-    front_names,
-    run,
-)
+from flowerbed.parallel.tiled import JobData, run
 from ranks import run_ranks
 from torch import nn
 

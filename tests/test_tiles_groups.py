@@ -29,15 +29,8 @@ import math
 
 import pytest
 from flowerbed.parallel.plan import PlanError
-from flowerbed.parallel.tile_groups import (
-    Cluster,
-    FrontGeometry,
-    evaluate,
-    exchange_pieces,
-    group_cost,
-    layout,
-    plan_tiles,
-)
+from flowerbed.parallel.tile_groups import Cluster, evaluate, group_cost, plan_tiles
+from flowerbed.parallel.tile_layout import FrontGeometry, exchange_pieces, layout
 from flowerbed.parallel.tiles import WINDOW, Op, Rect, TileError
 
 CONV = Op("conv1x3", WINDOW, (1, 3), (1, 1), (0, 1), macs_per_pixel=3, params=4)
@@ -159,3 +152,18 @@ def test_the_layout_lists_who_sends_what_at_each_boundary() -> None:
     assert lay.pieces[1] == {(1, 0): Rect(0, 1, 4, 5), (0, 1): Rect(0, 1, 3, 4)}
     assert lay.busiest_bytes(1, 4.0) == 4.0
     assert exchange_pieces([Rect(0, 2, 0, 2)], [Rect(0, 2, 0, 2)]) == {}
+
+
+def test_the_planner_imports_no_torch() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import flowerbed.parallel.tile_groups, flowerbed.parallel.tile_layout\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "False"

@@ -12,13 +12,8 @@ import torch
 from flowerbed.models import build_sequential
 from flowerbed.parallel.member import MemberContext
 from flowerbed.parallel.plan import MemberPlan, PlanError
-from flowerbed.parallel.tiled import (
-    JobData,
-    TileSettings,
-    evaluate,
-    load_state,
-    settings_of,
-)
+from flowerbed.parallel.tile_member import TileSettings, load_state, settings_of
+from flowerbed.parallel.tiled import JobData, evaluate
 
 SETTINGS = TileSettings(
     input_shape=(1, 32, 32), bounds=(0, 2, 4), weights=(1.0, 2.0), bands=1
