@@ -52,6 +52,7 @@ SECTIONS: dict[str, str] = {
     "selection": "flowerbed.bench.selection_section",
     "large-batch": "flowerbed.bench.large_batch_section",
     "tiles": "flowerbed.bench.tiles_section",
+    "pipeline": "flowerbed.bench.pipeline_section",
 }
 """Section name -> module, in the order of the page."""
 

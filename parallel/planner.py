@@ -205,49 +205,100 @@ class PipelinePlanner:
             part = partition(self.costs(), power, bw)
         return Layout(tuple(members), part.bounds), self.step_seconds(part, members)
 
+    def best_subset(
+        self, candidates: Sequence[int], required: Sequence[int] = ()
+    ) -> tuple[Layout, float]:
+        """The best layout over the ``k`` fastest candidates, for the best ``k``.
+
+        FTPipeHD gives every worker a stage; but a device so slow that even one
+        layer on it paces the pipeline below what the others reach without it is
+        better left out (on standby: it takes over when a member is lost). The
+        candidates keep their order; ``required`` ones are always in.
+        """
+        if self.fixed_sizes is not None:
+            return self.best(list(candidates)[: len(self.fixed_sizes)])
+        must = [m for m in candidates if m in set(required)]
+        others = sorted(
+            (m for m in candidates if m not in set(required)),
+            key=lambda m: (self.power[m], m),
+        )
+        found: tuple[Layout, float] | None = None
+        for k in range(max(1, len(must)) - len(must), len(others) + 1):
+            chosen = set(must) | set(others[:k])
+            if not chosen or len(chosen) > self.num_layers:
+                continue
+            layout, seconds = self.best([m for m in candidates if m in chosen])
+            if found is None or seconds < found[1] * (1 - 1e-9):
+                found = (layout, seconds)
+        if found is None:
+            raise PlanError("no member left to train on")
+        return found
+
     # --- decisions ----------------------------------------------------------------
     def decide(
-        self, current: Layout | None, members: Sequence[int], steps_left: int
+        self,
+        current: Layout | None,
+        members: Sequence[int],
+        steps_left: int,
+        required: Sequence[int] = (),
     ) -> Decision:
-        """The next segment's layout (see the module docstring)."""
+        """The next segment's layout among ``members`` (see the module docstring).
+
+        A member of the current layout that is no longer among ``members`` (lost)
+        forces a re-plan; anything else (new members, changed powers) changes the
+        layout only when the gain over ``steps_left`` beats the cost of moving
+        layers.
+        """
         if not members:
             raise PlanError("no member left to train on")
-        layout, seconds = self.best(members)
-        powers = [round(self.power[m], 2) for m in members]
+        layout, seconds = self.best_subset(members, required)
+        standby = [m for m in members if m not in layout.members]
+        powers = [round(self.power[m], 2) for m in layout.members]
+        where = f"members {list(layout.members)}" + (
+            f" (standby {standby})" if standby else ""
+        )
         if current is None:
             return Decision(
                 layout,
                 INITIAL,
                 seconds,
-                f"partition {layout.sizes} over members {list(members)} (computing "
-                f"power {powers}), predicted {seconds:.3f} s/step",
+                f"partition {layout.sizes} over {where} (computing power {powers}), "
+                f"predicted {seconds:.3f} s/step",
             )
-        if tuple(members) != current.members:
+        if any(m not in members for m in current.members):
             moved = moved_layers(
-                current.bounds, current.members, layout.bounds, members
+                current.bounds, current.members, layout.bounds, layout.members
             )
             return Decision(
                 layout,
                 REPLAN,
                 seconds,
-                f"members {list(current.members)} -> {list(members)}: partition "
-                f"{current.sizes} -> {layout.sizes} (computing power {powers}), "
-                f"predicted {seconds:.3f} s/step",
+                f"members {list(current.members)} -> {list(layout.members)}"
+                + (f" (standby {standby})" if standby else "")
+                + f": partition {current.sizes} -> {layout.sizes} (computing power "
+                f"{powers}), predicted {seconds:.3f} s/step",
                 tuple(moved),
             )
         _, now = self.predict(current)
-        if not self.repartition or layout.bounds == current.bounds:
+        if not self.repartition or layout == current:
             return Decision(current, KEEP, now, f"{current.sizes} is still the best")
-        moved = moved_layers(current.bounds, current.members, layout.bounds, members)
+        moved = moved_layers(
+            current.bounds, current.members, layout.bounds, layout.members
+        )
         moved_bytes = sum(self.state_bytes[layer] for layer in moved)
-        bw = min(self._bandwidths(members), default=math.inf)
+        bw = min(self._bandwidths(layout.members), default=math.inf)
         cost = moved_bytes / bw if moved_bytes else 0.0
         gain = (now - seconds) * steps_left
         worth = seconds < (1 - self.threshold) * now and gain > cost
+        change = (
+            f"members {list(current.members)} -> {list(layout.members)}, "
+            if layout.members != current.members
+            else ""
+        )
         reason = (
-            f"{current.sizes} predicted {now:.3f} s/step, {layout.sizes} "
-            f"{seconds:.3f} s/step (computing power {powers}): gain {gain:.2f} s over "
-            f"{steps_left} steps vs {cost:.3f} s to move {len(moved)} layers "
+            f"{change}{current.sizes} predicted {now:.3f} s/step, {layout.sizes} "
+            f"{seconds:.3f} s/step (computing power {powers}): gain {gain:.2f} s "
+            f"over {steps_left} steps vs {cost:.3f} s to move {len(moved)} layers "
             f"({moved_bytes / 1e6:.2f} MB)"
         )
         if worth:

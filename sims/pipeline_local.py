@@ -23,6 +23,7 @@ pipeline`` and by the benchmark's pipeline section.
 
 from __future__ import annotations
 
+import functools
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -35,6 +36,7 @@ from .devices import get_device
 SPAN_APP = "flowerbed.clients.span_app:app"
 
 
+@functools.lru_cache(maxsize=1)
 def reference_flops_per_sample() -> float:
     """Training FLOPs of one sample of the catalogue's reference model."""
     from flowerbed.models import REFERENCE_MODEL, build_model, forward_macs
@@ -107,6 +109,8 @@ class LocalRun:
     """Node id -> device spec."""
     power: dict[int, float] = field(default_factory=dict)
     """Node id -> computing power at the end (time over the reference's)."""
+    profiled_power: dict[int, float] = field(default_factory=dict)
+    """Node id -> computing power measured when it joined."""
     reference_s: float = 0.0
     """Reference device's forward + backward seconds of the whole model, one
     micro-batch."""
@@ -175,5 +179,6 @@ def run_local(
         wall_s=wall,
         members=members,
         power=dict(planner.power),
+        profiled_power=dict(strategy.profiled_power),
         reference_s=reference,
     )

@@ -410,9 +410,10 @@ class PipelineTraining(SpanJobStrategy):
         return sorted(profiles)
 
     def _usable(self) -> list[int]:
-        """Members in stage order: the current layout's, then newcomers; a data
-        holder first when the dataset is the boards' own; the fastest when there
-        are more than stages allowed."""
+        """Candidate members in stage order: the current layout's, then the
+        others; a data holder first when the dataset is the boards' own; the
+        fastest when there are more than stages allowed. The planner may leave
+        slow ones on standby."""
         current = list(self.layout.members) if self.layout else []
         alive = [m for m in current if m in self.members and m not in self.lost]
         alive += sorted(
@@ -666,8 +667,10 @@ class PipelineTraining(SpanJobStrategy):
         began = self.clock.now()
         for attempt in range(1, self.max_attempts + 1):
             try:
+                usable = self._usable()
+                required = usable[:1] if self.dataset == LOCAL_DATASET else []
                 decision = self.planner.decide(
-                    self.layout, self._usable(), self._total_steps - self.step
+                    self.layout, usable, self._total_steps - self.step, required
                 )
             except PlanError as err:
                 log(WARNING, "round %d: %s", server_round, err)

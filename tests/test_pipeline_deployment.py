@@ -191,12 +191,16 @@ def test_pipeline_survives_a_killed_supernode_and_puts_few_layers_on_the_slow_on
     rounds = result["rounds"]
     assert sorted(rounds) == ["1", "2", "3"], why
 
-    # The 10x slower board holds the fewest layers of the first layout.
+    # The 10x slower board holds the fewest layers of the first layout: none
+    # when one layer on it would pace the pipeline below what the other three
+    # reach without it (the planner keeps it on standby and says so).
     first_layout = result["layouts"]["1"]
-    layers = {s["device"]: s["layers"][1] - s["layers"][0] for s in first_layout}
-    assert "n2" in layers, why
-    assert layers["n2"] == min(layers.values())
+    layers = {name: 0 for name in speeds}
+    layers.update({s["device"]: s["layers"][1] - s["layers"][0] for s in first_layout})
+    assert layers["n2"] == min(layers.values()), why
     assert layers["n2"] < max(layers.values())
+    if layers["n2"] == 0:
+        assert "standby" in result["events"][0], why
 
     # The loss was recovered in round 2, at most R steps lost, and logged.
     assert rounds["2"]["recoveries"] >= 1, why

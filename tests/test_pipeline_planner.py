@@ -25,6 +25,7 @@ from flowerbed.parallel.partition import (
     partition,
 )
 from flowerbed.parallel.plan import PlanError
+from flowerbed.parallel.planner import Layout, PipelinePlanner
 from flowerbed.parallel.recovery import Holdings, layer_sources, restart_step
 
 
@@ -221,3 +222,60 @@ def test_a_malformed_holdings_report_is_refused() -> None:
         Holdings(4).add_report(1, [1, 2])
     with pytest.raises(ValueError, match="outside the model's 4 layers"):
         Holdings(4).add_report(1, [1, 2, 9])
+
+
+# --- planner decisions ------------------------------------------------------------
+
+
+def planner(powers: dict[int, float], **changes: object) -> PipelinePlanner:
+    """4 layers of 1 s on the reference (1/3 s forward, 2/3 s backward), m = 4."""
+    settings: dict = {"link_bandwidth": math.inf, **changes}
+    p = PipelinePlanner(
+        out_bytes=[1.0] * 4, state_bytes=[1e6] * 4, micro_batches=4, **settings
+    )
+    p.profiled({m: ([w / 3] * 4, [2 * w / 3] * 4) for m, w in powers.items()})
+    return p
+
+
+def test_a_device_that_would_pace_everyone_down_stays_on_standby() -> None:
+    # A alone: one stage of 4 s, 4 micro-batches: 16 s. With B (100x slower)
+    # B's single layer (100 s) paces the pipeline: far worse, so B waits.
+    p = planner({1: 1.0, 2: 100.0})
+    decision = p.decide(None, [1, 2], steps_left=10)
+    assert decision.layout.members == (1,)
+    assert decision.step_s == pytest.approx(16.0)
+    assert "standby [2]" in decision.reason
+    # B only 2x slower: [3, 1] gives stages of 1 + 2 s and 2/3 + 4/3 s; worked
+    # through torch's 1F1B order, stage 0's last backward ends at 13 s < 16 s,
+    # so both train.
+    both = planner({1: 1.0, 2: 2.0}).decide(None, [1, 2], steps_left=10)
+    assert both.layout == Layout((1, 2), (0, 3, 4))
+    assert both.step_s == pytest.approx(13.0)
+
+
+def test_a_lost_member_forces_a_replan_and_says_so() -> None:
+    p = planner({1: 1.0, 2: 1.0, 3: 1.0})
+    current = Layout((1, 2, 3), (0, 1, 3, 4))
+    decision = p.decide(current, [1, 3], steps_left=10)
+    assert decision.kind == "re-plan"
+    assert decision.layout.members == (1, 3)
+    assert "members [1, 2, 3] -> [1, 3]" in decision.reason
+
+
+def test_a_slowed_member_moves_layers_only_when_the_gain_pays() -> None:
+    p = planner({1: 1.0, 2: 1.0})
+    current = Layout((1, 2), (0, 2, 4))
+    assert p.decide(current, [1, 2], steps_left=10).kind == "keep"
+    # Member 2 measured 3x slower on its 2 layers: stages 2 s and 6 s,
+    # 2 + 6 + 3 x 6 = 26 s/step. [3, 1]: 3 s and 3 s, (4 + 1) x 3 = 15 s/step.
+    p.measured(current, {2: 6.0}, {})
+    assert p.power[2] == pytest.approx(3.0)
+    go = p.decide(current, [1, 2], steps_left=10)
+    assert go.kind == "re-partition"
+    assert go.layout.bounds == (0, 3, 4)
+    assert "26.000 s/step" in go.reason and "15.000 s/step" in go.reason
+    # Moving one layer of 1 MB over a 1 kB/s link costs 1000 s: more than the
+    # 11 s/step gain over 10 steps (110 s): keep.
+    slow_link = planner({1: 1.0, 2: 1.0}, link_bandwidth=1e3)
+    slow_link.measured(current, {2: 6.0}, {})
+    assert slow_link.decide(current, [1, 2], steps_left=10).kind == "keep"

@@ -29,7 +29,7 @@ from flwr.app import ArrayRecord
 MODEL = "deep-mlp"
 ARGS = {"in_features": 64, "hidden": 48, "depth": 8}  # 10 layers
 K, R, BATCH, LR = 10, 3, 16, 0.1
-FAST, SLOW = 0.05, 0.005  # GFLOP/s: a 10x spread
+FAST = 0.05  # GFLOP/s
 
 
 def strategy(**changes: object) -> PipelineTraining:
@@ -129,7 +129,9 @@ def test_slow_device_crash_return_and_slowdown(
         node(tmp_path, "a", FAST, **{"slow-from-step": 40, "slow-factor": 10}),
         # Member 2 loses power at step 14, in round 2.
         node(tmp_path, "b", FAST, **{"crash-at-step": 14}),
-        node(tmp_path, "c", SLOW),  # 10x slower than the others
+        # 1.5x slower: worth a stage (a 3x or 10x slower one waits on standby,
+        # see the planner's tests), with fewer layers.
+        node(tmp_path, "c", FAST / 1.5),
     ]
     grid = ProcessGrid("flowerbed.clients.span_app:app", configs, unavailable_after_s=1)
     grids.append(grid)
@@ -142,14 +144,14 @@ def test_slow_device_crash_return_and_slowdown(
 
     helper = threading.Thread(target=bring_back, daemon=True)
     helper.start()
-    s = strategy()
+    s = strategy(micro_batches=8)
     result = s.start(grid, initial(), num_rounds=6)
     helper.join(60)
     log = "\n".join(s.events)
     rounds = result.train_metrics_clientapp
     assert sorted(rounds) == [1, 2, 3, 4, 5, 6], log
 
-    # Round 1: the 10x slower device holds the fewest layers.
+    # Round 1: the slower device holds the fewest layers.
     assert rounds[1]["stages"] == 3
     sizes = list(rounds[1]["partition"])
     assert sizes[2] == min(sizes) and sizes[2] < sizes[0], log

@@ -1,0 +1,518 @@
+"""Section "pipeline": pipeline training across unequal boards (FTPipeHD, S3).
+
+Three parts:
+
+- ``local``: real runs of :class:`PipelineTraining` on local processes, one per
+  emulated device (``flowerbed.sims.pipeline_local``: catalogue speeds, the
+  emulation slowed ``TIME_SCALE`` times so that real compute stays below it on a
+  small shared machine), a VGG-style CNN on 32x32 digits. Side by side, on a
+  Jetson Nano, a Pi 4B and a Pi 3B at half clock (a 13x spread): samples per
+  second of (a) an even partition — equal layers per stage, and the
+  homogeneous assumption of PipeDream-style partitioners (stages of equal
+  compute, as if the devices were alike) — (b) FTPipeHD's DP, (c) the DP when
+  the Pi 4B slows 4x mid-run, with and without re-partitioning, (d) the best
+  single device alone. The ideal is the sum of the members' capacities (each
+  device training the whole model alone), the bound without communication.
+  Targets (issue 11): >= 3x the even partition, >= 0.8 of the ideal.
+- ``failures``: a Jetson Nano, a Pi 5, a Pi 4B and a Pi 3B at half clock; one
+  member dies mid-round (then two, not adjacent); time lost against the same job
+  without failure, with replication every R steps and with none (restart from
+  the last segment, the central copy).
+- ``virtual``: the makespan model (the virtual clock) for fleets larger than
+  this machine, 3 to 11 catalogue boards on a VGG-style CNN (width 16), links
+  from the catalogue; and the model's error against every local run above
+  (target: within 15%).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .sections import SectionRun
+
+TITLE = "Pipeline training across unequal boards"
+PARTS = ("local", "failures", "virtual")
+FLEET = ("jetson-nano", "rpi4b", "rpi3b@2")
+FAILURE_FLEET = ("jetson-nano", "rpi5", "rpi4b", "rpi3b@2")
+VIRTUAL_CYCLE = ("jetson-nano", "rpi5", "rpi4b", "rpi3b")
+TIME_SCALE = 4.0
+MODEL_ARGS = {"in_channels": 1, "image_size": 32, "num_classes": 10, "width": 8}
+VIRTUAL_ARGS = {"in_channels": 3, "image_size": 32, "num_classes": 10, "width": 16}
+BATCH, MICRO, K, R = 32, 16, 8, 3
+SLOW_FACTOR = 4.0
+TARGET_SPEEDUP = 3.0
+TARGET_IDEAL = 0.8
+TARGET_MODEL_ERROR = 0.15
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("pipeline section")
+    g.add_argument(
+        "--pipeline",
+        help=f"comma-separated subset of: {', '.join(PARTS)} (default all)",
+    )
+
+
+def _parts(args: argparse.Namespace) -> list[str]:
+    raw = getattr(args, "pipeline", None)
+    return [p.strip() for p in raw.split(",") if p.strip()] if raw else list(PARTS)
+
+
+def check(args: argparse.Namespace) -> None:
+    for part in _parts(args):
+        if part not in PARTS:
+            raise ValueError(
+                f"unknown pipeline part {part!r}; valid choices: {', '.join(PARTS)}"
+            )
+
+
+def choices() -> list[str]:
+    return [f"--pipeline: {', '.join(PARTS)}"]
+
+
+def run(ctx: SectionRun) -> dict[str, Any]:
+    import logging
+
+    import flwr.common.logger  # noqa: F401  (sets the flwr logger's level on import)
+
+    logging.getLogger("flwr").setLevel(logging.WARNING)
+    parts = _parts(ctx.args)
+    data: dict[str, Any] = dict(ctx.previous or {})
+    data.pop("error", None)
+    step = ctx.tracker(len(parts))
+    began = time.monotonic()
+    load = _load()
+    if "local" in parts:
+        data["local"] = local(ctx.quick)
+        step("local")
+    if "failures" in parts:
+        data["failures"] = failures(ctx.quick)
+        step("failures")
+    if "virtual" in parts:
+        data["virtual"] = virtual(data.get("local"))
+        step("virtual")
+    data["meta"] = {
+        "seconds": time.monotonic() - began,
+        "load-at-start": load,
+        "time-scale": TIME_SCALE,
+        "quick": ctx.quick,
+    }
+    return data
+
+
+def _load() -> float:
+    try:
+        import os
+
+        return float(os.getloadavg()[0])
+    except OSError:
+        return -1.0
+
+
+# --------------------------------------------------------------------------------
+# Local runs
+# --------------------------------------------------------------------------------
+
+
+def _settings(quick: bool, **changes: Any) -> dict[str, Any]:
+    if quick:
+        settings: dict[str, Any] = {
+            "model": "deep-mlp",
+            "model_args": {"in_features": 64, "hidden": 32, "depth": 6},
+            "input_shape": (1, 8, 8),
+            "dataset": "digits",
+            "steps_per_round": 4,
+            "batch_size": 16,
+            "micro_batches": 4,
+        }
+    else:
+        settings = {
+            "model": "vgg",
+            "model_args": MODEL_ARGS,
+            "input_shape": (1, 32, 32),
+            "dataset": "digits32",
+            "steps_per_round": K,
+            "batch_size": BATCH,
+            "micro_batches": MICRO,
+        }
+    settings.update({"replicate_every": R, "lr": 0.05})
+    settings.update(changes)
+    return settings
+
+
+def _homogeneous_sizes(settings: Mapping[str, Any], stages: int) -> list[int]:
+    """PipeDream-style stages: equal compute, as if every device were alike
+    (the DP with equal powers on per-layer FLOPs)."""
+    import torch
+    from flowerbed.models import build_sequential, count_macs
+    from flowerbed.parallel.partition import LayerCosts, partition
+
+    model = build_sequential(settings["model"], settings["model_args"])
+    micro = settings["batch_size"] // settings["micro_batches"]
+    x = torch.zeros((micro, *settings["input_shape"]))
+    macs = []
+    with torch.no_grad():
+        for layer in model:
+            macs.append(float(count_macs(layer, x)) + 1.0)
+            x = layer(x)
+    n = len(macs)
+    costs = LayerCosts(
+        tuple(2 * m for m in macs), tuple(4 * m for m in macs), (1.0,) * n, (1.0,) * n
+    )
+    return partition(costs, [1.0] * stages).sizes
+
+
+def _run(
+    devices: Sequence[str], settings: dict[str, Any], rounds: int, **aids: Any
+) -> dict[str, Any]:
+    from flowerbed.sims.pipeline_local import nodes_for, run_local
+
+    nodes = nodes_for(devices, TIME_SCALE)
+    for index, aid in aids.get("crash", {}).items():
+        nodes[index].crash_at_step = aid
+    for index, (at, factor) in aids.get("slow", {}).items():
+        nodes[index].slow_from_step, nodes[index].slow_factor = at, factor
+    done = run_local(nodes, settings, rounds=rounds)
+    rounds_data = {
+        int(r): dict(m) for r, m in done.result.train_metrics_clientapp.items()
+    }
+    steady = [m["samples-per-s"] for m in rounds_data.values()]
+    examples = sum(m["num-examples"] for m in rounds_data.values())
+    seconds = sum(m["round-s"] for m in rounds_data.values())
+    errors = [
+        abs(m["predicted-step-s"] - m["step-s"]) / m["step-s"]
+        for m in rounds_data.values()
+        if m["step-s"] > 0
+    ]
+    return {
+        "devices": list(devices),
+        "rounds": rounds_data,
+        "samples-per-s": statistics.median(steady) if steady else 0.0,
+        "last-samples-per-s": steady[-1] if steady else 0.0,
+        "end-to-end-samples-per-s": examples / seconds if seconds else 0.0,
+        "partitions": [m["partition"] for m in rounds_data.values()],
+        "lost-steps": sum(m["lost-steps"] for m in rounds_data.values()),
+        "wall-s": done.wall_s,
+        "events": done.events,
+        "model-errors": errors,
+        "power": {done.members[n]: p for n, p in done.power.items()},
+        "profiled-power": [p for _, p in sorted(done.profiled_power.items())],
+        "reference-s": done.reference_s,
+    }
+
+
+def local(quick: bool) -> dict[str, Any]:
+    fleet = FLEET
+    rounds = 1 if quick else 2
+    base = _settings(quick)
+    layers_even = _even_sizes(base, len(fleet))
+    homogeneous = _homogeneous_sizes(base, len(fleet))
+    runs: dict[str, Any] = {}
+    runs["dp"] = _run(fleet, base, rounds)
+    runs["even-layers"] = _run(fleet, _settings(quick, stage_sizes=layers_even), rounds)
+    runs["even-compute"] = _run(
+        fleet, _settings(quick, stage_sizes=homogeneous), rounds
+    )
+    runs["single"] = _run(fleet, _settings(quick, num_stages=1), rounds)
+    if not quick:
+        slow = {1: (K, SLOW_FACTOR)}  # the Pi 4B slows from round 2 on
+        runs["dp-slowdown"] = _run(fleet, base, 3, slow=slow)
+        runs["dp-slowdown-fixed"] = _run(
+            fleet, _settings(quick, repartition=False), 3, slow=slow
+        )
+    dp = runs["dp"]
+    micro = base["batch_size"] / base["micro_batches"]
+    ideal = sum(micro / (dp["reference-s"] * p) for p in dp["profiled-power"] if p > 0)
+    return {
+        "fleet": list(fleet),
+        "settings": {k: v for k, v in base.items() if k != "input_shape"},
+        "runs": runs,
+        "ideal-samples-per-s": ideal,
+        "even-layers-sizes": layers_even,
+        "even-compute-sizes": homogeneous,
+    }
+
+
+def _even_sizes(settings: Mapping[str, Any], stages: int) -> list[int]:
+    from flowerbed.models import build_sequential
+    from flowerbed.parallel.partition import even_partition
+    from flowerbed.parallel.plan import stage_sizes
+
+    layers = len(build_sequential(settings["model"], settings["model_args"]))
+    return stage_sizes(even_partition(layers, stages))
+
+
+# --------------------------------------------------------------------------------
+# Failures
+# --------------------------------------------------------------------------------
+
+
+def failures(quick: bool) -> dict[str, Any]:
+    fleet = FAILURE_FLEET
+    rounds = 2
+    # In round 2, one step after a replication (R = 3): K + 5 (full), K + 3 (quick).
+    crash_step = 7 if quick else K + 5
+    cases = {
+        "none": {},
+        "one": {"crash": {1: crash_step}},
+        "two": {"crash": {1: crash_step, 3: crash_step}},  # ranks 1 and 3
+    }
+    out: dict[str, Any] = {"fleet": list(fleet), "crash-step": crash_step}
+    for every, label in ((R, "replicated"), (0, "segment-restart")):
+        settings = _settings(quick, replicate_every=every)
+        for case, aids in cases.items():
+            if quick and case == "two":
+                continue
+            out[f"{label}/{case}"] = _run(fleet, settings, rounds, **aids)
+    return out
+
+
+# --------------------------------------------------------------------------------
+# The virtual clock
+# --------------------------------------------------------------------------------
+
+
+def virtual(local_data: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Predicted throughput of larger fleets, and the model's measured error."""
+    import torch
+    from flowerbed.models import build_sequential, count_macs
+    from flowerbed.parallel.makespan import replicate_s
+    from flowerbed.parallel.planner import Layout, PipelinePlanner
+    from flowerbed.sims.devices import get_device
+    from flowerbed.sims.pipeline_local import device_gflops
+
+    model = build_sequential("vgg", VIRTUAL_ARGS)
+    micro = BATCH // MICRO
+    x = torch.zeros((micro, 3, 32, 32))
+    macs, out_bytes, state = [], [], []
+    with torch.no_grad():
+        for layer in model:
+            macs.append(float(count_macs(layer, x)))
+            x = layer(x)
+            out_bytes.append(4.0 * x.numel())
+            state.append(4.0 * sum(p.numel() for p in layer.parameters()))
+    rows = []
+    for count in (3, 4, 6, 8, 11):
+        devices = [VIRTUAL_CYCLE[i % len(VIRTUAL_CYCLE)] for i in range(count)]
+        rates = [device_gflops(d) * 1e9 for d in devices]
+        fastest = max(rates)
+        planner = PipelinePlanner(
+            out_bytes=out_bytes,
+            state_bytes=state,
+            micro_batches=MICRO,
+            link_bandwidth=min(get_device(d).uplink_mbps for d in devices) * 1e6 / 8,
+        )
+        planner.profiled(
+            {
+                i: (
+                    [2 * m / rate for m in macs],
+                    [4 * m / rate for m in macs],
+                )
+                for i, rate in enumerate(rates)
+            }
+        )
+        members = list(range(count))
+        best, t_dp = planner.best_subset(members)
+        homogeneous = PipelinePlanner(
+            out_bytes=out_bytes,
+            state_bytes=state,
+            micro_batches=MICRO,
+            link_bandwidth=planner.link_bandwidth,
+        )
+        homogeneous.profiled(
+            {
+                i: ([2 * m / fastest for m in macs], [4 * m / fastest for m in macs])
+                for i in members
+            }
+        )
+        even_layout = Layout(tuple(members), homogeneous.best(members)[0].bounds)
+        _, t_even = planner.predict(even_layout)
+        ideal = sum(micro / (6 * sum(macs) / r) for r in rates)
+        used = len(best.members)
+        stage_state = [
+            sum(state[best.bounds[s] : best.bounds[s + 1]]) for s in range(used)
+        ]
+        bw = [planner.link(a, (a + 1) % count) for a in best.members]
+        repl = replicate_s(stage_state, bw) / R
+        rows.append(
+            {
+                "devices": count,
+                "dp-samples-per-s": BATCH / t_dp,
+                "even-samples-per-s": BATCH / t_even,
+                "ideal-samples-per-s": ideal,
+                "dp-sizes": best.sizes,
+                "used": used,
+                "replication-s-per-step": repl,
+                "step-s": t_dp,
+            }
+        )
+    errors = []
+    for group in ("runs",):
+        for run_data in ((local_data or {}).get(group) or {}).values():
+            errors += run_data.get("model-errors", [])
+    return {
+        "model": "vgg width 16, 3x32x32",
+        "rows": rows,
+        "model-errors": errors,
+        "max-model-error": max(errors) if errors else None,
+    }
+
+
+# --------------------------------------------------------------------------------
+# The page
+# --------------------------------------------------------------------------------
+
+
+def _met(ok: bool) -> str:
+    return "**met**" if ok else "**not met**"
+
+
+def render(data: Mapping[str, Any]) -> list[str]:
+    lines = ["## Pipeline training across unequal boards (FTPipeHD, S3)", ""]
+    if "error" in data:
+        return [*lines, f"The section failed: {data['error']}", ""]
+    meta = data.get("meta", {})
+    if meta:
+        lines += [
+            f"Measured by `flowerbed bench --sections pipeline` in "
+            f"{meta.get('seconds', 0) / 60:.1f} min (load average "
+            f"{meta.get('load-at-start', -1):.1f} at the start, 2 cores); devices "
+            f"emulated {meta.get('time-scale', TIME_SCALE):g}x slower than the "
+            "catalogue (ratios do not depend on it)"
+            + (" — **quick mode, toy sizes**" if meta.get("quick") else "")
+            + ".",
+            "",
+        ]
+    if "local" in data:
+        lines += _render_local(data["local"])
+    if "failures" in data:
+        lines += _render_failures(data["failures"])
+    if "virtual" in data:
+        lines += _render_virtual(data["virtual"])
+    return lines
+
+
+def _render_local(d: Mapping[str, Any]) -> list[str]:
+    runs = d["runs"]
+    ideal = d["ideal-samples-per-s"]
+    labels = {
+        "even-layers": f"(a) even: equal layers {d['even-layers-sizes']}",
+        "even-compute": "(a) even: equal compute (PipeDream's homogeneous "
+        f"assumption) {d['even-compute-sizes']}",
+        "dp": "(b) FTPipeHD DP",
+        "dp-slowdown": f"(c) DP, Pi 4B {SLOW_FACTOR:g}x slower from round 2, "
+        "re-partitioning",
+        "dp-slowdown-fixed": "(c) same slowdown, partition kept",
+        "single": "(d) best single device",
+    }
+    lines = [
+        f"### Throughput on {', '.join(d['fleet'])} (local processes)",
+        "",
+        f"Model `{d['settings']['model']}`, {d['settings']['batch_size']} samples per "
+        f"step in {d['settings']['micro_batches']} micro-batches, 1F1B, replication "
+        f"every {d['settings']['replicate_every']} steps. Steady samples/s = batch / "
+        "measured step time (median over rounds; for (c) the last round); "
+        "end-to-end includes each round's Flower messages and group set-up.",
+        "",
+        "| configuration | partitions | samples/s | end-to-end samples/s | x even "
+        "(compute) | of ideal |",
+        "|---|---|---|---|---|---|",
+    ]
+    base = runs["even-compute"]["samples-per-s"] or math.nan
+    for key, label in labels.items():
+        if key not in runs:
+            continue
+        r = runs[key]
+        value = (
+            r["last-samples-per-s"] if key.startswith("dp-slow") else r["samples-per-s"]
+        )
+        lines.append(
+            f"| {label} | {r['partitions']} | {value:.2f} "
+            f"| {r['end-to-end-samples-per-s']:.2f} | {value / base:.2f} "
+            f"| {value / ideal:.2f} |"
+        )
+    dp = runs["dp"]["samples-per-s"]
+    speedup = dp / base
+    speedup_layers = dp / (runs["even-layers"]["samples-per-s"] or math.nan)
+    lines += [
+        "",
+        f"Ideal (sum of the members' capacities, each training the whole model "
+        f"alone): {ideal:.2f} samples/s.",
+        "",
+        f"- Target >= {TARGET_SPEEDUP:g}x over the even partition: DP "
+        f"{speedup:.2f}x over equal compute, {speedup_layers:.2f}x over equal "
+        f"layers — {_met(speedup >= TARGET_SPEEDUP)}.",
+        f"- Target >= {TARGET_IDEAL:g} of the ideal: {dp / ideal:.2f} — "
+        f"{_met(dp / ideal >= TARGET_IDEAL)}.",
+    ]
+    for key in ("dp-slowdown", "dp-slowdown-fixed"):
+        if key in runs and runs[key]["events"]:
+            repartitions = [e for e in runs[key]["events"] if "re-partition" in e]
+            if repartitions:
+                lines.append(f"- Re-partition logged: `{repartitions[0]}`")
+    return [*lines, ""]
+
+
+def _render_failures(d: Mapping[str, Any]) -> list[str]:
+    lines = [
+        f"### Failures on {', '.join(d['fleet'])}",
+        "",
+        f"Members die (their process exits) at step {d['crash-step']}, mid-round 2. "
+        "Time lost = the job's wall time minus the same job's without failure "
+        "(same replication setting); replicated = a ring copy every "
+        f"{R} steps, segment restart = no replication, back to the last segment "
+        "(the central copy).",
+        "",
+        "| replication | failures | lost steps | wall s | time lost s |",
+        "|---|---|---|---|---|",
+    ]
+    for label in ("replicated", "segment-restart"):
+        none = d.get(f"{label}/none")
+        for case in ("none", "one", "two"):
+            r = d.get(f"{label}/{case}")
+            if r is None:
+                continue
+            lost = r["wall-s"] - none["wall-s"] if none else math.nan
+            lines.append(
+                f"| {label} | {case} | {r['lost-steps']} | {r['wall-s']:.1f} "
+                f"| {lost:.1f} |"
+            )
+    return [*lines, ""]
+
+
+def _render_virtual(d: Mapping[str, Any]) -> list[str]:
+    lines = [
+        "### The virtual clock: larger fleets",
+        "",
+        f"Makespan model of 1F1B ({MICRO} micro-batches of {BATCH // MICRO}), "
+        f"{d['model']}, devices cycling through {', '.join(VIRTUAL_CYCLE)} at "
+        "catalogue speeds, links at the slowest device's catalogue bandwidth; "
+        f"replication every {R} steps, its time spread per step.",
+        "",
+        "| devices | DP samples/s | DP uses | even (compute) samples/s | DP / even "
+        "| ideal | of ideal | DP sizes | replication s/step |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in d["rows"]:
+        lines.append(
+            f"| {r['devices']} | {r['dp-samples-per-s']:.2f} | {r['used']} "
+            f"| {r['even-samples-per-s']:.2f} "
+            f"| {r['dp-samples-per-s'] / r['even-samples-per-s']:.2f} "
+            f"| {r['ideal-samples-per-s']:.2f} "
+            f"| {r['dp-samples-per-s'] / r['ideal-samples-per-s']:.2f} "
+            f"| {r['dp-sizes']} | {r['replication-s-per-step']:.3f} |"
+        )
+    worst = d.get("max-model-error")
+    if worst is not None:
+        lines += [
+            "",
+            f"- Model against the local runs: largest error of the predicted step "
+            f"time {worst:.0%} over {len(d['model-errors'])} rounds; target within "
+            f"{TARGET_MODEL_ERROR:.0%} — {_met(worst <= TARGET_MODEL_ERROR)}.",
+        ]
+    return [*lines, ""]

@@ -1,0 +1,76 @@
+"""The benchmark's pipeline section: options, the virtual clock part, the page."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+from flowerbed.bench import pipeline_section as section
+
+
+def test_unknown_parts_are_named() -> None:
+    with pytest.raises(ValueError, match="unknown pipeline part 'fast'"):
+        section.check(argparse.Namespace(pipeline="local,fast"))
+    section.check(argparse.Namespace(pipeline="virtual"))
+
+
+def test_the_virtual_clock_predicts_larger_fleets() -> None:
+    data = section.virtual(None)
+    rows = {r["devices"]: r for r in data["rows"]}
+    assert sorted(rows) == [3, 4, 6, 8, 11]
+    for r in rows.values():
+        # The DP can always fall back to a subset, so it never loses to the
+        # partition that assumes equal devices, and never beats the ideal.
+        assert r["dp-samples-per-s"] >= r["even-samples-per-s"] * (1 - 1e-9)
+        assert r["dp-samples-per-s"] <= r["ideal-samples-per-s"]
+        assert 1 <= r["used"] <= r["devices"]
+        assert sum(r["dp-sizes"]) == 11
+    assert data["max-model-error"] is None  # no local runs given
+
+
+def run(samples: float, model_error: float) -> dict:
+    return {
+        "devices": ["a", "b"],
+        "rounds": {},
+        "samples-per-s": samples,
+        "last-samples-per-s": samples,
+        "end-to-end-samples-per-s": samples / 2,
+        "partitions": [[6, 5]],
+        "lost-steps": 0,
+        "wall-s": 10.0,
+        "events": ["step 8: re-partition: because"],
+        "model-errors": [model_error],
+    }
+
+
+def test_the_page_states_each_target_and_whether_it_is_met() -> None:
+    local = {
+        "fleet": ["jetson-nano", "rpi4b"],
+        "settings": {
+            "model": "vgg",
+            "batch_size": 32,
+            "micro_batches": 16,
+            "replicate_every": 3,
+        },
+        "runs": {
+            "even-layers": run(8.0, 0.05),
+            "even-compute": run(10.0, 0.05),
+            "dp": run(40.0, 0.05),
+            "single": run(30.0, 0.05),
+            "dp-slowdown": run(35.0, 0.2),
+        },
+        "ideal-samples-per-s": 45.0,
+        "even-layers-sizes": [6, 5],
+        "even-compute-sizes": [5, 6],
+    }
+    page = "\n".join(
+        section.render({"local": local, "virtual": section.virtual(local)})
+    )
+    # 40 / 10 = 4x over equal compute (>= 3x: met); 40 / 45 = 0.89 of the ideal
+    # (>= 0.8: met); the worst model error 20% (> 15%: not met).
+    assert "DP 4.00x over equal compute, 5.00x over equal layers — **met**" in page
+    assert "Target >= 0.8 of the ideal: 0.89 — **met**" in page
+    assert "largest error of the predicted step time 20%" in page
+    assert "**not met**" in page
+    assert "Re-partition logged: `step 8: re-partition: because`" in page
+    assert section.render({"error": "boom"})[-2] == "The section failed: boom"
