@@ -242,3 +242,26 @@ def test_co_located_boards_share_a_subnet() -> None:
     assert sorted(m.node_id for m in chosen) == [1, 2, 4]
     assert subnet_of("192.168.1.77", 24) == "192.168.1.0/24"
     assert subnet_of("pi-b.lab.example", 24) == "dns:lab.example"
+
+
+def test_tiles_follow_the_boards_measured_speeds() -> None:
+    # Rank 0 is the board with the most memory (node 2); the others follow by
+    # node id. A board twice as fast gets a tile twice as large, on every map.
+    from flowerbed.parallel.tile_layout import layout
+
+    strategy = tiled(bands=1)
+    segment = strategy.plan_segment(
+        [Board(1, HOST, 2e6, 1e9), Board(2, HOST, 1e6, 2e9), Board(3, HOST, 1e6, 1e9)]
+    )
+    assert [b.node_id for b in segment.boards] == [2, 1, 3]
+    assert segment.tile_plan.weights == (1e6, 2e6, 1e6)
+    lay = layout(
+        strategy.geometry(),
+        segment.tile_plan.bounds,
+        segment.tile_plan.weights,
+        segment.tile_plan.bands,
+    )
+    for tiles in lay.tiles:
+        areas = [t.area for t in tiles]
+        assert areas[1] == pytest.approx(2 * areas[0], rel=0.25)
+        assert areas[0] == pytest.approx(areas[2], rel=0.25)
