@@ -205,3 +205,24 @@ def test_two_failures_at_once_adjacent_and_not(
     assert "restart at step 20, 4 steps lost (from the central copy)" in log
     assert rounds[3]["stages"] == 1
     assert_same_weights(result.arrays, 30, batch=20)
+
+
+def test_the_docs_resnet_cut_at_block_boundaries_is_a_valid_pipeline_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    page = (Path(__file__).parents[1] / "docs" / "pipeline.md").read_text()
+    blocks = [b.split("```", 1)[0] for b in page.split("```python\n")[1:]]
+    [resnet] = [b for b in blocks if "class Block" in b]
+    (tmp_path / "resnet_doc.py").write_text(resnet)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    s = strategy(model="resnet_doc:build", model_args={}, input_shape=(3, 32, 32))
+    assert s.num_layers == 6  # stem, four residual blocks, head
+    # Its residual blocks are whole layers: the state names start with them.
+    assert {name.split(".")[0] for name in s.reference_state} == {
+        "0",
+        "1",
+        "2",
+        "3",
+        "4",
+        "5",
+    }

@@ -19,6 +19,7 @@ PAGES = {
     "LargeBatchSync": "large-batch-sync.md",
     "LargeBatchRounds": "large-batch-rounds.md",
     "TiledTraining": "tiled.md",
+    "PipelineTraining": "pipeline.md",
 }
 
 
