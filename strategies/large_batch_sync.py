@@ -36,7 +36,6 @@ from typing import Any
 
 import numpy as np
 from flowerbed import keys
-from flowerbed.models import build_sequential
 from flowerbed.parallel.large_batch import LrSchedule, batch_shares, share_bounds
 from flowerbed.parallel.optim import OPTIMIZERS
 from flowerbed.parallel.plan import MemberPlan
@@ -220,6 +219,8 @@ class LargeBatchSync(SpanJobStrategy):
         )
         self.model = model
         self.model_args = dict(model_args or {})
+        from flowerbed.models import build_sequential  # torch: not at import
+
         reference = build_sequential(model, self.model_args, seed=0)
         self.reference_state = {
             k: tuple(v.shape) for k, v in reference.state_dict().items()

@@ -14,6 +14,7 @@ from flowerbed.bench import machinery as bench_machinery
 from flowerbed.bench import suite
 from flowerbed.bench.cli import sections_from_args
 from flowerbed.bench.machinery_section import PARTS
+from flowerbed.bench.sections import SECTIONS
 from flowerbed.cli import main
 
 
@@ -25,7 +26,7 @@ def test_quick_bench_writes_page_results_and_one_plot_per_workload(
 
     results = json.loads((out / "benchmarks" / "results.json").read_text())
     assert results["format"] == 2
-    assert list(results["sections"]) == ["suite", "machinery", "selection"]
+    assert list(results["sections"]) == list(SECTIONS)
     for entry in results["sections"].values():
         for key in ("created", "command", "machine", "versions", "wall_s", "data"):
             assert key in entry
@@ -210,7 +211,7 @@ def test_planned_memory_follows_each_algorithm() -> None:
         ("machinery", "gpu", "unknown machinery part 'gpu'; valid choices: "),
         ("machinery", "selection", "unknown machinery part 'selection'; valid "),
         ("seeds", 0, "--seeds must be >= 1"),
-        ("sections", "suite,tiles", "unknown section 'tiles'; valid choices: "),
+        ("sections", "suite,gpu", "unknown section 'gpu'; valid choices: "),
     ],
 )
 def test_bad_options_name_the_valid_choices(
