@@ -31,6 +31,8 @@ Shared machinery (every kind of span job uses it):
   kind of job registers its runner there.
 - :mod:`~flowerbed.parallel.data` — job datasets and :func:`batch_indices` (the
   batch of a global step, the same on every retry).
+- :mod:`~flowerbed.parallel.collectives` — what a ring all-reduce costs on a
+  link (pure; the one formula the tile cost model and ``sims.links`` share).
 
 Pipeline training (FTPipeHD, Chen et al., arXiv 2110.02781):
 
@@ -62,10 +64,10 @@ Fused-tile training (S2; Rama, Threadgill, Gerstlauer, arXiv 2409.09083):
 - :mod:`~flowerbed.parallel.tile_member` — one member's exact tiled step;
   :mod:`~flowerbed.parallel.tiled` — the mode's runner, profiler, evaluator.
 
-Pure modules (plan, partition, makespan, recovery, large_batch, optim, tiles,
-tile_layout, tile_groups) import neither torch nor torch.distributed, so
-strategies, the virtual clock and the benchmark share them. Nothing here
-imports :mod:`flowerbed.sims`.
+Pure modules (plan, collectives, partition, makespan, recovery, large_batch,
+optim, tiles, tile_layout, tile_groups) import neither torch nor
+torch.distributed, so strategies, the virtual clock and the benchmark share
+them. Nothing here imports :mod:`flowerbed.sims`.
 """
 
 from __future__ import annotations

@@ -34,7 +34,8 @@ profiler)::
     ring(B) = 2 (D - 1) / D * B / bw + 2 (D - 1) a
 
 (``ring``: the ring all-reduce, Thakur, Rabenseifner, Gropp, "Optimization of
-collective communication operations in MPICH", IJHPCA 2005; PARALLEL.md.) Each
+collective communication operations in MPICH", IJHPCA 2005; PARALLEL.md; one
+home for the formula: :mod:`flowerbed.parallel.collectives`.) Each
 device's link to the switch is full duplex, so a phase lasts as long as the
 busiest port's larger direction. ``tile_s(i)`` is the tile grid of map ``i``
 (:func:`flowerbed.parallel.tiles.tile_grid`), which depends only on the map, so
@@ -62,6 +63,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from .collectives import ring_allreduce_seconds
 from .plan import PlanError
 from .tile_layout import (
     FrontGeometry,
@@ -138,12 +140,10 @@ class Cluster:
         return self.bands or auto_bands(height, width, self.size)
 
     def ring_s(self, nbytes: float) -> float:
-        """Seconds of a ring all-reduce of ``nbytes`` (module docstring)."""
-        d = self.size
-        if d == 1:
-            return 0.0
-        return 2 * (d - 1) / d * nbytes / self.link_bytes_per_s + 2 * (d - 1) * (
-            self.latency_s
+        """Seconds of a ring all-reduce of ``nbytes`` among the cluster's devices
+        (:func:`~flowerbed.parallel.collectives.ring_allreduce_seconds`)."""
+        return ring_allreduce_seconds(
+            self.size, nbytes, self.link_bytes_per_s * 8e-6, self.latency_s
         )
 
     def transfer_s(self, nbytes: float) -> float:

@@ -7,10 +7,9 @@ Wi-Fi airtime (:func:`round_times`, the hook of the in-process engine:
 ring algorithm costs on that network (:meth:`Network.allreduce_seconds`), so a
 synchronous data-parallel step costs :func:`sync_step_seconds`.
 
-**Ring all-reduce** (reduce-scatter then all-gather; Patarasuk and Yuan,
-"Bandwidth optimal all-reduce algorithms for clusters of workstations", JPDC
-69(2), 2009; Thakur, Rabenseifner, Gropp, "Optimization of collective
-communication operations in MPICH", IJHPCA 19(1), 2005, Sec. 4):
+**Ring all-reduce** (reduce-scatter then all-gather; Patarasuk and Yuan 2009;
+Thakur, Rabenseifner, Gropp 2005; :func:`ring_allreduce_seconds`, whose one home
+is :mod:`flowerbed.parallel.collectives`, shared with the fused-tile cost model):
 
     T = 2 (N - 1) / N * bytes / bandwidth + 2 (N - 1) * latency
 
@@ -68,6 +67,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from flowerbed import keys
+from flowerbed.parallel.collectives import ring_allreduce_seconds
 from flwr.app import Message, MessageType
 
 SERVER = -1
@@ -89,23 +89,6 @@ WIRED_LATENCY_S = 100e-6
 def ethernet_goodput_mbps(line_mbps: float) -> float:
     """TCP goodput of an Ethernet link: ``line x 1448 / 1538`` (module doc)."""
     return line_mbps * TCP_PAYLOAD_BYTES / ETHERNET_WIRE_BYTES
-
-
-def ring_allreduce_seconds(
-    n: int, num_bytes: float, bandwidth_mbps: float, latency_s: float
-) -> float:
-    """``2 (n - 1) / n * bytes / bandwidth + 2 (n - 1) * latency`` (module doc).
-
-    0 for a single device (nothing to exchange).
-    """
-    if n < 1:
-        raise ValueError(f"an all-reduce needs at least one device, got {n}")
-    if not bandwidth_mbps > 0:
-        raise ValueError(f"bandwidth must be > 0 Mbit/s, got {bandwidth_mbps}")
-    if n == 1:
-        return 0.0
-    seconds_per_byte = 8.0 / (bandwidth_mbps * 1e6)
-    return 2 * (n - 1) / n * num_bytes * seconds_per_byte + 2 * (n - 1) * latency_s
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from flowerbed.models import charged_costs
 from flowerbed.sims.devices import get_device
@@ -31,6 +33,21 @@ def test_ring_allreduce_by_hand() -> None:
     assert ring_allreduce_seconds(1, 1e6, 100.0, 1e-3) == 0.0
     with pytest.raises(ValueError, match="at least one device"):
         ring_allreduce_seconds(0, 1e6, 100.0, 0.0)
+    with pytest.raises(ValueError, match="bandwidth must be > 0"):
+        ring_allreduce_seconds(2, 1e6, math.nan, 0.0)
+    with pytest.raises(ValueError, match="latency must be >= 0"):
+        ring_allreduce_seconds(2, 1e6, 100.0, -1.0)
+
+
+def test_one_ring_formula_for_the_simulator_and_the_tile_cost_model() -> None:
+    """The same 4 devices, 1 MB, 100 Mbit/s (12.5 MB/s), 1 ms: 0.126 s both ways."""
+    from flowerbed.parallel import collectives
+    from flowerbed.parallel.tile_groups import Cluster
+
+    assert ring_allreduce_seconds is collectives.ring_allreduce_seconds
+    cluster = Cluster(speeds=(1.0,) * 4, link_bytes_per_s=12.5e6, latency_s=1e-3)
+    assert cluster.ring_s(1e6) == pytest.approx(0.126)
+    assert Cluster(speeds=(1.0,)).ring_s(1e6) == 0.0
 
 
 def test_ethernet_goodput_and_usb_adapters() -> None:
