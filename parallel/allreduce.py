@@ -46,9 +46,10 @@ from .data import batch_indices, load_job_dataset
 from .emulation import TimedModule
 from .group import PeerFailure, joined_group
 from .large_batch import LrSchedule, loss_scale
-from .member import MemberContext, MemberResult, MetricValue
+from .member import MemberContext, MemberResult, MetricValue, load_module_state
 from .optim import LargeBatchOptimizer
 from .plan import MemberPlan, PlanError
+from .store import MOMENTUM_PREFIX
 
 MODE = "allreduce"
 LOCAL_DATASET = "local"
@@ -61,7 +62,7 @@ POWERSGD_RANK = "powersgd-rank"
 SCHEDULE = "schedule"
 """Plan option holding :meth:`LrSchedule.to_config` (base-lr, base-batch ...)."""
 COMPRESSIONS = ("none", "fp16", "powersgd")
-OPTIMIZER_PREFIX = "momentum:"
+OPTIMIZER_PREFIX = MOMENTUM_PREFIX
 """How the span ClientApp prefixes optimiser-state arrays."""
 
 
@@ -134,17 +135,10 @@ def build_member_model(plan: MemberPlan, arrays: Mapping[str, np.ndarray]) -> nn
         raise PlanError(f"plan model: {err}") from None
     weights = {k: v for k, v in arrays.items() if not k.startswith(OPTIMIZER_PREFIX)}
     if weights:
-        state = model.state_dict()
-        missing = sorted(set(state) - set(weights))
-        extra = sorted(set(weights) - set(state))
-        if missing or extra:
-            raise PlanError(
-                f"weights do not fit model {plan.model!r}: missing {missing[:5]}, "
-                f"unexpected {extra[:5]}"
-            )
-        model.load_state_dict(
-            {k: torch.from_numpy(np.array(v)) for k, v in weights.items()}
-        )
+        try:
+            load_module_state(model, None, weights, strict=True)
+        except PlanError as err:
+            raise PlanError(f"weights do not fit model {plan.model!r}: {err}") from None
     return model
 
 
@@ -311,7 +305,7 @@ def evaluate(
         )
     except ValueError as err:
         raise PlanError(f"evaluation model: {err}") from None
-    model.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in arrays.items()})
+    load_module_state(model, None, arrays, strict=True)
     data = load_job_dataset(str(query.get("dataset", "")))
     model.eval()
     with torch.no_grad():

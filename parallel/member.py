@@ -8,7 +8,10 @@ speed), calls the mode's runner (:mod:`flowerbed.parallel.modes`) and turns the
 returns ``ok=False`` with the failure, so the strategy always hears from every
 survivor (an error reply is kept for problems of the plan or the board).
 
-Moving states between members goes through :func:`exchange_ring` (every member
+A member's state (weights, buffers, SGD momentum, by full-model name) comes out
+of a module with :func:`module_state` and goes in with :func:`load_module_state`
+(shapes checked; every mode uses these two). Moving states between members goes
+through :func:`exchange_ring` (every member
 sends to its successor and receives from its predecessor at once: replication)
 and :func:`send_state` / :func:`recv_state` (one pair: layers moving at a
 segment start). States travel as serialised bytes, so names, dtypes and shapes
@@ -26,10 +29,12 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
 from .emulation import DeviceSpeed
 from .group import check_bindable
-from .store import LayerStore, State
+from .plan import PlanError
+from .store import MOMENTUM_PREFIX, LayerStore, State
 
 MetricValue = int | float | list[int] | list[float]
 
@@ -91,6 +96,88 @@ class MemberResult:
     optimizer: dict[str, np.ndarray] = field(default_factory=dict)
     failure: str = ""
     info: dict[str, Any] = field(default_factory=dict)
+
+
+def module_state(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> State:
+    """Copies of a module's weights and buffers and of its SGD momentum buffers
+    (under ``"momentum:" + name``), by full-model name: what a member saves,
+    replicates and replies (:mod:`~flowerbed.parallel.store`'s layout)."""
+    state: State = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    if optimizer is not None:
+        for name, param in module.named_parameters():
+            buffer = optimizer.state.get(param, {}).get("momentum_buffer")
+            if buffer is not None:
+                state[MOMENTUM_PREFIX + name] = buffer.detach().clone()
+    return state
+
+
+def load_module_state(
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    state: Mapping[str, torch.Tensor | np.ndarray],
+    *,
+    strict: bool = False,
+) -> None:
+    """Load :func:`module_state`'s layout (tensors or NumPy arrays) into a module.
+
+    Every weight and buffer of ``module`` is required, with its shape; momentum
+    buffers are optional (a fresh optimiser starts without) but must have their
+    parameter's shape. Names the module lacks are ignored (a stage or a tile
+    member holds part of the model) unless ``strict`` (the whole model). Raises
+    :class:`PlanError` naming what does not fit; nothing is loaded then.
+    """
+    weights = {k: v for k, v in state.items() if not k.startswith(MOMENTUM_PREFIX)}
+    expected = module.state_dict()
+    missing = sorted(set(expected) - set(weights))
+    extra = sorted(set(weights) - set(expected)) if strict else []
+    if missing or extra:
+        raise PlanError(
+            f"the state does not fit this member's layers: {len(missing)} arrays "
+            f"missing, e.g. {missing[:3]}, {len(extra)} unexpected, e.g. "
+            f"{extra[:3]}: server and board build different models"
+        )
+    params = dict(module.named_parameters())
+    for name, value in state.items():
+        if name.startswith(MOMENTUM_PREFIX):
+            like = params.get(name[len(MOMENTUM_PREFIX) :])
+        else:
+            like = expected.get(name)
+        if like is not None and tuple(value.shape) != tuple(like.shape):
+            raise PlanError(
+                f"array {name!r} has shape {list(value.shape)}, the model's is "
+                f"{list(like.shape)}: server and board build different models"
+            )
+    module.load_state_dict({k: _tensor(weights[k]) for k in expected})
+    if optimizer is None:
+        return
+    for name, param in params.items():
+        buffer = state.get(MOMENTUM_PREFIX + name)
+        if buffer is not None:
+            momentum = _tensor(buffer).to(param.dtype)
+            optimizer.state[param]["momentum_buffer"] = momentum
+
+
+def result_arrays(
+    state: Mapping[str, torch.Tensor],
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """A :func:`module_state` split for :class:`MemberResult`: the weights, and
+    the momentum buffers without their prefix (the ClientApp adds it back)."""
+    arrays = {
+        k: v.numpy() for k, v in state.items() if not k.startswith(MOMENTUM_PREFIX)
+    }
+    momentum = {
+        k[len(MOMENTUM_PREFIX) :]: v.numpy()
+        for k, v in state.items()
+        if k.startswith(MOMENTUM_PREFIX)
+    }
+    return arrays, momentum
+
+
+def _tensor(value: torch.Tensor | np.ndarray) -> torch.Tensor:
+    """A tensor owning its memory (a message's arrays may be read-only views)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    return torch.from_numpy(np.array(value))
 
 
 def state_to_bytes(state: Mapping[str, torch.Tensor]) -> torch.Tensor:

@@ -51,9 +51,18 @@ from torch import nn
 from .data import batch_indices, load_job_dataset
 from .emulation import TimedModule
 from .group import PeerFailure, joined_group
-from .member import MemberContext, MemberResult, MetricValue, recv_state, send_state
+from .member import (
+    MemberContext,
+    MemberResult,
+    MetricValue,
+    load_module_state,
+    module_state,
+    recv_state,
+    result_arrays,
+    send_state,
+)
 from .plan import SOURCE_CENTRAL, SOURCE_PEER, SOURCE_SELF, MemberPlan, PlanError
-from .store import MOMENTUM_PREFIX, OWN, REPLICA, LayerStore, State, layer_of
+from .store import OWN, REPLICA, LayerStore, State, layer_of
 
 INPUT_SHAPE = "input-shape"
 """Plan/query option: the shape of one sample (e.g. ``[1, 32, 32]``)."""
@@ -86,42 +95,6 @@ def stage_module(model: nn.Sequential, layers: range) -> nn.Sequential:
     """The layers ``layers`` of ``model`` as a Sequential keeping their indices as
     names, so its ``state_dict`` uses the whole model's names."""
     return nn.Sequential(OrderedDict((str(i), model[i]) for i in layers))
-
-
-def stage_state(stage: nn.Module, optimizer: torch.optim.Optimizer | None) -> State:
-    """Weights and momentum buffers of a stage, by full-model name."""
-    state: State = {k: v.detach().clone() for k, v in stage.state_dict().items()}
-    if optimizer is not None:
-        for name, param in stage.named_parameters():
-            buffer = optimizer.state.get(param, {}).get("momentum_buffer")
-            if buffer is not None:
-                state[MOMENTUM_PREFIX + name] = buffer.detach().clone()
-    return state
-
-
-def load_stage_state(
-    stage: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    state: Mapping[str, torch.Tensor],
-) -> None:
-    """Load weights (every name required) and any momentum buffers."""
-    weights = {k: v for k, v in state.items() if not k.startswith(MOMENTUM_PREFIX)}
-    expected = stage.state_dict()
-    missing = sorted(set(expected) - set(weights))
-    if missing:
-        raise PlanError(f"no state was given for {missing[:5]} (layers of this stage)")
-    for name, tensor in weights.items():
-        if name in expected and tuple(tensor.shape) != tuple(expected[name].shape):
-            raise PlanError(
-                f"state {name!r} has shape {tuple(tensor.shape)}, the model's is "
-                f"{tuple(expected[name].shape)}: server and board build different "
-                "models"
-            )
-    stage.load_state_dict({k: weights[k] for k in expected})
-    for name, param in stage.named_parameters():
-        buffer = state.get(MOMENTUM_PREFIX + name)
-        if buffer is not None and optimizer is not None:
-            optimizer.state[param]["momentum_buffer"] = buffer.clone()
 
 
 def _holds(store: LayerStore) -> list[int]:
@@ -359,8 +332,8 @@ def run_segment(
     try:
         with joined_group(plan, context.address):
             state, seg.moved_bytes = _gather_sources(plan, store, arrays)
-            load_stage_state(stage, optimizer, state)
-            store.save(OWN, plan.start_step, layers, stage_state(stage, optimizer))
+            load_module_state(stage, optimizer, state)
+            store.save(OWN, plan.start_step, layers, module_state(stage, optimizer))
             labels = _broadcast_labels(plan, data)
             schedule = _schedule(plan, _pipeline_stage(plan, timed, shapes))
             seg.setup_s = time.monotonic() - arrived
@@ -383,7 +356,7 @@ def run_segment(
                     os._exit(CRASH_EXIT_CODE)  # test aid: a board losing power
                 _one_step(plan, seg, schedule, timed, optimizer, data, labels[k])
                 _maybe_replicate(plan, seg, stage, optimizer, store)
-            store.save(OWN, plan.end_step, layers, stage_state(stage, optimizer))
+            store.save(OWN, plan.end_step, layers, module_state(stage, optimizer))
     except PeerFailure as err:
         failure = f"{err.phase}: {err}"
         log(
@@ -465,7 +438,7 @@ def _maybe_replicate(
     every = plan.replicate_every
     if every <= 0 or done % every or done >= plan.end_step:
         return
-    state = stage_state(stage, optimizer)
+    state = module_state(stage, optimizer)
     store.save(OWN, done, plan.layers, state)
     if plan.world_size > 1:
         exchange = exchange_ring(state, plan.rank, plan.world_size)
@@ -517,13 +490,5 @@ def _result(
         metrics[keys.TRAIN_LOSS] = float(np.mean(seg.losses))
     result = MemberResult(ok=ok, metrics=metrics, failure=failure)
     if ok:
-        state = stage_state(stage, optimizer)
-        result.arrays = {
-            k: v.numpy() for k, v in state.items() if not k.startswith(MOMENTUM_PREFIX)
-        }
-        result.optimizer = {
-            k[len(MOMENTUM_PREFIX) :]: v.numpy()
-            for k, v in state.items()
-            if k.startswith(MOMENTUM_PREFIX)
-        }
+        result.arrays, result.optimizer = result_arrays(module_state(stage, optimizer))
     return result

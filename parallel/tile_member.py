@@ -52,11 +52,10 @@ from __future__ import annotations
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from flowerbed.models import count_macs
@@ -64,7 +63,6 @@ from torch import nn
 
 from .emulation import DeviceSpeed
 from .plan import MemberPlan, PlanError
-from .store import MOMENTUM_PREFIX
 from .tile_groups import Cluster
 from .tile_layout import Layout
 from .tile_model import (
@@ -571,57 +569,6 @@ class TiledMember:
             size = p.numel()
             p.grad = flat[offset : offset + size].view_as(p).clone()
             offset += size
-
-
-# --------------------------------------------------------------------------------
-# State in and out
-# --------------------------------------------------------------------------------
-
-
-def load_state(
-    module: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    arrays: Mapping[str, np.ndarray],
-) -> None:
-    """Load weights (every name this member holds is required) and momentum."""
-    expected = module.state_dict()
-    missing = sorted(n for n in expected if n not in arrays)
-    if missing:
-        raise PlanError(
-            f"the message lacks {len(missing)} arrays this member needs, e.g. "
-            f"{missing[:3]}"
-        )
-    state = {}
-    for name, tensor in expected.items():
-        value = np.asarray(arrays[name])
-        if tuple(value.shape) != tuple(tensor.shape):
-            raise PlanError(
-                f"array {name!r} has shape {list(value.shape)}, the model's is "
-                f"{list(tensor.shape)}: server and board build different models"
-            )
-        state[name] = torch.from_numpy(np.array(value, dtype=value.dtype))
-    module.load_state_dict(state)
-    for name, param in module.named_parameters():
-        momentum = arrays.get(MOMENTUM_PREFIX + name)
-        if momentum is not None:
-            if tuple(np.shape(momentum)) != tuple(param.shape):
-                raise PlanError(f"momentum of {name!r} has the wrong shape")
-            optimizer.state[param]["momentum_buffer"] = torch.from_numpy(
-                np.array(momentum, dtype=np.float32)
-            )
-
-
-def state_arrays(
-    module: nn.Module, optimizer: torch.optim.Optimizer
-) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """Weights/buffers and momentum buffers, by full-model name."""
-    arrays = {k: v.detach().numpy().copy() for k, v in module.state_dict().items()}
-    momentum = {}
-    for name, param in module.named_parameters():
-        buffer = optimizer.state.get(param, {}).get("momentum_buffer")
-        if buffer is not None:
-            momentum[name] = buffer.detach().numpy().copy()
-    return arrays, momentum
 
 
 def front_names(names: Sequence[str], front: int) -> list[str]:

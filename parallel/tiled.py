@@ -30,16 +30,21 @@ from torch import nn
 
 from .data import batch_indices, load_job_dataset
 from .group import PeerFailure, joined_group
-from .member import MemberContext, MemberResult, MetricValue
+from .member import (
+    MemberContext,
+    MemberResult,
+    MetricValue,
+    load_module_state,
+    module_state,
+    result_arrays,
+)
 from .plan import MemberPlan, PlanError
 from .tile_layout import layout
 from .tile_member import (
     INPUT_SHAPE,
     TiledMember,
     TileSettings,
-    load_state,
     settings_of,
-    state_arrays,
 )
 from .tile_model import front_geometry
 from .tiles import TileError
@@ -126,7 +131,7 @@ def run(
     """Run one segment of a tile job (module docstring)."""
     arrived = time.monotonic()
     member, optimizer, settings = prepare(plan, context)
-    load_state(member.modules(), optimizer, arrays)
+    load_module_state(member.modules(), optimizer, arrays)
     data = JobData(
         plan.dataset or SYNTHETIC, settings.input_shape, settings.num_classes
     )
@@ -181,7 +186,9 @@ def result_of(
         metrics[keys.TRAIN_LOSS] = float(np.mean(s.losses))
     result = MemberResult(ok=ok, metrics=metrics, failure=failure)
     if ok and r == 0:
-        result.arrays, result.optimizer = state_arrays(member.modules(), optimizer)
+        result.arrays, result.optimizer = result_arrays(
+            module_state(member.modules(), optimizer)
+        )
     return result
 
 
@@ -264,8 +271,7 @@ def evaluate(
         )
     data = load_job_dataset(dataset)
     limit = int(query.get("eval-samples", 0)) or len(data.y_test)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    load_state(model, optimizer, arrays)
+    load_module_state(model, None, arrays, strict=True)
     model.eval()
     x = torch.from_numpy(np.ascontiguousarray(data.x_test[:limit], dtype=np.float32))
     y = torch.from_numpy(np.asarray(data.y_test[:limit], dtype=np.int64))
