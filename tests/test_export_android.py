@@ -524,11 +524,13 @@ def test_mobilenetv2_trains_in_the_runtime_like_torch(digits_batch: Batch) -> No
     assert result.replaced_batchnorm == []
     x, y = digits_batch
     program = Program(result.data)
-    optimiser = get_sgd_optimizer(program.parameters(), 0.05)
     reference = copy.deepcopy(model)
     torch_sgd = torch.optim.SGD(reference.parameters(), lr=0.05)
+    optimiser = None
     for _ in range(3):
         loss = float(program.step(x, y))
+        if optimiser is None:  # the runtime names its parameters after a first step
+            optimiser = get_sgd_optimizer(program.parameters(), 0.05)
         optimiser.step(program.gradients())
         torch_sgd.zero_grad()
         want = F.cross_entropy(reference(x), y)
