@@ -17,8 +17,11 @@ that grid and gives strategies the in-process engine's virtual clock
   exactly as on the in-process engine (same ``ArrivalQueue``, same tie-break).
 
 Messages keep their TTL in virtual seconds for the strategy; the wrapped grid
-gets at least Flower's default TTL of wall time, so a slow cluster does not
-expire them.
+gets a copy of each with at least Flower's default TTL of wall time, so a slow
+cluster does not expire them. A copy, because Flower's in-memory grid (the one
+``flwr run`` gives a simulation) stores the pushed object itself and its nodes
+read the TTL later: on the strategy's object the virtual TTL (e.g. 4 x a 5 s
+deadline) would expire while Ray starts, and the replies' TTL would fall to zero.
 """
 
 from __future__ import annotations
@@ -73,17 +76,22 @@ class VirtualTimeGrid(GridWrapper):
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         batch = list(messages)
-        virtual_ttls = [m.metadata.ttl for m in batch]
-        for message in batch:
-            message.metadata.ttl = max(message.metadata.ttl, self.wall_ttl_s)
-        try:
-            ids = list(self.inner.push_messages(batch))
-        finally:
-            for message, ttl in zip(batch, virtual_ttls, strict=True):
-                message.metadata.ttl = ttl
+        copies = [
+            Message(
+                m.content,
+                m.metadata.dst_node_id,
+                m.metadata.message_type,
+                ttl=max(m.metadata.ttl, self.wall_ttl_s),
+                group_id=m.metadata.group_id,
+            )
+            for m in batch
+        ]
+        ids = list(self.inner.push_messages(copies))
         now = self.clock.now()
         for message, message_id in zip(batch, ids, strict=True):
             if message_id:
+                # the id the wrapped grid gave the copy: replies name it
+                message.metadata.__dict__["_message_id"] = message_id
                 self._in_flight[message_id] = (message, now)
         return ids
 
@@ -103,8 +111,6 @@ class VirtualTimeGrid(GridWrapper):
             for reply in self.inner.pull_messages(list(self._in_flight)):
                 message_id = reply.metadata.reply_to_message_id
                 message, sent_at = self._in_flight.pop(message_id)
-                if message.metadata.message_id != message_id:  # our errors reply to it
-                    message.metadata.__dict__["_message_id"] = message_id
                 result: Message | Exception = reply
                 if reply.has_error():
                     dropout = NodeDropout.from_text(reply.error.reason)

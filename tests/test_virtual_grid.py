@@ -199,6 +199,47 @@ def test_the_wrapped_grid_gets_a_wall_ttl_the_strategy_keeps_its_own() -> None:
     assert seen == [3600.0] and message.metadata.ttl == 20.0
 
 
+class StoringGrid(WallGrid):
+    """Keeps the pushed objects and answers them at the next pull, as Flower's
+    in-memory grid does (its nodes read the stored message later)."""
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        self.stored = list(messages)
+        for i, message in enumerate(self.stored, start=1):
+            message.metadata.__dict__["_message_id"] = f"kept-{i}"
+        return [m.metadata.message_id for m in self.stored]
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        stored, self.stored = self.stored, []
+        nodes = {m.metadata.dst_node_id: m for m in stored}
+        return [self.answer(m, self.contexts[n]) for n, m in nodes.items()]
+
+
+def test_a_grid_that_keeps_the_pushed_message_sees_the_wall_ttl_until_it_answers() -> (
+    None
+):
+    # The strategy's message keeps its virtual 20 s; the node, answering after
+    # the push returned, still reads the wall TTL, and its reply's TTL is positive
+    # (a virtual TTL there expired while Ray started: every reply of the first
+    # round lost, then "`metadata.ttl` must be higher than zero").
+    seen: list[float] = []
+
+    def answer(message: Message, context: Context) -> Message:
+        seen.append(message.metadata.ttl)
+        return timed_node({5: 1.0})(message, context)
+
+    inner = StoringGrid({5: {}}, {}, answer)
+    grid = VirtualTimeGrid(inner, wall_ttl_s=3600.0, poll_interval_s=1e-3)
+    message = grid.create_message(RecordDict(), MessageType.TRAIN, 5, "1", 20.0)
+    [message_id] = grid.push_messages([message])
+    assert message.metadata.ttl == 20.0 and message.metadata.message_id == message_id
+    grid.clock.wait(10.0)
+    [reply] = grid.pull_messages([message_id])
+    assert seen == [3600.0]
+    assert reply.metadata.reply_to_message_id == message_id and not reply.has_error()
+    assert grid.clock.now() == 1.0
+
+
 RUN = {
     "fleet": "mixed",
     "num-nodes": 6,
