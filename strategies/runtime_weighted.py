@@ -743,7 +743,32 @@ class RuntimeWeightedFedAvg(RoundLoop):
             results,
             failures,
         )
+        self._cap_evaluate_weights(server_round, metrics_acc)
         return metrics_acc.result(self.evaluate_metrics_aggr_fn)
+
+    def _cap_evaluate_weights(
+        self, server_round: int, metrics_acc: MetricsAccumulator
+    ) -> None:
+        """The weight cap on evaluation replies: at most ``weight_cap`` times the
+        median of the round's evaluation weights.
+
+        Test sets are not training sets, so the scale is this round's own
+        evaluation weights, not the training reference.
+        """
+        weights = metrics_acc.weights()
+        median = float(np.median(weights)) if weights else 0.0
+        if self.weight_cap is None or median <= 0:
+            return
+        capped = metrics_acc.cap(self.weight_cap * median)
+        if capped:
+            log(
+                INFO,
+                "round %s: influence bound: %d evaluation weights capped at %g x "
+                "the round's median",
+                server_round,
+                capped,
+                self.weight_cap,
+            )
 
     def fold_evaluate_reply(
         self, reply: Message, server_round: int, metrics_acc: MetricsAccumulator

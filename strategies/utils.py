@@ -656,14 +656,24 @@ class MetricsAccumulator:
         kept[self.weighted_by_key] = weight
         self.records.append(RecordDict({keys.METRICS: kept}))
 
-    def cap(self, most: float) -> None:
-        """Count no record's weight above ``most`` (the influence bound's cap)."""
-        for record in self.records:
-            kept = record[keys.METRICS]
-            assert isinstance(kept, MetricRecord)
-            weight = kept[self.weighted_by_key]
-            assert isinstance(weight, int | float)
-            kept[self.weighted_by_key] = min(weight, most)
+    def cap(self, most: float) -> int:
+        """Count no record's weight above ``most`` (the influence bound's cap);
+        return how many weights it lowered."""
+        lowered = 0
+        for weight, kept in zip(self.weights(), self._kept(), strict=True):
+            if weight > most:
+                kept[self.weighted_by_key] = most
+                lowered += 1
+        return lowered
+
+    def weights(self) -> list[float]:
+        """The kept records' weights, in the order they were added."""
+        return [float(kept[self.weighted_by_key]) for kept in self._kept()]  # type: ignore[arg-type]
+
+    def _kept(self) -> list[MetricRecord]:
+        kept = [record[keys.METRICS] for record in self.records]
+        assert all(isinstance(k, MetricRecord) for k in kept)
+        return kept  # type: ignore[return-value]
 
     def result(
         self, aggr_fn: Callable[[list[RecordDict], str], MetricRecord]

@@ -151,3 +151,30 @@ def test_one_outlier_phone_moves_the_model_little_with_the_bound() -> None:
     strategy = RuntimeWeightedFedAvg(weighting="examples", fraction_evaluate=0.0)
     result = strategy.start(grid, weights(), num_rounds=1)
     assert float(result.arrays["w"].numpy()[0]) == pytest.approx(11 / 7, rel=1e-5)
+
+
+@pytest.mark.parametrize("cls", [RuntimeWeightedFedAvg, DeadlineFedAvg, FedBuff])
+@pytest.mark.parametrize(
+    ("honest", "expected"),
+    [
+        # 2 honest (acc 0.5, 10 examples) + 1 claiming 1e9 examples, acc 0:
+        # the round's median is 10, the claim counts as 20:
+        # (0.5 x 10 + 0.5 x 10 + 0 x 20) / 40 = 0.25
+        (2, 0.25),
+        # 3 honest + the claim: median 10, (0.5 x 30 + 0 x 20) / 50 = 0.3
+        (3, 0.3),
+    ],
+)
+def test_an_evaluation_reply_weighs_at_most_the_cap_times_the_rounds_median(
+    cls: type, honest: int, expected: float
+) -> None:
+    nodes = {n: node(1.0, seconds=1.0, evaluate_acc=0.5) for n in range(1, honest + 1)}
+    nodes[9] = node(1.0, seconds=1.0, examples=int(1e9), evaluate_acc=0.0)
+    extra = {"buffer_size": honest + 1} if cls is FedBuff else {}
+    strategy = cls(min_evaluate_nodes=1, min_available_nodes=1, **extra)
+    result = strategy.start(FakeGrid(nodes), weights(), num_rounds=1)
+    assert result.evaluate_metrics_clientapp[1]["eval-acc"] == pytest.approx(expected)
+    unbounded = cls(
+        min_evaluate_nodes=1, min_available_nodes=1, weight_cap=None, **extra
+    ).start(FakeGrid(nodes), weights(), num_rounds=1)
+    assert unbounded.evaluate_metrics_clientapp[1]["eval-acc"] < 1e-7
