@@ -27,9 +27,10 @@ It is a :class:`DeadlineFedAvg`, so one slow phone does not stall the cluster:
 over-selection closes the round at the first ``K`` usable replies (their
 shares then cover about ``B K / ceil(over_selection K)`` samples: an unbiased
 smaller batch, the rate stays the schedule's), and a deadline closes it at
-``deadline_s``. Late updates are off by default (a late reply is a stale
-gradient), and partial work should stay off (the pseudo-gradient divides by
-the ``k`` steps asked for).
+``deadline_s``; a node that misses the deadline is given a share it can finish
+next time (its rate bounded by the share it did not finish in the time it had).
+Late updates are off by default (a late reply is a stale gradient), and so is
+partial work (the pseudo-gradient divides by the ``k`` steps asked for).
 """
 
 from __future__ import annotations
@@ -148,7 +149,7 @@ class LargeBatchRounds(DeadlineFedAvg):
             message_ttl_s=message_ttl_s,
             checkpoint_path=checkpoint_path,
             seed=seed,
-            **deadline_options,
+            **{"partial_work": False, **deadline_options},
         )
         if optimizer not in OPTIMIZERS:
             raise ValueError(
@@ -170,6 +171,8 @@ class LargeBatchRounds(DeadlineFedAvg):
         )
         self.sample_rates: dict[int, float] = {}
         """Smoothed samples per second of each node (its batch share's basis)."""
+        self._overhead: dict[int, float] = {}
+        """Seconds of each node's last answer spent outside training."""
         self.shares: dict[int, int] = {}
         self.server_steps = 0
         self._last_lr = 0.0
@@ -243,6 +246,42 @@ class LargeBatchRounds(DeadlineFedAvg):
         old = self.sample_rates.get(node_id)
         a = self.speed_smoothing
         self.sample_rates[node_id] = rate if old is None else a * rate + (1 - a) * old
+        if ticket is not None and arrived is not None:
+            self._overhead[node_id] = max(0.0, arrived - ticket.sent_at - seconds)
+
+    def _close_train(
+        self,
+        server_round: int,
+        arrays: ArrayRecord | None,
+        metrics: MetricRecord | None,
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        self._bound_stragglers(server_round)
+        return super()._close_train(server_round, arrays, metrics)
+
+    def _bound_stragglers(self, server_round: int) -> None:
+        """Censored speeds after a deadline: a node that has not answered its
+        share ``B_i`` after ``w`` seconds (its last answer spent ``o_i`` of its
+        round trip outside training, on transfers; 0 if it never answered)
+        trains fewer than ``B_i / (w - o_i)`` samples per second. Its rate
+        becomes at most that, and the next round gives it a share it can finish.
+        Without this a phone that misses every deadline is never measured and
+        keeps a share it cannot finish (its samples lost each round).
+        """
+        if self._inflight is None or self._deadline is None:
+            return  # over-selection alone cuts nodes for being late, not too slow
+        now = self._clock.now()
+        for ticket in self._inflight.tickets.values():
+            if ticket.server_round != server_round or ticket.kind != MessageType.TRAIN:
+                continue
+            share = self.shares.get(ticket.node_id, 0)
+            training = now - ticket.sent_at - self._overhead.get(ticket.node_id, 0.0)
+            if share <= 0 or training <= 0:
+                continue
+            bound = share / training
+            old = self.sample_rates.get(ticket.node_id)
+            self.sample_rates[ticket.node_id] = (
+                bound if old is None else min(old, bound)
+            )
 
     # ------------------------------------------------------------ server step
     def server_step(self, averaged: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 from flowerbed import keys
@@ -133,6 +135,50 @@ def test_over_selection_keeps_the_first_replies_so_a_slow_phone_does_not_stall(
     # every round took the fast phones' time: shares are by speed from round 2,
     # but even round 1 (equal shares) closes before a low-end phone replies
     assert strategy.server_steps == 3
+
+
+def test_a_deadline_cuts_slow_phones_once_then_their_shares_fit_it() -> None:
+    """Six phones, two 8x slower, equal shares of 96 in round 1 (16 each), a
+    15 ms deadline that only the fast phones meet. The slow ones' rates are then
+    bounded by 16 samples / 15 ms (censored), their shares shrink, and from round
+    2 on all six finish within the deadline (without the bound they were never
+    measured and missed every round, 32 samples lost each time)."""
+    devices = ["galaxy-s10plus"] * 4 + ["low-end-phone"] * 2
+    config = {
+        "dataset": "digits",
+        "model": "lenet",
+        "num-nodes": 6,
+        "num-rounds": 4,
+        "dropout": 0.0,
+        "seed": 1,
+    }
+    grid = build_fleet_grid(config, devices)
+    grid.network = SwitchedEthernet()
+    deadline = 0.015
+    strategy = LargeBatchRounds(
+        fraction_evaluate=0.0,
+        min_train_nodes=4,
+        min_available_nodes=6,
+        batch_size=96,
+        optimizer="lamb",
+        base_lr=0.02,
+        base_batch=96,
+        deadline_s=deadline,
+    )
+    try:
+        outcome = run_server(
+            grid, Scenario.from_run_config(config), strategy=strategy, write=False
+        )
+    finally:
+        grid.close()
+    records = outcome.records
+    assert sorted(records[0].participants) == [0, 1, 2, 3]
+    assert all(len(r.participants) == 6 for r in records[1:])
+    times = [r.virtual_time_s for r in records]
+    assert times[0] == pytest.approx(deadline, rel=0.05)
+    assert all(b - a < deadline for a, b in itertools.pairwise(times))
+    fast, slow = strategy.shares[1000], strategy.shares[1004]
+    assert slow < fast / 2 and sum(strategy.shares.values()) == 96
 
 
 @pytest.mark.slow
