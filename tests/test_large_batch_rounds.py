@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import numpy as np
 import pytest
@@ -94,33 +95,29 @@ def test_138_simulated_phones_train_with_one_large_batch(tmp_path) -> None:
     assert strategy.server_steps == 12
 
 
-def test_over_selection_keeps_the_first_replies_so_a_slow_phone_does_not_stall(
-    tmp_path,
-) -> None:
-    """Six phones, two of them low-end (8x slower): FedAvg's sample is 4, 1.5x
-    over-selection sends to all six and each round closes at the first four
-    replies, so no round waits for a low-end phone."""
+def six_phones(rounds: int, **options: Any) -> tuple[Any, LargeBatchRounds]:
+    """Four Galaxy S10+ and two low-end phones (8x slower) on one switch, a large
+    batch of 96; the run's outcome and the strategy."""
     devices = ["galaxy-s10plus"] * 4 + ["low-end-phone"] * 2
     config = {
         "dataset": "digits",
         "model": "lenet",
         "num-nodes": 6,
-        "num-rounds": 3,
+        "num-rounds": rounds,
         "dropout": 0.0,
         "seed": 1,
     }
     grid = build_fleet_grid(config, devices)
     grid.network = SwitchedEthernet()
     strategy = LargeBatchRounds(
-        fraction_train=4 / 6,
         fraction_evaluate=0.0,
         min_train_nodes=4,
         min_available_nodes=6,
-        over_selection=1.5,
         batch_size=96,
         optimizer="lamb",
         base_lr=0.02,
         base_batch=96,
+        **options,
     )
     try:
         outcome = run_server(
@@ -128,6 +125,16 @@ def test_over_selection_keeps_the_first_replies_so_a_slow_phone_does_not_stall(
         )
     finally:
         grid.close()
+    return outcome, strategy
+
+
+def test_over_selection_keeps_the_first_replies_so_a_slow_phone_does_not_stall() -> (
+    None
+):
+    """FedAvg's sample is 4 of the six phones, 1.5x over-selection sends to all
+    six and each round closes at the first four replies, so no round waits for
+    a low-end phone."""
+    outcome, strategy = six_phones(3, fraction_train=4 / 6, over_selection=1.5)
     slow = {4, 5}  # partition ids of the low-end phones
     for record in outcome.records:
         assert len(record.participants) == 4
@@ -138,39 +145,13 @@ def test_over_selection_keeps_the_first_replies_so_a_slow_phone_does_not_stall(
 
 
 def test_a_deadline_cuts_slow_phones_once_then_their_shares_fit_it() -> None:
-    """Six phones, two 8x slower, equal shares of 96 in round 1 (16 each), a
-    15 ms deadline that only the fast phones meet. The slow ones' rates are then
-    bounded by 16 samples / 15 ms (censored), their shares shrink, and from round
-    2 on all six finish within the deadline (without the bound they were never
-    measured and missed every round, 32 samples lost each time)."""
-    devices = ["galaxy-s10plus"] * 4 + ["low-end-phone"] * 2
-    config = {
-        "dataset": "digits",
-        "model": "lenet",
-        "num-nodes": 6,
-        "num-rounds": 4,
-        "dropout": 0.0,
-        "seed": 1,
-    }
-    grid = build_fleet_grid(config, devices)
-    grid.network = SwitchedEthernet()
+    """Equal shares of 96 in round 1 (16 each) and a 15 ms deadline that only
+    the fast phones meet. The slow ones' rates are then bounded by 16 samples /
+    15 ms (censored), their shares shrink, and from round 2 on all six finish
+    within the deadline (without the bound they were never measured and missed
+    every round, 32 samples lost each time)."""
     deadline = 0.015
-    strategy = LargeBatchRounds(
-        fraction_evaluate=0.0,
-        min_train_nodes=4,
-        min_available_nodes=6,
-        batch_size=96,
-        optimizer="lamb",
-        base_lr=0.02,
-        base_batch=96,
-        deadline_s=deadline,
-    )
-    try:
-        outcome = run_server(
-            grid, Scenario.from_run_config(config), strategy=strategy, write=False
-        )
-    finally:
-        grid.close()
+    outcome, strategy = six_phones(4, deadline_s=deadline)
     records = outcome.records
     assert sorted(records[0].participants) == [0, 1, 2, 3]
     assert all(len(r.participants) == 6 for r in records[1:])
