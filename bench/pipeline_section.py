@@ -185,6 +185,11 @@ def _run(
     examples = sum(m["num-examples"] for m in rounds_data.values())
     seconds = sum(m["round-s"] for m in rounds_data.values())
     errors = [
+        abs(m["model-step-s"] - m["step-s"]) / m["step-s"]
+        for m in rounds_data.values()
+        if m["step-s"] > 0
+    ]
+    forecast = [
         abs(m["predicted-step-s"] - m["step-s"]) / m["step-s"]
         for m in rounds_data.values()
         if m["step-s"] > 0
@@ -200,6 +205,8 @@ def _run(
         "wall-s": done.wall_s,
         "events": done.events,
         "model-errors": errors,
+        "forecast-errors": forecast,
+        "failure-s": sum(m["failure-s"] for m in rounds_data.values()),
         "power": {done.members[n]: p for n, p in done.power.items()},
         "profiled-power": [p for _, p in sorted(done.profiled_power.items())],
         "reference-s": done.reference_s,
@@ -351,15 +358,18 @@ def virtual(local_data: Mapping[str, Any] | None) -> dict[str, Any]:
                 "step-s": t_dp,
             }
         )
-    errors = []
-    for group in ("runs",):
-        for run_data in ((local_data or {}).get(group) or {}).values():
-            errors += run_data.get("model-errors", [])
+    errors: list[float] = []
+    forecast: list[float] = []
+    for run_data in ((local_data or {}).get("runs") or {}).values():
+        errors += run_data.get("model-errors", [])
+        forecast += run_data.get("forecast-errors", [])
     return {
         "model": "vgg width 16, 3x32x32",
         "rows": rows,
         "model-errors": errors,
         "max-model-error": max(errors) if errors else None,
+        "median-model-error": statistics.median(errors) if errors else None,
+        "median-forecast-error": statistics.median(forecast) if forecast else None,
     }
 
 
@@ -463,24 +473,24 @@ def _render_failures(d: Mapping[str, Any]) -> list[str]:
         f"### Failures on {', '.join(d['fleet'])}",
         "",
         f"Members die (their process exits) at step {d['crash-step']}, mid-round 2. "
-        "Time lost = the job's wall time minus the same job's without failure "
-        "(same replication setting); replicated = a ring copy every "
+        "Time lost = the failed attempt's seconds beyond the steps kept (its "
+        "set-up, the lost steps, the wait until the loss was known), as the "
+        "strategy measures it (`failure-s`); replicated = a ring copy every "
         f"{R} steps, segment restart = no replication, back to the last segment "
-        "(the central copy).",
+        "(the central copy). Job wall = the whole job (it finishes on the "
+        "survivors, whose pipeline may be faster or slower than before).",
         "",
-        "| replication | failures | lost steps | wall s | time lost s |",
+        "| replication | failures | lost steps | time lost s | job wall s |",
         "|---|---|---|---|---|",
     ]
     for label in ("replicated", "segment-restart"):
-        none = d.get(f"{label}/none")
         for case in ("none", "one", "two"):
             r = d.get(f"{label}/{case}")
             if r is None:
                 continue
-            lost = r["wall-s"] - none["wall-s"] if none else math.nan
             lines.append(
-                f"| {label} | {case} | {r['lost-steps']} | {r['wall-s']:.1f} "
-                f"| {lost:.1f} |"
+                f"| {label} | {case} | {r['lost-steps']} | {r['failure-s']:.1f} "
+                f"| {r['wall-s']:.1f} |"
             )
     return [*lines, ""]
 
@@ -511,8 +521,51 @@ def _render_virtual(d: Mapping[str, Any]) -> list[str]:
     if worst is not None:
         lines += [
             "",
-            f"- Model against the local runs: largest error of the predicted step "
-            f"time {worst:.0%} over {len(d['model-errors'])} rounds; target within "
+            "- The model against the local runs (its step time from the stage "
+            "times measured in the same round, against the measured step): largest "
+            f"error {worst:.0%}, median {d['median-model-error']:.0%} over "
+            f"{len(d['model-errors'])} rounds; target within "
             f"{TARGET_MODEL_ERROR:.0%} — {_met(worst <= TARGET_MODEL_ERROR)}.",
         ]
+        if d.get("median-forecast-error") is not None:
+            lines.append(
+                "- The forecast the planner acts on (powers from the rounds "
+                "before, so a device that slows is missed once): median error "
+                f"{d['median-forecast-error']:.0%}."
+            )
     return [*lines, ""]
+
+
+# --------------------------------------------------------------------------------
+# The guide's copy of the figures
+# --------------------------------------------------------------------------------
+
+GUIDE_START = "<!-- bench:pipeline -->"
+GUIDE_END = "<!-- /bench:pipeline -->"
+
+
+def guide_block(data: Mapping[str, Any]) -> str:
+    """The figures as docs/pipeline.md shows them (the page's section, without
+    its top heading)."""
+    return "\n".join(render(data)[2:]).strip() + "\n"
+
+
+def update_guide(page: Any = None, results: Any = None) -> None:
+    """Copy the published figures into docs/pipeline.md (between its markers).
+
+    Run after ``flowerbed bench --sections pipeline --publish``:
+    ``python -c "from flowerbed.bench.pipeline_section import update_guide;
+    update_guide()"``.
+    """
+    import json
+    from pathlib import Path
+
+    from .sections import app_root
+
+    page = Path(page or app_root() / "docs" / "pipeline.md")
+    results = Path(results or app_root() / "docs" / "benchmarks" / "results.json")
+    data = json.loads(results.read_text())["sections"]["pipeline"]["data"]
+    text = page.read_text()
+    head, rest = text.split(GUIDE_START + "\n", 1)
+    _, tail = rest.split(GUIDE_END, 1)
+    page.write_text(f"{head}{GUIDE_START}\n{guide_block(data)}{GUIDE_END}{tail}")

@@ -27,6 +27,10 @@ from .makespan import step_s
 from .partition import LayerCosts, Partition, evaluate, moved_layers, partition
 from .plan import PlanError, boundaries, stage_sizes
 
+MIN_MEASURED_SHARE = 0.1
+"""Least share of the model's compute a stage needs for its measured time to
+update its member's computing power."""
+
 INITIAL = "initial"
 REPLAN = "re-plan"
 REPARTITION = "re-partition"
@@ -131,12 +135,18 @@ class PipelinePlanner:
         link_bytes_per_s: dict[int, float],
     ) -> None:
         """Update powers from measured per-micro-batch stage times (forward +
-        backward) and links from measured bandwidths (member -> its successor)."""
+        backward) and links from measured bandwidths (member -> its successor).
+
+        A stage holding less than :data:`MIN_MEASURED_SHARE` of the model's
+        reference compute is not measured: its time is mostly fixed per-call
+        costs, and the ratio would make a slow device look fast. Such a member
+        keeps its power (from profiling, every layer timed)."""
         costs = self.costs()
+        total = costs.compute_s(0, self.num_layers)
         for rank, member in enumerate(layout.members):
             predicted = costs.compute_s(layout.bounds[rank], layout.bounds[rank + 1])
             seconds = compute_s.get(member, 0.0)
-            if seconds > 0 and predicted > 0:
+            if seconds > 0 and predicted >= MIN_MEASURED_SHARE * total:
                 self.power[member] = seconds / predicted
             rate = link_bytes_per_s.get(member, 0.0)
             if rate > 0:

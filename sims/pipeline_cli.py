@@ -153,6 +153,19 @@ def build(args: argparse.Namespace) -> tuple[list[Any], dict[str, Any]]:
     return nodes, settings
 
 
+def test_accuracy(settings: dict[str, Any], arrays: Any) -> float:
+    """Accuracy of the trained model on its dataset's held-out split."""
+    import torch
+    from flowerbed.clients.board_app import chunked_evaluate
+    from flowerbed.models import build_sequential
+    from flowerbed.parallel.data import load_job_dataset
+
+    model = build_sequential(settings["model"], settings["model_args"])
+    model.load_state_dict({k: torch.from_numpy(v.numpy()) for k, v in arrays.items()})
+    data = load_job_dataset(settings["dataset"])
+    return chunked_evaluate(model, data.x_test, data.y_test)[1]
+
+
 def run(args: argparse.Namespace) -> int:
     import logging
 
@@ -174,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
     for i, n in enumerate(nodes):
         console.print(f"device {i}: {n.device} ({n.gflops:.3f} GFLOP/s emulated)")
     with console.status("training (one process per device)..."):
-        done = run_local(nodes, settings, rounds=args.rounds)
+        done = run_local(nodes, settings, rounds=args.rounds, quiet=not args.verbose)
     table = Table(title=f"{args.model} over {len(nodes)} devices")
     for column in ("round", "partition", "step s", "predicted", "samples/s", "lost"):
         table.add_column(column)
@@ -193,6 +206,8 @@ def run(args: argparse.Namespace) -> int:
     console.print(table)
     for event in done.events:
         console.print(f"- {event}")
+    accuracy = test_accuracy(settings, done.result.arrays)
+    console.print(f"test accuracy of the final model: {accuracy:.3f}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     record = {
@@ -202,6 +217,7 @@ def run(args: argparse.Namespace) -> int:
         "rounds": rounds,
         "events": done.events,
         "wall_s": done.wall_s,
+        "test_accuracy": accuracy,
     }
     (out / "results.json").write_text(json.dumps(record, indent=2, default=str))
     console.print(f"flowerbed pipeline: results in {out / 'results.json'}")

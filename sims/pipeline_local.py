@@ -24,6 +24,7 @@ pipeline`` and by the benchmark's pipeline section.
 from __future__ import annotations
 
 import functools
+import logging
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -123,13 +124,14 @@ def run_local(
     rounds: int,
     workdir: Path | None = None,
     during: Callable[[Any], None] | None = None,
+    quiet: bool = True,
 ) -> LocalRun:
     """Train with :class:`PipelineTraining` across ``nodes`` as local processes.
 
     ``strategy_kwargs`` go to the strategy (model, input_shape, dataset, ...);
     the rendezvous uses free local ports. ``during(grid)`` runs in a thread while
-    the job trains (e.g. to kill or add nodes). Every process is stopped before
-    returning.
+    the job trains (e.g. to kill or add nodes). ``quiet`` hides the members'
+    Flower INFO lines. Every process is stopped before returning.
     """
     import threading
 
@@ -156,7 +158,10 @@ def run_local(
     initial = ArrayRecord(model.state_dict())
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
         configs = [n.node_config(Path(tmp) / f"node-{i}") for i, n in enumerate(nodes)]
-        with ProcessGrid(SPAN_APP, configs, unavailable_after_s=1.0) as grid:
+        level = logging.WARNING if quiet else None
+        with ProcessGrid(
+            SPAN_APP, configs, unavailable_after_s=1.0, log_level=level
+        ) as grid:
             helper = None
             if during is not None:
                 helper = threading.Thread(target=during, args=(grid,), daemon=True)

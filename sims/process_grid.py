@@ -54,13 +54,18 @@ def _serve(
     node_config: dict[str, Any],
     run_config: dict[str, Any],
     conn: Connection,
+    log_level: int | None = None,
 ) -> None:  # pragma: no cover - runs in the child process
     """Worker loop: run the ClientApp on each message, send the reply back."""
+    import logging
+
     import torch
 
     torch.set_num_threads(1)
     module, _, attr = app_ref.partition(":")
     app = getattr(importlib.import_module(module), attr)
+    if log_level is not None:
+        logging.getLogger("flwr").setLevel(log_level)
     TaskIdentity.run_id = run_id
     TaskIdentity.node_id = node_id
     TaskIdentity.task_id = 0
@@ -116,6 +121,9 @@ class ProcessGrid(Grid):
         ``NODE_UNAVAILABLE`` error reply.
     env : Mapping, optional
         Extra environment variables for the worker processes.
+    log_level : int, optional
+        Level of Flower's logger in the workers (e.g. ``logging.WARNING`` to
+        hide the ClientApps' INFO lines); None keeps Flower's.
     """
 
     def __init__(
@@ -127,8 +135,10 @@ class ProcessGrid(Grid):
         unavailable_after_s: float = 5.0,
         env: Mapping[str, str] | None = None,
         run_id: int = 1,
+        log_level: int | None = None,
     ) -> None:
         self.client_app = client_app
+        self.log_level = log_level
         self.run_config = dict(run_config or {})
         self.unavailable_after_s = unavailable_after_s
         self.env = dict(env or {})
@@ -169,6 +179,7 @@ class ProcessGrid(Grid):
                     node.node_config,
                     self.run_config,
                     child,
+                    self.log_level,
                 ),
                 daemon=True,
             )

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from flowerbed import keys
 from flowerbed.models import build_sequential, layer_shapes
-from flowerbed.parallel.makespan import replications, throughput
+from flowerbed.parallel.makespan import replications, step_s, throughput
 from flowerbed.parallel.pipeline import INPUT_SHAPE, LOCAL_DATASET
 from flowerbed.parallel.plan import SCHEDULES, LayerSource, MemberPlan, PlanError
 from flowerbed.parallel.planner import KEEP, REPARTITION, Layout, PipelinePlanner
@@ -84,6 +84,12 @@ ROUND_RECOVERIES = "recoveries"
 ROUND_REPARTITIONS = "repartitions"
 ROUND_SECONDS = "round-s"
 """Clock seconds of the round (set-up, steps, recoveries)."""
+ROUND_FAILURE_S = "failure-s"
+"""Clock seconds the round's failed attempts cost beyond the steps they kept:
+set-up, the lost steps, the time until the loss was known."""
+ROUND_MODEL_STEP_S = "model-step-s"
+"""The makespan model's step time from the stage times measured in this round
+(the model's check; ``predicted-step-s`` is the forecast made before it)."""
 
 
 @dataclass
@@ -93,6 +99,7 @@ class _Book:
     lost_steps: int = 0
     recoveries: int = 0
     repartitions: int = 0
+    failure_s: float = 0.0
 
 
 class PipelineTraining(SpanJobStrategy):
@@ -794,10 +801,30 @@ class PipelineTraining(SpanJobStrategy):
                 ROUND_RECOVERIES: book.recoveries,
                 ROUND_REPARTITIONS: book.repartitions,
                 ROUND_SECONDS: self.clock.now() - began,
+                ROUND_FAILURE_S: book.failure_s,
+                ROUND_MODEL_STEP_S: self._model_step_s(layout, replies),
                 "replications": replications(first, steps, self.replicate_every),
             }
         )
         return stitched, MetricRecord(out)
+
+    def _model_step_s(
+        self, layout: Layout, replies: Mapping[int, SegmentReply]
+    ) -> float:
+        """The makespan model on this round's measured per-stage times."""
+        fwd = [
+            _num(replies[m].metrics.get(keys.SPAN_FORWARD_S, 0)) for m in layout.members
+        ]
+        bwd = [
+            _num(replies[m].metrics.get(keys.SPAN_BACKWARD_S, 0))
+            for m in layout.members
+        ]
+        cuts = [
+            self.planner.out_bytes[layout.bounds[s + 1] - 1]
+            / self.planner.link(layout.members[s], layout.members[s + 1])
+            for s in range(len(layout.members) - 1)
+        ]
+        return step_s(fwd, bwd, self.micro_batches, cuts, self.schedule)
 
     def _recover(
         self,
@@ -830,6 +857,16 @@ class PipelineTraining(SpanJobStrategy):
         found = recover(self.holdings, self.step, reports, outcome.errors, survivors)
         book.lost_steps += found.lost_steps
         book.recoveries += 1
+        # The attempt's time not kept: its set-up, the lost steps, the detection.
+        per_step = max(
+            (
+                _num(r.metrics.get(keys.SPAN_STEP_S, 0))
+                for r in outcome.replies.values()
+            ),
+            default=0.0,
+        )
+        kept = max(0, found.restart - self.step)
+        book.failure_s += max(0.0, outcome.seconds - kept * per_step)
         self.holdings = found.holdings
         self._event(
             f"step {found.reached}: attempt {attempt} of round {server_round} failed "

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 import pytest
 from flowerbed.bench import pipeline_section as section
@@ -70,7 +72,19 @@ def test_the_page_states_each_target_and_whether_it_is_met() -> None:
     # (>= 0.8: met); the worst model error 20% (> 15%: not met).
     assert "DP 4.00x over equal compute, 5.00x over equal layers — **met**" in page
     assert "Target >= 0.8 of the ideal: 0.89 — **met**" in page
-    assert "largest error of the predicted step time 20%" in page
+    assert "largest error 20%, median 5% over 5 rounds" in page
     assert "**not met**" in page
     assert "Re-partition logged: `step 8: re-partition: because`" in page
     assert section.render({"error": "boom"})[-2] == "The section failed: boom"
+
+
+def test_the_guide_shows_the_published_figures() -> None:
+    root = Path(__file__).parents[1]
+    results = json.loads((root / "docs" / "benchmarks" / "results.json").read_text())
+    data = results["sections"]["pipeline"]["data"]
+    page = (root / "docs" / "pipeline.md").read_text()
+    block = page.split(section.GUIDE_START + "\n", 1)[1].split(section.GUIDE_END)[0]
+    assert block == section.guide_block(data), (
+        "docs/pipeline.md's figures differ from docs/benchmarks/results.json: run "
+        "update_guide() (see flowerbed.bench.pipeline_section)"
+    )

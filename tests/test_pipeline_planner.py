@@ -279,3 +279,13 @@ def test_a_slowed_member_moves_layers_only_when_the_gain_pays() -> None:
     slow_link = planner({1: 1.0, 2: 1.0}, link_bandwidth=1e3)
     slow_link.measured(current, {2: 6.0}, {})
     assert slow_link.decide(current, [1, 2], steps_left=10).kind == "keep"
+
+
+def test_a_stage_with_little_compute_does_not_rewrite_its_power() -> None:
+    # Member 2 holds 1 layer of 20 (5% < 10% of the compute): its measured time
+    # is mostly per-call overhead, so its profiled power stays.
+    p = PipelinePlanner(out_bytes=[1.0] * 20, state_bytes=[1.0] * 20, micro_batches=4)
+    p.profiled({1: ([1 / 3] * 20, [2 / 3] * 20), 2: ([10 / 3] * 20, [20 / 3] * 20)})
+    p.measured(Layout((1, 2), (0, 19, 20)), {1: 38.0, 2: 1.0}, {})
+    assert p.power[2] == pytest.approx(10.0)
+    assert p.power[1] == pytest.approx(2.0)  # 38 s over 19 reference seconds

@@ -11,6 +11,7 @@ failures or not.
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -190,15 +191,38 @@ def test_two_failures_at_once_adjacent_and_not(
     ]
     grid = ProcessGrid("flowerbed.clients.span_app:app", configs, unavailable_after_s=1)
     grids.append(grid)
-    s = strategy(micro_batches=5, batch_size=20, min_available_nodes=5)
-    result = s.start(grid, initial(), num_rounds=3)
+    # The range's first port is taken by another program; segments alternate
+    # between the two ports, the first segment on the free one.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        s = strategy(
+            micro_batches=5,
+            batch_size=20,
+            min_available_nodes=5,
+            rendezvous_port=port,
+            rendezvous_ports=2,
+            join_timeout_s=10,
+        )
+        result = s.start(grid, initial(), num_rounds=3)
     log = "\n".join(s.events)
     rounds = result.train_metrics_clientapp
     assert sorted(rounds) == [1, 2, 3], log
+    # Round 2's first segment met the taken port: rank 0 reported it (an error
+    # naming it, no member lost), and the segment was retried on the free port
+    # at the same step, never again on the taken one.
+    assert (
+        "attempt 1 of round 2 failed (lost members [], errors [1]); restart at "
+        "step 10, 0 steps lost" in log
+    )
+    assert port in s.bad_ports
+    assert rounds[1]["recoveries"] == 0 and rounds[3]["recoveries"] == 1
     # Round 2: members 2 and 4 (not adjacent) die at step 14: every layer still
     # has a copy at step 12 (own or the ring successor's replica).
     assert "restart at step 12, 2 steps lost" in log
     assert rounds[2]["stages"] == 3
+    assert rounds[2]["recoveries"] == 2 and rounds[2]["lost-steps"] == 2
     # Round 3 runs on members 1, 3, 5; 3 and 5 (adjacent) die at step 24: the
     # layers of member 3 were only on 3 and on its successor 5, so the job falls
     # back to the central copy of step 20 and goes on with member 1 alone.
