@@ -35,9 +35,52 @@ def test_engine_parts_run_at_toy_size(tmp_path: Path) -> None:
     assert [r["network"] for r in data["rounds"]["rows"]] == ["wired", "wifi"]
     wired, wifi = data["rounds"]["rows"]
     assert wifi["virtual-s-per-round"] > wired["virtual-s-per-round"]
-    assert len(data["accuracy"]["runs"]) == 2
+    runs = [r["strategy"] for r in data["accuracy"]["runs"]]
+    assert runs == [
+        "LargeBatchRounds (LAMB, warm-up 3)",
+        "Flower FedAvg, 1 step(s) of 4, lr 0.03",
+        "Flower FedAvg, 4 step(s) of 1, lr 0.01",
+    ]
     text = "\n".join(section.render(data))
-    assert "LargeBatchRounds (LAMB, warm-up 3)" in text
+    assert "| LargeBatchRounds (LAMB, warm-up 3) | 1 |" in text
+
+
+def test_accuracy_rows_show_the_mean_and_spread_over_seeds() -> None:
+    def run(name: str, seed: int, final: float, reached: float | None) -> dict:
+        return {
+            "strategy": name,
+            "seed": seed,
+            "final-accuracy": final,
+            "best-accuracy": final,
+            "time-to-target-s": reached,
+            "virtual-s": 6.0,
+            "wall-s": 10.0,
+        }
+
+    data = {
+        "accuracy": {
+            "phones": 138,
+            "rounds": 30,
+            "target": 0.8,
+            "seeds": [1, 2],
+            "runs": [
+                run("LB", 1, 0.90, 3.0),
+                run("FedAvg", 1, 0.70, None),
+                run("LB", 2, 0.95, 2.0),
+                run("FedAvg", 2, 0.82, 5.0),
+            ],
+            "sweep": [run("Flower FedAvg, lr 0.1", 1, 0.70, None)],
+        }
+    }
+    text = "\n".join(section.render(data))
+    assert (
+        "| LB | 2 | 0.925 [0.900, 0.950] | 0.925 [0.900, 0.950] | 2.5 [2, 3] |" in text
+    )
+    assert (
+        "| FedAvg | 2 | 0.760 [0.700, 0.820] | 0.760 [0.700, 0.820] "
+        "| 5 (reached on 1 of 2 seeds) |" in text
+    )
+    assert "FedAvg sweep (seed 1, final accuracy): lr 0.1: 0.700." in text
 
 
 def test_an_unknown_part_is_named() -> None:
