@@ -195,10 +195,19 @@ class LargeBatchSync(SpanJobStrategy):
             reply_margin_s=reply_margin_s,
         )
         checks = [
-            (optimizer in OPTIMIZERS, f"optimizer {optimizer!r}; valid: {OPTIMIZERS}"),
+            (
+                optimizer in OPTIMIZERS,
+                f"optimizer {optimizer!r}; valid choices: {', '.join(OPTIMIZERS)}",
+            ),
             (
                 compression in COMPRESSIONS,
-                f"compression {compression!r}; valid: {COMPRESSIONS}",
+                f"compression {compression!r}; valid choices: "
+                f"{', '.join(COMPRESSIONS)}",
+            ),
+            (
+                batch_size >= max(1, min_train_nodes),
+                f"batch_size {batch_size} cannot give min_train_nodes "
+                f"({min_train_nodes}) members one sample each per step",
             ),
             (steps_per_round >= 1, "steps_per_round must be >= 1"),
             (powersgd_rank >= 1, "powersgd_rank must be >= 1"),
@@ -318,9 +327,11 @@ class LargeBatchSync(SpanJobStrategy):
 
     def choose_cohort(self) -> list[int]:
         """The members of the next segment: the fastest ``fraction_train`` share
-        of the live members (at least ``min_train_nodes`` when there are)."""
+        of the live members (at least ``min_train_nodes`` when there are; at most
+        ``batch_size``, one sample each)."""
         alive = sorted(n for n in self.speeds if n not in self.lost)
         take = max(self.min_train_nodes, math.ceil(len(alive) * self.fraction_train))
+        take = min(take, self.batch_size)
         fastest = sorted(alive, key=lambda n: -self.speeds[n])[:take]
         return sorted(fastest)
 

@@ -65,6 +65,12 @@ def test_plans_share_the_batch_by_measured_speed() -> None:
     assert plans[1].options["optimizer"] == "lars"
     s.lost.add(1)
     assert s.choose_cohort() == [2, 3]
+    # a batch of 2 takes the two fastest live boards, one sample each
+    small = strategy(batch_size=2, base_batch=2)
+    small.speeds = {1: 50.0, 2: 300.0, 3: 100.0}
+    small.addresses = s.addresses
+    plans = small.plans(small.choose_cohort(), 6)
+    assert {n: p.batch_share for n, p in plans.items()} == {2: (0, 1), 3: (1, 2)}
 
 
 @pytest.mark.parametrize(
@@ -74,6 +80,7 @@ def test_plans_share_the_batch_by_measured_speed() -> None:
         ({"compression": "zip"}, "compression 'zip'"),
         ({"steps_per_round": 0}, "steps_per_round must be >= 1"),
         ({"base_lr": -1.0}, "base_lr must be a finite number > 0"),
+        ({"batch_size": 1}, r"batch_size 1 cannot give min_train_nodes \(2\)"),
     ],
 )
 def test_bad_settings_are_named(changes: dict, message: str) -> None:
