@@ -116,6 +116,63 @@ def format_user_config(values: Mapping[str, UserValue]) -> str:
     return " ".join(parts)
 
 
+def write_app(
+    root: Path,
+    package: str,
+    server_source: str,
+    config: Mapping[str, UserValue],
+    clientapp: str = "flowerbed.clients.span_app:app",
+) -> Path:
+    """A Flower App folder under ``root``: ``pyproject.toml`` and ``package``.
+
+    The ServerApp is ``server_source`` (module ``<package>.server``, object
+    ``app``), the ClientApp ``clientapp``; ``config`` becomes the run config's
+    defaults (``[tool.flwr.app.config]``). Returns the folder, for
+    :meth:`Federation.submit`.
+    """
+    app_dir = root / "app"
+    (app_dir / package).mkdir(parents=True)
+    lines = [
+        "[build-system]",
+        'requires = ["hatchling"]',
+        'build-backend = "hatchling.build"',
+        "",
+        "[project]",
+        f'name = "{package}"',
+        'version = "1.0.0"',
+        'description = "flowerbed test app"',
+        'license = "Apache-2.0"',
+        "dependencies = []",
+        "",
+        "[tool.hatch.build.targets.wheel]",
+        'packages = ["."]',
+        "",
+        "[tool.flwr.app]",
+        'publisher = "flowerbed"',
+        "",
+        "[tool.flwr.app.components]",
+        f'serverapp = "{package}.server:app"',
+        f'clientapp = "{clientapp}"',
+        "",
+        "[tool.flwr.app.config]",
+        *(f"{key} = {_toml(value)}" for key, value in config.items()),
+    ]
+    (app_dir / "pyproject.toml").write_text("\n".join(lines) + "\n")
+    (app_dir / package / "__init__.py").write_text("")
+    (app_dir / package / "server.py").write_text(server_source)
+    return app_dir
+
+
+def _toml(value: UserValue) -> str:
+    """A TOML value: booleans lower-case, strings quoted (JSON's escapes are
+    TOML's), numbers as Python writes them."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)
+    return repr(value)
+
+
 # --------------------------------------------------------------------------------------
 # Process trees (Linux /proc)
 # --------------------------------------------------------------------------------------
