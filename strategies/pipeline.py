@@ -118,8 +118,14 @@ class PipelineTraining(SpanJobStrategy):
         dp[j][s] = min_{i<j} max(dp[i][s-1], 2 * out_bytes[i] / bw[s-1],
                                  (T_fwd(i+1..j) + T_bwd(i+1..j)) * power[s])
 
+    run over the ``k`` fastest members for every ``k``, keeping the best
+    predicted step time (:mod:`flowerbed.parallel.makespan`): a board so slow
+    that one layer on it would pace the pipeline below what the others reach
+    alone waits on standby.
+
     **Dynamic re-partition.** After each segment the measured per-stage times
-    update every member's power; if the new optimum's predicted step time
+    update every member's power (stages with under 10% of the compute keep
+    theirs); if the new optimum's predicted step time
     ``t'`` beats the current ``t`` so that the gain over the remaining steps
     ``(t - t') * steps_left`` exceeds the cost of moving layers (their state
     bytes over the link bandwidth) and ``t' < (1 - repartition_threshold) t``,
