@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from logging import INFO, WARNING
@@ -481,12 +480,12 @@ class LargeBatchSync(SpanJobStrategy):
             }
         )
         if walls:
-            record[ROUND_STEP_S] = statistics.fmean(walls)
-            record[ROUND_COMPUTE_S] = statistics.fmean(
-                max(c[t] for c in compute) for t in range(steps)
+            record[ROUND_STEP_S] = float(np.mean(walls))
+            record[ROUND_COMPUTE_S] = float(
+                np.mean([max(c[t] for c in compute) for t in range(steps)])
             )
-            record[ROUND_COMM_S] = statistics.fmean(
-                min(m[t] for m in comm) for t in range(steps)
+            record[ROUND_COMM_S] = float(
+                np.mean([min(m[t] for m in comm) for t in range(steps)])
             )
             record[ROUND_SAMPLES_PER_S] = examples / max(sum(walls), 1e-9)
         if losses:

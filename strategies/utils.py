@@ -7,7 +7,6 @@ the clock-driven push/pull loop, and atomic checkpoints.
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import io
 import json
@@ -1045,7 +1044,9 @@ def remove_stale_temporaries(path: str | Path) -> list[Path]:
     """
     path = Path(path)
     removed = []
-    for stale in path.parent.glob(f"{glob.escape(path.name)}.*.tmp"):
+    for stale in path.parent.glob("*.tmp"):
+        if not stale.name.startswith(path.name + "."):
+            continue
         stale.unlink(missing_ok=True)
         removed.append(stale)
     if removed:
