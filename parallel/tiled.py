@@ -14,7 +14,6 @@ messages) evaluates the whole model on one board.
 
 from __future__ import annotations
 
-import os
 import resource
 import statistics
 import time
@@ -26,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from flowerbed import keys
 from flowerbed.models import build_sequential, count_macs
+from flowerbed.system import available_memory
 from torch import nn
 
 from .data import batch_indices, load_job_dataset
@@ -242,18 +242,6 @@ def profile(query: Mapping[str, Any], context: MemberContext) -> MemberResult:
         keys.SPAN_OVERRUN_S: overrun,
     }
     return MemberResult(ok=True, metrics=metrics)
-
-
-def available_memory() -> int:
-    """Bytes of memory available now (``MemAvailable`` of /proc/meminfo)."""
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
 def evaluate(
