@@ -14,9 +14,8 @@ from types import TracebackType
 from flowerbed.data import DataError
 from flowerbed.sims import node
 from flowerbed.sims.config import ConfigError, Scenario
-from flowerbed.sims.outputs import OutputDirError, check_output_dir
-from flowerbed.sims.population import check_population
-from flowerbed.sims.scenario import run_server
+from flowerbed.sims.outputs import OutputDirError
+from flowerbed.sims.scenario import preflight, run_server
 from flowerbed.sims.virtual_grid import VirtualTimeGrid
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
@@ -50,10 +49,7 @@ def main(grid: Grid, context: Context) -> None:
     then run the scenario; fail the run if no update was ever applied."""
     try:
         scenario = Scenario.from_run_config(context.run_config)
-        data = node.cached_dataset(scenario.dataset, scenario.data_dir)
-        nodes = len(list(grid.get_node_ids())) or scenario.num_nodes
-        check_population(len(data.y_train), nodes, scenario.partition, scenario.dataset)
-        check_output_dir(scenario.output_dir)
+        preflight(scenario, len(list(grid.get_node_ids())) or None)
     except (ConfigError, DataError, OutputDirError) as err:
         raise RunFailed(f"flowerbed: {err}") from None
     # Flower's engine answers on wall time; strategies see the device's time.

@@ -198,11 +198,9 @@ def run(args: argparse.Namespace) -> int:
 
 def simulate(scenario: Scenario, console: Any) -> int:
     from flowerbed.data import DataError
-    from flowerbed.sims.node import cached_dataset
-    from flowerbed.sims.outputs import OutputDirError, check_output_dir
-    from flowerbed.sims.population import check_population
+    from flowerbed.sims.outputs import OutputDirError
     from flowerbed.sims.recorder import RoundRecord
-    from flowerbed.sims.scenario import default_workers, run_scenario
+    from flowerbed.sims.scenario import default_workers, preflight, run_scenario
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -245,11 +243,7 @@ def simulate(scenario: Scenario, console: Any) -> int:
         )
 
     try:  # fail before any training
-        data = cached_dataset(scenario.dataset, scenario.data_dir)
-        check_population(
-            len(data.y_train), scenario.num_nodes, scenario.partition, scenario.dataset
-        )
-        check_output_dir(scenario.output_dir)
+        preflight(scenario)
     except (DataError, OutputDirError) as err:
         print(f"flowerbed sim: error: {err}", file=sys.stderr)
         return 2

@@ -9,7 +9,12 @@ import pytest
 from flowerbed.cli import main
 from flowerbed.data import DataError
 from flowerbed.sims.config import Scenario
-from flowerbed.sims.population import MIN_SAMPLES, check_population, drawn_shard
+from flowerbed.sims.population import (
+    MIN_SAMPLES,
+    check_cohort_memory,
+    check_population,
+    drawn_shard,
+)
 from flowerbed.sims.scenario import build_fleet_grid, run_scenario, run_server
 
 
@@ -75,3 +80,17 @@ def test_sim_shows_why_tasks_failed_and_exits_non_zero_when_all_did(
         captured.err
     )
     assert "dropped out in round 1" in captured.out  # the nodes' own reason
+
+
+def test_a_round_that_cannot_fit_in_memory_is_refused_naming_the_cohort_that_fits() -> (
+    None
+):
+    # 1,000 nodes at fraction-train 0.5 sample 500; each task holds 3 model-sized
+    # buffers of a 1 KiB model + 32 KiB: 500 x 35 KiB = 17,920,000 bytes.
+    check_cohort_memory(1000, 0.5, 1024, available=17_920_000)
+    with pytest.raises(DataError) as refused:
+        check_cohort_memory(1000, 0.5, 1024, available=17_919_999)
+    message = str(refused.value)
+    assert "num-nodes=1000 with fraction-train=0.5: a round of 500 train" in message
+    assert "(35 KiB each for a 1 KiB model)" in message
+    assert "sample at most 499 nodes per round" in message
