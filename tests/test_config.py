@@ -151,6 +151,26 @@ def test_a_model_must_take_the_datasets_samples() -> None:
     assert ok.charge_as == "mobilenet-v1"
 
 
+def test_sim_check_says_ok_or_what_is_wrong_and_trains_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "runs"
+    argv = ["sim", "--check", "--out", str(out)]
+    readme = "fleet='phones-10x' strategy='deadline' num-rounds=20"
+    assert main([*argv, "-c", readme]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == (
+        "flowerbed sim: run config OK (deadline on 10 phones-10x nodes, 20 rounds, "
+        "lenet on digits); nothing was trained\n"
+    )
+    assert list(out.iterdir()) == []  # no run folder
+    assert main([*argv, "-c", "num-rnds=20"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("flowerbed sim: error: unknown run-config key 'num-rnds'")
+    assert main([*argv, "-c", "dataset='mnist' data-dir='/nonexistent'"]) == 2
+    assert "/nonexistent" in capsys.readouterr().err
+
+
 def test_sim_refuses_an_output_folder_it_cannot_write_before_training(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
