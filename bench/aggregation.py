@@ -9,19 +9,35 @@ size (``ru_maxrss``) is that method's alone.
   updates, O(model) memory, NaN/Inf check and update norm in the same pass) through
   zero-copy views of the reply's bytes (:func:`flowerbed.strategies.utils.array_view`),
   as the flowerbed strategies do; each reply is dropped after folding.
+- ``grouped``: the same, but replies come :data:`GROUP` at a time (as a pull
+  that returns several, or Flower's list, hands them over) and are folded by
+  ``UpdateAccumulator.add_many`` in one pass: the base and the sum are read once
+  per group instead of once per reply. Holds ``GROUP`` replies at a time.
 - ``flower``: all replies are held in a list, then
   ``flwr.serverapp.strategy.strategy_utils.aggregate_arrayrecords`` averages them, as
   Flower's ``FedAvg.aggregate_train`` does (O(nodes x model) memory).
-- ``bandwidth``: the memory-bandwidth reference: ``a += b`` over two arrays of
-  ``FLOATS`` float32, best of five, in bytes moved per second (two read, one
-  written), the STREAM convention (McCalpin, "Memory Bandwidth and Machine Balance
-  in Current High Performance Computers", IEEE TCCA Newsletter, 1995). A fold must
-  at least read the update and read and write the running sum, so no fold can
-  take in more than a third of that in update bytes per second: ``limit_gbps``.
+- ``bandwidth``: the memory-bandwidth reference alone (see below).
 
-Throughput is ``nodes x FLOATS x 4`` bytes of updates folded per second of
-aggregation (reply creation is not timed). Replies are ``base + i x 1e-3`` over a
-seeded normal base: as large as real updates and cheap to make.
+The limit: ``a += b`` over two arrays of ``FLOATS`` float32, best of five, in
+bytes moved per second (two read, one written), the STREAM convention (McCalpin,
+"Memory Bandwidth and Machine Balance in Current High Performance Computers",
+IEEE TCCA Newsletter, 1995). A fold must at least read the update and read and
+write the running sum, so one fold takes in at most a third of that in update
+bytes per second: ``limit_gbps``. (Reading the base as well, as a fold of
+differences must, caps a lone fold at 3/4 of it; a group of ``k`` reads base
+and sum once, so it can pass it.) Every measuring process measures the limit
+itself, just before and just after its aggregation, so that both figures of a
+ratio come from the same process at the same time on this shared machine.
+
+Seconds are CPU seconds of the (single-threaded) process, ``time.process_time``:
+on a loaded machine, wall time also counts the time other processes held the
+core. Throughput is ``nodes x FLOATS x 4`` bytes of updates per CPU second of
+aggregation (reply creation is not timed). A warm-up aggregation of two replies
+runs first, as a server has done in every round but its first: a fresh
+process's first model-sized allocation costs ~0.2 s of the kernel's huge-page
+assembly here, which a long-running server does not pay each round. Replies are
+``base + i x 1e-3`` over a seeded normal base: as large as real updates and
+cheap to make.
 """
 
 from __future__ import annotations
@@ -35,7 +51,9 @@ from typing import Any
 
 import numpy as np
 
-METHODS = ("streaming", "flower", "bandwidth")
+METHODS = ("streaming", "grouped", "flower", "bandwidth")
+GROUP = 4
+"""Replies folded per pass by the ``grouped`` method."""
 RESNET50_FLOATS = 25_557_032
 """Parameters of ResNet-50 (torchvision ``resnet50``), the issue's 25.6 M update."""
 NUM_ARRAYS = 16
@@ -68,26 +86,41 @@ def _reply(base: dict[str, np.ndarray], i: int) -> Any:
     return RecordDict({keys.ARRAYS: arrays, keys.METRICS: metrics})
 
 
-def measure_streaming(nodes: int, floats: int) -> dict[str, Any]:
+def _streaming(
+    base: dict[str, np.ndarray], nodes: int, group: int, first: int = 0
+) -> float:
+    """CPU seconds to fold ``nodes`` replies, ``group`` per pass, and the result."""
     from flowerbed import keys
-    from flowerbed.strategies.utils import UpdateAccumulator, array_view
+    from flowerbed.strategies.utils import Update, UpdateAccumulator, array_view
 
-    base = _base(floats)
     acc = UpdateAccumulator()
     folding = 0.0
-    for i in range(nodes):
-        reply = _reply(base, i)
-        t0 = time.perf_counter()
-        record = reply[keys.ARRAYS]
-        arrays = {name: array_view(array) for name, array in record.items()}
-        weight = reply[keys.METRICS][keys.NUM_EXAMPLES]
-        acc.add(arrays, base, float(weight))
-        folding += time.perf_counter() - t0
-        del reply, record, arrays
-    t0 = time.perf_counter()
+    for start in range(first, first + nodes, group):
+        replies = [_reply(base, i) for i in range(start, min(start + group, nodes))]
+        t0 = time.process_time()
+        updates = []
+        for reply in replies:
+            record = reply[keys.ARRAYS]
+            arrays = {name: array_view(array) for name, array in record.items()}
+            weight = float(reply[keys.METRICS][keys.NUM_EXAMPLES])
+            updates.append(Update(arrays, base, weight))
+        if group == 1:
+            acc.add(updates[0].arrays, base, updates[0].weight)
+        else:
+            acc.add_many(updates)
+        folding += time.process_time() - t0
+        del replies, updates
+    t0 = time.process_time()
     acc.result(base)
-    folding += time.perf_counter() - t0
-    return {"seconds": folding}
+    return folding + time.process_time() - t0
+
+
+def measure_streaming(nodes: int, floats: int, group: int = 1) -> dict[str, Any]:
+    base = _base(floats)
+    _streaming(base, min(2, nodes), group)  # warm-up (see the module docstring)
+    before = measure_bandwidth(floats)
+    seconds = _streaming(base, nodes, group)
+    return {"seconds": seconds, **_limits(before, measure_bandwidth(floats))}
 
 
 def measure_flower(nodes: int, floats: int) -> dict[str, Any]:
@@ -95,10 +128,22 @@ def measure_flower(nodes: int, floats: int) -> dict[str, Any]:
     from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 
     base = _base(floats)
+    aggregate_arrayrecords([_reply(base, i) for i in range(2)], keys.NUM_EXAMPLES)
     replies = [_reply(base, i) for i in range(nodes)]
-    t0 = time.perf_counter()
+    before = measure_bandwidth(floats)
+    t0 = time.process_time()
     aggregate_arrayrecords(replies, keys.NUM_EXAMPLES)
-    return {"seconds": time.perf_counter() - t0}
+    seconds = time.process_time() - t0
+    return {"seconds": seconds, **_limits(before, measure_bandwidth(floats))}
+
+
+def _limits(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """The limit measured around a measurement: both, and the larger."""
+    return {
+        "limit_before_gbps": before["limit_gbps"],
+        "limit_after_gbps": after["limit_gbps"],
+        "limit_gbps": max(before["limit_gbps"], after["limit_gbps"]),
+    }
 
 
 def measure_bandwidth(floats: int, repeats: int = 5) -> dict[str, Any]:
@@ -114,9 +159,9 @@ def measure_bandwidth(floats: int, repeats: int = 5) -> dict[str, Any]:
 
 
 def _timed_add(a: np.ndarray, b: np.ndarray) -> float:
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     a += b
-    return time.perf_counter() - t0
+    return time.process_time() - t0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,9 +175,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.method == "bandwidth":
         out = measure_bandwidth(args.floats)
     else:
-        fn = measure_streaming if args.method == "streaming" else measure_flower
-        out = fn(args.nodes, args.floats)
+        if args.method == "flower":
+            out = measure_flower(args.nodes, args.floats)
+        else:
+            group = GROUP if args.method == "grouped" else 1
+            out = measure_streaming(args.nodes, args.floats, group)
+            out["group"] = group
         out["gbps"] = args.nodes * args.floats * 4 / out["seconds"] / 1e9
+        out["of_limit"] = out["gbps"] / out["limit_gbps"]
     out.update(
         method=args.method,
         nodes=args.nodes,

@@ -52,10 +52,17 @@ def planned_bytes(method: str, nodes: int, floats: int) -> int:
     """Memory a measurement is expected to need, from its algorithm.
 
     Streaming holds the base, one reply (its array and serialised bytes), the
-    float32 sum and the result (5 x 4 bytes per float); Flower's list holds every
-    reply plus the float32 result and a temporary (4 x (nodes + 3)).
+    float32 sum, the result and the two bandwidth arrays (7 x 4 bytes per float);
+    grouped holds :data:`flowerbed.bench.aggregation.GROUP` replies instead of
+    one; Flower's list holds every reply plus the float32 result, a temporary and
+    the bandwidth arrays (4 x (nodes + 4)).
     """
-    per_float = 20 if method == "streaming" else 4 * (nodes + 3)
+    from flowerbed.bench.aggregation import GROUP
+
+    per_float = {
+        "streaming": 28,
+        "grouped": 20 + 8 * GROUP,
+    }.get(method, 4 * (nodes + 4))
     return PROCESS_OVERHEAD_BYTES + per_float * floats
 
 
@@ -72,14 +79,19 @@ def _run_json(args: Sequence[str], timeout: float) -> dict[str, Any]:
     return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
 
 
+AGGREGATION_METHODS = ("streaming", "grouped", "flower")
+"""Aggregation paths measured (:mod:`flowerbed.bench.aggregation`)."""
+
+
 def aggregation_cost(
     node_counts: Sequence[int], floats: int, timeout: float = 900.0
 ) -> dict[str, Any]:
-    """Throughput and peak RSS of both aggregation paths at each node count.
+    """Throughput and peak RSS of each aggregation path at each node count.
 
-    Streaming points also get ``of_limit`` (throughput over the bandwidth limit
-    of a fold, ``limit_gbps``: a third of the measured ``a += b`` bandwidth) and
-    ``vs_flower`` (over Flower's throughput at the same node count).
+    Every point has ``of_limit``: its throughput over the bandwidth limit of a
+    fold (``limit_gbps``, a third of the ``a += b`` bandwidth, measured by the
+    same process around its aggregation); flowerbed's points also ``vs_flower``
+    (over Flower's throughput at the same node count).
 
     A point whose :func:`planned_bytes` exceeds ``MEMORY_HEADROOM`` of the memory
     available when the part starts is not run; it is listed with the reason.
@@ -90,7 +102,7 @@ def aggregation_cost(
     bandwidth = _run_json([module, "bandwidth", "1", str(floats)], timeout)
     points: list[dict[str, Any]] = []
     for nodes in node_counts:
-        for method in ("streaming", "flower"):
+        for method in AGGREGATION_METHODS:
             need = planned_bytes(method, nodes, floats)
             if need > budget:
                 points.append(
@@ -107,10 +119,8 @@ def aggregation_cost(
             points.append(_run_json([module, method, str(nodes), str(floats)], timeout))
     flower = {p["nodes"]: p["gbps"] for p in points if p["method"] == "flower"}
     for p in points:
-        if p["method"] == "streaming" and "gbps" in p:
-            p["of_limit"] = p["gbps"] / bandwidth["limit_gbps"]
-            if p["nodes"] in flower:
-                p["vs_flower"] = p["gbps"] / flower[p["nodes"]]
+        if p["method"] != "flower" and "gbps" in p and p["nodes"] in flower:
+            p["vs_flower"] = p["gbps"] / flower[p["nodes"]]
     return {
         "floats": floats,
         "update_bytes": 4 * floats,
@@ -297,31 +307,57 @@ def flwr_run_rounds(
     }
 
 
+MIN_THROUGHPUT_TASKS = 200
+"""Node-tasks a throughput point runs at least (more rounds for small fleets):
+fewer make a CPU-time figure of a fraction of a second, too coarse to compare."""
+
+
 def node_throughput(
     node_counts: Sequence[int],
     rounds: int,
     app_dir: Path,
     ray_counts: Sequence[int] = (),
     timeout: float = 1800.0,
+    repeats: int = 3,
+    min_tasks: int = MIN_THROUGHPUT_TASKS,
+    modes: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """Node-tasks per CPU-second and wall seconds per round, per way of running.
 
-    For each fleet size (all nodes sampled every round; the default scenario
+    For each fleet size (all nodes sampled every round, ``rounds`` rounds or
+    enough for ``min_tasks`` node-tasks; the default scenario
     otherwise, see :mod:`flowerbed.bench.throughput`): the in-process engine per
-    node, batched and batched over workers, each in a fresh process; with the
+    node as before batching, per node, batched and batched over workers, each
+    in a fresh process, ``repeats`` times with the modes interleaved (the run
+    with the median rate is kept, the others' rates beside it; ``modes``: a
+    subset of :data:`flowerbed.bench.throughput.MODES`); with the
     sizes in ``ray_counts``, ``flwr run`` on Flower's simulation engine too.
-    ``speedup`` is batched over per-node node-tasks per CPU-second.
+    ``speedup_vs_legacy`` is batched over the original per-node path's
+    node-tasks per CPU-second (``legacy``: the baseline of issue 15's target),
+    ``speedup`` batched over today's per-node path.
     """
     from flowerbed.bench.throughput import MODES, scenario
 
     points: list[dict[str, Any]] = []
     for n in node_counts:
-        for mode in MODES:
-            args = ["flowerbed.bench.throughput", mode, str(n), str(n), str(rounds)]
-            try:
-                points.append(_run_json(args, timeout))
-            except (RuntimeError, subprocess.TimeoutExpired) as err:
-                points.append({"mode": mode, "cohort": n, "error": str(err)[-500:]})
+        n_rounds = max(rounds, -(-min_tasks // n))
+        runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes or MODES}
+        for _ in range(repeats):  # modes interleaved: the load drifts
+            for mode in runs:
+                args = [
+                    "flowerbed.bench.throughput",
+                    mode,
+                    str(n),
+                    str(n),
+                    str(n_rounds),
+                ]
+                try:
+                    runs[mode].append(_run_json(args, timeout))
+                except (RuntimeError, subprocess.TimeoutExpired) as err:
+                    runs[mode].append(
+                        {"mode": mode, "cohort": n, "error": str(err)[-500:]}
+                    )
+        points += [_median_run(mode_runs) for mode_runs in runs.values()]
         if n not in ray_counts:
             continue
         config = {**scenario(n, n, rounds), "strategy": "fedavg"}
@@ -351,11 +387,32 @@ def node_throughput(
         if "tasks_per_cpu_s" in p
     }
     speedup = {
-        str(n): rate[("batched", n)] / rate[("per-node", n)]
-        for n in node_counts
-        if ("batched", n) in rate and ("per-node", n) in rate
+        baseline: {
+            str(n): rate[("batched", n)] / rate[(baseline, n)]
+            for n in node_counts
+            if ("batched", n) in rate and (baseline, n) in rate
+        }
+        for baseline in ("legacy", "per-node")
     }
-    return {"rounds": rounds, "points": points, "speedup": speedup}
+    return {
+        "rounds": rounds,
+        "points": points,
+        "speedup": speedup["per-node"],
+        "speedup_vs_legacy": speedup["legacy"],
+    }
+
+
+def _median_run(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The run with the median node-task rate, with every run's rate beside it."""
+    good = sorted(
+        (r for r in runs if "tasks_per_cpu_s" in r), key=lambda r: r["tasks_per_cpu_s"]
+    )
+    if not good:
+        return dict(runs[-1])
+    return {
+        **good[(len(good) - 1) // 2],
+        "rates": [r["tasks_per_cpu_s"] for r in good],
+    }
 
 
 STARTUP_COMMANDS = {

@@ -31,6 +31,8 @@ THROUGHPUT_NODES = (10, 100, 1000)
 default scenario."""
 THROUGHPUT_ROUNDS = 2
 QUICK_THROUGHPUT_NODES = (10,)
+QUICK_THROUGHPUT_MODES = ("legacy", "per-node", "batched")
+"""--quick leaves out the workers (10 nodes are too few to split over them)."""
 GATEWAY_PHONES = 100
 
 
@@ -79,7 +81,14 @@ def run_part(part: str, quick: bool, app_dir: Path) -> dict[str, Any]:
             )
         elif part == "throughput":
             out = (
-                m.node_throughput(QUICK_THROUGHPUT_NODES, 1, app_dir)
+                m.node_throughput(
+                    QUICK_THROUGHPUT_NODES,
+                    1,
+                    app_dir,
+                    repeats=1,
+                    min_tasks=0,
+                    modes=QUICK_THROUGHPUT_MODES,
+                )
                 if quick
                 else m.node_throughput(
                     THROUGHPUT_NODES, THROUGHPUT_ROUNDS, app_dir, THROUGHPUT_NODES

@@ -267,30 +267,46 @@ def _comparison_line(c: Mapping[str, Any]) -> str:
     return text + "."
 
 
+AGGREGATION_NAMES = {
+    "streaming": "flowerbed streaming, one reply at a time",
+    "grouped": "flowerbed streaming, 4 replies per pass (`add_many`)",
+    "flower": "Flower aggregate_arrayrecords",
+}
+
+
 def _aggregation_lines(agg: Mapping[str, Any]) -> list[str]:
     if "points" not in agg:
         return [f"Not measured: {agg.get('skipped') or agg.get('error')}", ""]
     if "limit_gbps" not in agg:  # measured before the bandwidth limit was
         return ["Measured by an older flowerbed bench: rerun this part.", ""]
+    per_point = any("limit_before_gbps" in p for p in agg["points"])
+    limits = [p["limit_gbps"] for p in agg["points"] if "limit_gbps" in p]
+    seconds = "CPU s" if per_point else "s"
     lines = [
         f"Update: {agg['floats']:,} float32 ({agg['update_bytes'] / 1e6:.1f} MB) per "
-        f"node. Memory bandwidth (`a += b`, bytes read + written): "
-        f"**{agg['bandwidth_gbps']:.1f} GB/s**; a fold reads the update and reads and "
-        f"writes the running sum, so no fold takes in more than a third of that: "
-        f"**{agg['limit_gbps']:.1f} GB/s of updates** (the limit). Memory available at "
-        f"the start: {agg['memory_available_bytes'] / 1e9:.1f} GB; points planned "
-        f"above {agg['memory_budget_bytes'] / 1e9:.1f} GB were not run.",
+        f"node. Memory bandwidth (`a += b`, bytes read + written, best of 5): "
+        f"**{agg['bandwidth_gbps']:.1f} GB/s** measured alone at the start; a fold "
+        f"reads the update and reads and writes the running sum, so one fold takes "
+        f"in at most a third of that: the limit, "
+        f"**{agg['limit_gbps']:.1f} GB/s of updates**"
+        + (
+            f" ({min(limits):.1f}-{max(limits):.1f} GB/s as each measuring process "
+            "found it around its aggregation: each row's ratio is to its own). "
+            "Throughput in update bytes per CPU second of aggregation (result "
+            "included, after a warm-up aggregation; `flowerbed.bench.aggregation`)"
+            if per_point and limits
+            else ""
+        )
+        + f". Memory available at the start: "
+        f"{agg['memory_available_bytes'] / 1e9:.1f} GB; points planned above "
+        f"{agg['memory_budget_bytes'] / 1e9:.1f} GB were not run.",
         "",
         "| nodes | method | throughput (GB/s of updates) | of the limit "
-        "| x Flower | aggregation (s) | peak RSS (GB) |",
+        f"| x Flower | aggregation ({seconds}) | peak RSS (GB) |",
         "|---|---|---|---|---|---|---|",
     ]
     for p in agg["points"]:
-        name = (
-            "flowerbed streaming"
-            if p["method"] == "streaming"
-            else ("Flower aggregate_arrayrecords")
-        )
+        name = AGGREGATION_NAMES.get(p["method"], p["method"])
         if "skipped" in p:
             lines.append(f"| {p['nodes']} | {name} | skipped: {p['skipped']} |||||")
             continue
@@ -298,16 +314,26 @@ def _aggregation_lines(agg: Mapping[str, Any]) -> list[str]:
         vs_flower = f"{p['vs_flower']:.1f}x" if "vs_flower" in p else ""
         lines.append(
             f"| {p['nodes']} | {name} | {p['gbps']:.2f} | {of_limit} | {vs_flower} "
-            f"| {p['seconds']:.1f} | {p['peak_rss_bytes'] / 1e9:.2f} |"
+            f"| {p['seconds']:.2f} | {p['peak_rss_bytes'] / 1e9:.2f} |"
         )
     lines.append("")
     return lines
+
+
+def _run_spread(point: Mapping[str, Any]) -> str:
+    """ " (a-b, n runs)" when the point is the median of several runs."""
+    rates = point.get("rates") or []
+    if len(rates) < 2:
+        return ""
+    return f" ({min(rates):.0f}-{max(rates):.0f}, {len(rates)} runs)"
 
 
 def _throughput_lines(t: Mapping[str, Any]) -> list[str]:
     if "points" not in t:
         return [f"Not measured: {t.get('skipped') or t.get('error')}", ""]
     names = {
+        "legacy": "in-process, per node as before batching (fresh model and arrays "
+        "decoded per message; reproduced baseline)",
         "per-node": "in-process, per node (one ClientApp call per message)",
         "batched": "in-process, batched (one process)",
         "workers": "in-process, batched over worker processes",
@@ -316,29 +342,43 @@ def _throughput_lines(t: Mapping[str, Any]) -> list[str]:
     lines = [
         f"The default scenario (LeNet-5 on digits, `mixed` fleet, FedAvg, 10 local "
         f"steps of 16 samples, fewer where a node holds fewer) at each fleet size, "
-        f"every node sampled, {t['rounds']} rounds, no dropouts. CPU seconds: the "
-        "measuring process and its workers after a warm-up run; for Ray, the "
-        "SuperLink and everything it started, start-up included.",
+        f"every node sampled, at least {t['rounds']} rounds (more for small fleets: "
+        "at least 200 node-tasks a point), no dropouts, Flower's INFO log off as "
+        "`flowerbed sim` runs. CPU seconds: the measuring process and its workers "
+        "after a warm-up run; in-process points are the median of runs with the "
+        "modes interleaved; for Ray, the SuperLink and everything it started, "
+        "start-up included.",
         "",
-        "| nodes per round | engine | node-tasks per CPU-second | wall s per round "
-        "| CPU s | final accuracy (%) |",
-        "|---|---|---|---|---|---|",
+        "| nodes per round | engine | rounds | node-tasks per CPU-second (runs) "
+        "| wall s per round | CPU s | final accuracy (%) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for p in t["points"]:
         name = names.get(p["mode"], p["mode"])
         if "error" in p:
-            lines.append(f"| {p['cohort']} | {name} | failed: {p['error'][:200]} ||||")
+            lines.append(f"| {p['cohort']} | {name} || failed: {p['error'][:200]} ||||")
             continue
         workers = f" ({p['workers']})" if p["mode"] == "workers" else ""
         lines.append(
-            f"| {p['cohort']} | {name}{workers} | {p['tasks_per_cpu_s']:.0f} "
+            f"| {p['cohort']} | {name}{workers} | {p.get('rounds', t['rounds'])} "
+            f"| {p['tasks_per_cpu_s']:.0f}{_run_spread(p)} "
             f"| {p['wall_s_per_round']:.2f} | {p['cpu_s']:.1f} "
             f"| {100 * p['final_accuracy']:.1f} |"
         )
     lines.append("")
+    if t.get("speedup_vs_legacy"):
+        lines += [
+            "Batched over the per-node path as it was before batching (the "
+            "baseline of issue 15's 5x target), node-tasks per CPU-second: "
+            + ", ".join(
+                f"{n} nodes {x:.1f}x" for n, x in t["speedup_vs_legacy"].items()
+            )
+            + ".",
+            "",
+        ]
     if t.get("speedup"):
         lines += [
-            "Batched over per-node, node-tasks per CPU-second: "
+            "Batched over today's per-node path: "
             + ", ".join(f"{n} nodes {x:.1f}x" for n, x in t["speedup"].items())
             + ".",
             "",
@@ -589,7 +629,8 @@ def machinery_lines(mach: Mapping[str, Any]) -> list[str]:
     lines = [
         "## Machinery cost",
         "",
-        "Wall-clock figures: they depend on this machine and its load (see the top).",
+        "Figures depend on this machine and its load (see the top): aggregation "
+        "throughput and node-task rates are per CPU second, the others wall-clock.",
         "",
     ]
     if "error" in mach:

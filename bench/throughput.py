@@ -4,8 +4,12 @@ Run as ``python -m flowerbed.bench.throughput MODE POPULATION COHORT ROUNDS``;
 prints one JSON line. ``MODE`` is how node tasks use the machine
 (:func:`flowerbed.sims.scenario.run_scenario`):
 
+- ``legacy``: the per-node path as it was before batching (commit 9049e98's
+  parent), reproduced here as the baseline: one ClientApp call per message that
+  builds and He-initialises a fresh model and decodes the round's arrays for
+  every message (:func:`legacy_train`);
 - ``per-node``: one ClientApp call per message, one after another (``batch=False``),
-  as before batching existed;
+  on one cached model per process, as the per-node path runs today;
 - ``batched``: a round's nodes trained as one batched computation, in this process;
 - ``workers``: batched, over one worker process per core this process may use.
 
@@ -20,12 +24,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import resource
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-MODES = ("per-node", "batched", "workers")
+if TYPE_CHECKING:
+    from flowerbed.sims.scenario import RunOutcome
+    from flwr.app import Context, Message
+
+MODES = ("legacy", "per-node", "batched", "workers")
 
 
 def cpu_seconds() -> float:
@@ -48,22 +57,98 @@ def scenario(population: int, cohort: int, rounds: int) -> dict[str, Any]:
     }
 
 
-def measure(mode: str, population: int, cohort: int, rounds: int) -> dict[str, Any]:
-    from flowerbed.sims.scenario import default_workers, run_scenario
+def legacy_train(message: Message, context: Context) -> Message:
+    """A train task as the per-node path ran it before batching (the baseline).
+
+    The same plan, training and reply as :func:`flowerbed.sims.node.train`, with
+    the per-message costs that path had and later changes removed: a fresh model
+    built (and He-initialised) for every message; the message's arrays decoded
+    for every node although the whole round shares them; the run config parsed
+    and checked and the node's data gathered for every message (now cached per
+    process); the reply's arrays encoded by ``np.save`` (now
+    :func:`flowerbed.arrays.encode_array`).
+    """
+    from flowerbed import keys
+    from flowerbed.clients.training import train_steps
+    from flowerbed.models import build_model
+    from flowerbed.sims.config import Scenario
+    from flowerbed.sims.node import (
+        DEVICE_KEY,
+        cached_dataset,
+        no_step_reply,
+        node_setup,
+        plan_train,
+        train_reply,
+    )
+    from flwr.app import ArrayRecord
+
+    config = Scenario.from_run_config(context.run_config)  # uncached, as then
+    node_setup(
+        config,
+        int(context.node_config["partition-id"]),
+        int(context.node_config["num-partitions"]),
+        str(context.node_config.get(DEVICE_KEY, "")),
+    )
+    plan = plan_train(message, context)
+    if plan.steps == 0:
+        return no_step_reply(message, plan)
+    s = plan.scenario
+    data = cached_dataset(s.dataset, s.data_dir)
+    model = build_model(s.model, data.in_channels, data.image_size, data.num_classes)
+    model.load_state_dict(
+        message.content.array_records[keys.ARRAYS].to_torch_state_dict()
+    )
+    stats = train_steps(
+        model,
+        plan.node.x_train,
+        plan.node.y_train,
+        steps=plan.steps,
+        batch_size=plan.batch,
+        lr=plan.lr,
+        seed=plan.seed,
+        proximal_mu=plan.proximal_mu,
+    )
+    return train_reply(message, plan, stats, ArrayRecord(model.state_dict()))
+
+
+def _run(mode: str, run_config: dict[str, Any]) -> RunOutcome:
+    from flowerbed.sims.config import Scenario
+    from flowerbed.sims.node import evaluate_local, profile
+    from flowerbed.sims.scenario import build_fleet_grid, run_server
+    from flwr.clientapp import ClientApp
 
     options = {
+        "legacy": {"batch": False, "workers": 0},
         "per-node": {"batch": False, "workers": 0},
         "batched": {"batch": True, "workers": 0},
-        "workers": {"batch": True, "workers": default_workers()},
+        "workers": {"batch": True, "workers": _workers(mode)},
     }[mode]
-    warm = scenario(population, min(cohort, 10), 1)
-    run_scenario(warm, write=False, **options)  # type: ignore[arg-type]
+    scenario = Scenario.from_run_config(run_config)
+    grid = build_fleet_grid(scenario.to_run_config(), **options)  # type: ignore[arg-type]
+    if mode == "legacy":
+        app = ClientApp()
+        app.train()(legacy_train)
+        app.evaluate()(evaluate_local)
+        app.query()(profile)
+        grid.client_app = app
+    try:
+        return run_server(grid, scenario, engine="in-process", write=False)
+    finally:
+        grid.close()
+
+
+def _workers(mode: str) -> int:
+    from flowerbed.sims.scenario import default_workers
+
+    return default_workers() if mode == "workers" else 0
+
+
+def measure(mode: str, population: int, cohort: int, rounds: int) -> dict[str, Any]:
+    # Flower's INFO log off, as `flowerbed sim` runs (without --verbose)
+    logging.getLogger("flwr").setLevel(logging.WARNING)
+    _run(mode, scenario(population, min(cohort, 10), 1))  # warm-up
     cpu0, wall0 = cpu_seconds(), time.monotonic()
-    outcome = run_scenario(
-        scenario(population, cohort, rounds),
-        write=False,
-        **options,  # type: ignore[arg-type]
-    )
+    outcome = _run(mode, scenario(population, cohort, rounds))
     cpu, wall = cpu_seconds() - cpu0, time.monotonic() - wall0
     tasks = int(outcome.results["trained_tasks"])
     walls = [float(r["wall_time_s"]) for r in outcome.results["rounds"]]
@@ -73,7 +158,7 @@ def measure(mode: str, population: int, cohort: int, rounds: int) -> dict[str, A
         "wall_s": wall,
         "tasks_per_cpu_s": tasks / cpu,
         "wall_s_per_round": walls[-1] / len(walls),
-        "workers": options["workers"],
+        "workers": _workers(mode),
         "final_accuracy": outcome.results["final_accuracy"],
     }
 

@@ -15,6 +15,7 @@ from logging import INFO
 import numpy as np
 import torch
 from flowerbed import keys
+from flowerbed.arrays import encode_array
 from flowerbed.clients.training import TrainStats, evaluate, train_steps
 from flowerbed.data import Dataset, load_dataset, partition
 from flowerbed.models import build_model, charged_costs, cost_factor, model_num_bytes
@@ -158,15 +159,29 @@ def single_threaded() -> None:
         torch.backends.mkldnn.enabled = False  # type: ignore[assignment]
 
 
+@functools.lru_cache(maxsize=8)
+def _scenario(items: tuple[tuple[str, object], ...]) -> Scenario:
+    return Scenario.from_run_config(dict(items))
+
+
+@functools.lru_cache(maxsize=1024)
+def _node_setup(
+    scenario: Scenario, partition_id: int, num_partitions: int, device: str
+) -> NodeSetup:
+    """:func:`node_setup` for the nodes a process keeps meeting (a round's cohort)."""
+    return node_setup(scenario, partition_id, num_partitions, device)
+
+
 def _identity(context: Context) -> tuple[Scenario, NodeSetup]:
     single_threaded()
-    scenario = Scenario.from_run_config(context.run_config)
+    # Every task of a run has the same run config: parsed and checked once.
+    scenario = _scenario(tuple(sorted(context.run_config.items())))
     pid = int(context.node_config.get("partition-id", 0))
     n = int(context.node_config.get("num-partitions", scenario.num_nodes))
     device = str(context.node_config.get(DEVICE_KEY, ""))
     if device == OFFLINE:
         raise vclock.NodeDropout(f"node {pid} is offline", silent=True, after_s=0.0)
-    return scenario, node_setup(scenario, pid, n, device)
+    return scenario, _node_setup(scenario, pid, n, device)
 
 
 @functools.lru_cache(maxsize=4)
@@ -283,9 +298,12 @@ def train_reply(
     message: Message,
     plan: TrainPlan,
     stats: TrainStats,
-    weights: Mapping[str, torch.Tensor],
+    weights: Mapping[str, torch.Tensor] | ArrayRecord,
 ) -> Message:
-    """The reply to a train task: trained weights and the device's virtual costs."""
+    """The reply to a train task: trained weights and the device's virtual costs.
+
+    ``weights`` may come encoded already (an ``ArrayRecord``).
+    """
     compute_s = stats.num_steps * plan.step_s
     metrics = MetricRecord(
         {
@@ -301,9 +319,14 @@ def train_reply(
             keys.TRAIN_LOSS: stats.mean_loss,
         }
     )
-    content = RecordDict(
-        {keys.ARRAYS: ArrayRecord(dict(weights)), keys.METRICS: metrics}
+    arrays = (
+        weights
+        if isinstance(weights, ArrayRecord)
+        else ArrayRecord(
+            {name: encode_array(v.detach().numpy()) for name, v in weights.items()}
+        )
     )
+    content = RecordDict({keys.ARRAYS: arrays, keys.METRICS: metrics})
     return Message(content, reply_to=message)
 
 

@@ -27,6 +27,7 @@ from flowerbed.models import build_model
 from flowerbed.sims.engine import VirtualClock, reply_duration
 from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.serverapp import Grid
+from torch import nn
 
 
 @dataclass
@@ -103,6 +104,7 @@ class RunRecorder:
         self._wall_start = time.monotonic()
         self.error_counts: Counter[str] = Counter()
         self.error_examples: dict[str, str] = {}
+        self._model: nn.Module | None = None
 
     def sent(self, message_id: str, message: Message) -> None:
         if message.metadata.message_type.startswith("train"):
@@ -147,9 +149,12 @@ class RunRecorder:
     def evaluate_fn(self, server_round: int, arrays: ArrayRecord) -> MetricRecord:
         """Central evaluation on the held-out test set; closes the round's record."""
         d = self.data
-        model = build_model(self.model_name, d.in_channels, d.image_size, d.num_classes)
-        model.load_state_dict(arrays.to_torch_state_dict())
-        loss, acc = evaluate(model, d.x_test, d.y_test)
+        if self._model is None:  # one model for the run: each round loads into it
+            self._model = build_model(
+                self.model_name, d.in_channels, d.image_size, d.num_classes
+            )
+        self._model.load_state_dict(arrays.to_torch_state_dict())
+        loss, acc = evaluate(self._model, d.x_test, d.y_test)
         if server_round == 0:
             self.initial_accuracy = acc
             return MetricRecord({"accuracy": acc, "loss": loss})

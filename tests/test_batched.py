@@ -12,7 +12,7 @@ from flowerbed.clients.training import TrainStats, train_steps
 from flowerbed.data import load_dataset
 from flowerbed.models import build_model
 from flowerbed.sims import node
-from flowerbed.sims.batched import NodeJob, batchable, train_many
+from flowerbed.sims.batched import NodeJob, batchable, grouped_forward, train_many
 from flowerbed.sims.config import Scenario
 from flowerbed.sims.engine import MIN_TASKS_PER_WORKER
 from flowerbed.sims.scenario import build_fleet_grid, run_scenario, run_server
@@ -93,6 +93,69 @@ def test_batched_training_equals_training_each_node_alone(name: str) -> None:
             assert torch.allclose(weights[key], value, atol=1e-5), key
     # the node that did no step still holds the weights it was given
     assert all(torch.equal(batched[4][0][k], v) for k, v in jobs[4].weights.items())
+
+
+@pytest.mark.parametrize(
+    ("name", "sample"),
+    [
+        ("lenet", (1, 8, 8)),
+        ("mobilenet", (1, 8, 8)),
+        ("mobilenetv2", (3, 16, 16)),  # group norm, residual additions
+        ("cnn1d", (1, 40)),
+        ("mlp", (1, 40)),
+        ("logreg", (1, 40)),
+    ],
+)
+def test_grouped_forward_gives_each_node_its_own_models_output(
+    name: str, sample: tuple[int, ...]
+) -> None:
+    torch.manual_seed(0)
+    models = [build_model(name, sample[0], sample[-1], 10) for _ in range(3)]
+    params = {
+        key: torch.stack([dict(m.named_parameters())[key].detach() for m in models])
+        for key, _ in models[0].named_parameters()
+    }
+    x = torch.randn(3, 4, *sample)
+    grouped = grouped_forward(models[0])
+    assert grouped is not None
+    got = _with_onednn(grouped, params, x)
+    assert got.shape == (3, 4, 10)
+    for i, model in enumerate(models):
+        model.eval()
+        with torch.no_grad():
+            expected = _with_onednn(model, x[i])
+        assert torch.allclose(got[i], expected, atol=1e-5), i
+
+
+class _Concat(nn.Module):
+    """A forward torch.fx traces to a function the grouped pass does not know."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 3)
+        self.b = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.a(x.flatten(1)), self.b(x.flatten(1))], dim=1)
+
+
+def test_a_model_the_grouped_pass_cannot_run_trains_through_vmap() -> None:
+    model = _Concat()
+    assert grouped_forward(model) is None
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((12, 1, 2, 2)).astype(np.float32)
+    y = rng.integers(0, 5, 12)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    jobs = [NodeJob(weights, x[i::2], y[i::2], 3, 4, 0.1, i) for i in range(2)]
+    for job, (trained, stats) in zip(jobs, train_many(model, jobs), strict=True):
+        alone = _Concat()
+        alone.load_state_dict(job.weights)
+        expected = train_steps(
+            alone, job.x, job.y, steps=3, batch_size=4, lr=0.1, seed=job.seed
+        )
+        assert stats.mean_loss == pytest.approx(expected.mean_loss, abs=1e-6)
+        for key, value in alone.state_dict().items():
+            assert torch.allclose(trained[key], value, atol=1e-6), key
 
 
 def test_models_with_buffers_or_random_layers_are_not_batched() -> None:

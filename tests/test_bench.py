@@ -57,13 +57,16 @@ def test_quick_bench_writes_page_results_and_one_plot_per_workload(
     machinery = results["sections"]["machinery"]["data"]
     assert list(machinery) == list(PARTS)
     agg = machinery["aggregation"]
-    assert {p["method"] for p in agg["points"]} == {"streaming", "flower"}
+    assert {p["method"] for p in agg["points"]} == {"streaming", "grouped", "flower"}
+    assert all(p["of_limit"] > 0 and p["limit_gbps"] > 0 for p in agg["points"])
     [(size, speedup)] = machinery["throughput"]["speedup"].items()
     assert size == "10" and speedup > 0
+    [(size, speedup)] = machinery["throughput"]["speedup_vs_legacy"].items()
+    assert size == "10" and speedup > 0
     assert {p["mode"] for p in machinery["throughput"]["points"]} == {
+        "legacy",
         "per-node",
         "batched",
-        "workers",
     }
     assert machinery["startup"]["skipped"]
     assert machinery["gateway"]["skipped"]
@@ -197,10 +200,12 @@ def test_targets_say_met_or_not_from_the_comparisons() -> None:
 
 def test_planned_memory_follows_each_algorithm() -> None:
     overhead = bench_machinery.PROCESS_OVERHEAD_BYTES
-    # Streaming: base, reply (array + bytes), float32 sum, result = 20 bytes per float.
-    assert bench_machinery.planned_bytes("streaming", 200, 1000) == overhead + 20_000
-    # Flower's list: every reply plus result and temporary, 4 bytes each.
-    assert bench_machinery.planned_bytes("flower", 10, 1000) == overhead + 52_000
+    # Streaming: base, reply (array + bytes), float32 sum, result and the two
+    # bandwidth arrays = 28 bytes per float; grouped: 4 replies of 8 bytes instead.
+    assert bench_machinery.planned_bytes("streaming", 200, 1000) == overhead + 28_000
+    assert bench_machinery.planned_bytes("grouped", 200, 1000) == overhead + 52_000
+    # Flower's list: every reply, result, temporary, bandwidth arrays: 4 bytes each.
+    assert bench_machinery.planned_bytes("flower", 10, 1000) == overhead + 56_000
 
 
 @pytest.mark.parametrize(

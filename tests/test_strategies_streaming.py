@@ -12,6 +12,7 @@ from flowerbed.strategies.robust import MIN_REFERENCE
 from flowerbed.strategies.utils import (
     FOLD_CHUNK,
     ReplyRejected,
+    Update,
     UpdateAccumulator,
     array_view,
     to_arrayrecord,
@@ -105,6 +106,86 @@ def test_a_non_finite_update_is_rejected_and_leaves_the_sum_unchanged(
     assert np.array_equal(out["a"], np.ones(10)) and np.array_equal(
         out["b"], np.ones(size)
     )
+
+
+def _replies(size: int, count: int, seed: int) -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    return [
+        {
+            "w": rng.standard_normal(size).astype(np.float32),
+            "n": np.array([10 + i], np.int64),
+        }
+        for i in range(count)
+    ]
+
+
+def test_add_many_is_the_same_sum_bit_for_bit_as_adding_one_by_one() -> None:
+    size = 2 * FOLD_CHUNK + 3  # the last chunk is short
+    rng = np.random.default_rng(7)
+    base = {"w": rng.standard_normal(size).astype(np.float32), "n": np.array([10])}
+    replies = _replies(size, 5, seed=8)
+    weights = [3.0, 0.5, 7.25, 1.0, 2.0]
+    one_by_one = UpdateAccumulator()
+    norms = [
+        one_by_one.add(r, base, w, scale=0.5, steps=i + 1)
+        for i, (r, w) in enumerate(zip(replies, weights, strict=True))
+    ]
+    together = UpdateAccumulator()
+    got = together.add_many(
+        [
+            Update(r, base, w, scale=0.5, steps=i + 1)
+            for i, (r, w) in enumerate(zip(replies, weights, strict=True))
+        ]
+    )
+    assert got == norms  # each update's own norm, in order
+    assert (together.count, together.total_weight, together.weighted_steps) == (
+        5,
+        sum(weights),
+        sum(w * (i + 1) for i, w in enumerate(weights)),
+    )
+    a, b = one_by_one.result(base), together.result(base)
+    assert np.array_equal(a["w"], b["w"]) and np.array_equal(a["n"], b["n"])
+
+
+def test_add_many_rejects_the_poisoned_reply_alone() -> None:
+    size = 3 * FOLD_CHUNK
+    base = {"a": np.zeros(10, np.float32), "b": np.zeros(size, np.float32)}
+    good = {"a": np.ones(10, np.float32), "b": np.ones(size, np.float32)}
+    poisoned = {"a": np.full(10, 7.0, np.float32), "b": np.full(size, 5.0, np.float32)}
+    poisoned["b"][2 * FOLD_CHUNK + 1] = np.nan  # two chunks folded before it shows
+    other = {"a": np.full(10, 3.0, np.float32), "b": np.full(size, 3.0, np.float32)}
+    acc = UpdateAccumulator()
+    outcomes = acc.add_many(
+        [Update(good, base, 1.0), Update(poisoned, base, 3.0), Update(other, base, 1.0)]
+    )
+    assert isinstance(outcomes[1], ReplyRejected)
+    assert "array 'b' contains NaN or Inf" in outcomes[1].reason
+    assert outcomes[0] == pytest.approx(np.sqrt(10 + size))
+    assert outcomes[2] == pytest.approx(3 * np.sqrt(10 + size))
+    assert (acc.count, acc.total_weight) == (2, 2.0)
+    out = acc.result(base)  # (1 + 3) / 2: the poisoned reply left no trace
+    assert np.array_equal(out["a"], np.full(10, 2.0)) and np.array_equal(
+        out["b"], np.full(size, 2.0)
+    )
+
+
+def test_add_many_clips_and_folds_replies_of_different_bases() -> None:
+    base1 = {"w": np.zeros(2, np.float32)}
+    base2 = {"w": np.ones(2, np.float32)}
+    acc = UpdateAccumulator()
+    norms = acc.add_many(
+        [
+            Update({"w": np.array([3, 4], np.float32)}, base1, 1.0, max_norm=1.0),
+            Update({"w": np.array([1.3, 1.4], np.float32)}, base2, 1.0),
+        ]
+    )
+    assert norms == [5.0, pytest.approx(0.5)]
+    # (0.6, 0.8) clipped from (3, 4), plus (0.3, 0.4) from base2; averaged
+    out = acc.result(base1)["w"]
+    assert np.allclose(out, [0.45, 0.6])
+    with pytest.raises(ValueError, match="weight must be finite"):
+        acc.add_many([Update({"w": np.ones(2, np.float32)}, base1, float("nan"))])
+    assert acc.count == 2
 
 
 def test_an_update_too_large_to_sum_is_rejected() -> None:
