@@ -181,3 +181,34 @@ def test_bad_evaluate_replies_are_left_out_of_the_metrics() -> None:
     grid = FakeGrid({1: node(1.0, seconds=1.0, evaluate_acc=0.25), 2: bad_eval})
     result = RuntimeWeightedFedAvg().start(grid, weights(), num_rounds=1)
     assert result.evaluate_metrics_clientapp[1][keys.EVAL_ACC] == pytest.approx(0.25)
+
+
+def cast_fleet(dtype: type) -> FakeGrid:
+    """Nodes 1 and 2 answer x+1 and x+3 (10 examples each) with arrays of ``dtype``."""
+
+    def answering(shift: float, seconds: float):  # type: ignore[no-untyped-def]
+        def run(message: Message) -> tuple[Message, float]:
+            x: dict[str, np.ndarray] = {
+                k: (v + shift).astype(dtype) for k, v in received(message).items()
+            }
+            return reply(message, x, num_examples=10, train_time_s=seconds), seconds
+
+        return run
+
+    return FakeGrid({1: answering(1.0, 1.0), 2: answering(3.0, 2.0)})
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_float64_replies_to_a_float32_model_are_averaged_every_round(name: str) -> None:
+    # Issue 16: such replies were all rejected ("dtype float64, expected float32"),
+    # every node quarantined after 3 rounds, the run ended with the initial model.
+    strategy = STRATEGIES[name]()
+    result = strategy.start(cast_fleet(np.float64), weights(), num_rounds=4)
+    same = STRATEGIES[name]().start(cast_fleet(np.float32), weights(), num_rounds=4)
+    got = result.arrays["w"].numpy()
+    assert got.dtype == np.float32
+    assert got == pytest.approx(same.arrays["w"].numpy(), rel=1e-6)
+    assert sorted(result.train_metrics_clientapp) == [1, 2, 3, 4]
+    assert strategy.quarantine.until == {}
+    if name != "fedbuff":  # synchronous: x += (1 + 3) / 2 each round
+        assert float(got[0]) == pytest.approx(8.0)
