@@ -15,6 +15,7 @@ import os
 import random
 import tempfile
 import zipfile
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from logging import INFO, WARNING
@@ -752,6 +753,11 @@ class UpdateAccumulator:
         return out
 
 
+def _metric_shape(value: object) -> int | None:
+    """None for a number, the length of a list: what averaging needs to agree."""
+    return len(value) if isinstance(value, list) else None
+
+
 class MetricsAccumulator:
     """Keeps only the MetricRecords of accepted replies (small), for aggregation."""
 
@@ -787,10 +793,42 @@ class MetricsAccumulator:
     def result(
         self, aggr_fn: Callable[[list[RecordDict], str], MetricRecord]
     ) -> MetricRecord | None:
-        """Aggregate with Flower's ``(list[RecordDict], str) -> MetricRecord``."""
+        """Aggregate with Flower's ``(list[RecordDict], str) -> MetricRecord``,
+        after :meth:`agree`."""
         if not self.records:
             return None
+        self.agree()
         return aggr_fn(self.records, self.weighted_by_key)
+
+    def agree(self) -> None:
+        """Leave a metric out of the replies where it has another shape than in
+        most: a number where most have a list, or a list of another length.
+
+        Flower's average of MetricRecords raises on both, which would end the
+        run; rejecting the whole reply would let one fast node's odd metric
+        reject every honest reply after it. So the replies' updates all count,
+        and only the odd metric values are dropped (logged).
+        """
+        kept = self._kept()
+        shapes: dict[str, Counter[int | None]] = {}
+        for record in kept:
+            for key, value in record.items():
+                shapes.setdefault(key, Counter())[_metric_shape(value)] += 1
+        for key, counts in shapes.items():
+            if len(counts) == 1 or key == self.weighted_by_key:
+                continue
+            usual = max(counts, key=lambda shape: (counts[shape], shape is None))
+            odd = [r for r in kept if key in r and _metric_shape(r[key]) != usual]
+            for record in odd:
+                del record[key]
+            log(
+                WARNING,
+                "metric %r left out of %d replies: not %s as in the other %d",
+                key,
+                len(odd),
+                "a number" if usual is None else f"a list of {usual}",
+                counts[usual],
+            )
 
 
 # ---------------------------------------------------------------------------------

@@ -159,3 +159,54 @@ def test_participants_count_every_good_node_when_one_sends_nan_time() -> None:
         2,
         2,
     ]
+
+
+def with_loss(
+    shift: float, seconds: float
+) -> Callable[[Message], tuple[Message, float]]:
+    """An honest node (x + shift, GOOD numbers) that also reports train-loss 0.25."""
+
+    def run(message: Message) -> tuple[Message, float]:
+        if message.metadata.message_type == "evaluate":
+            return node(0.0, seconds=seconds)(message)  # type: ignore[return-value]
+        shifted = {k: v + shift for k, v in received(message).items()}
+        return reply(message, shifted, **GOOD, train_loss=0.25), seconds
+
+    return run
+
+
+def odd_shapes(message: Message) -> tuple[Message, float]:
+    """Answers first with metrics of another shape: lists where others send numbers."""
+    if message.metadata.message_type == "evaluate":
+        metrics = MetricRecord({keys.NUM_EXAMPLES: 10, keys.EVAL_ACC: [0.9, 0.9]})
+        return Message(RecordDict({keys.METRICS: metrics}), reply_to=message), 0.0
+    shifted = {k: v + 5 for k, v in received(message).items()}
+    return reply(message, shifted, **GOOD, train_loss=[1.0, 2.0]), 0.5
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_a_metric_of_another_shape_is_left_out_and_every_update_counts(
+    name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Flower's average of MetricRecords raised on a list where the others have a
+    # number ('float' object is not iterable), ending the run. Node 3 answers
+    # first; its update counts (equal weights: (1 + 3 + 5) / 3 = 3; FedBuff's
+    # K = 2 takes nodes 3 and 1: (5 + 1) / 2 = 3), its odd metrics do not: they
+    # count as not reported, and Flower averages a metric over every reply's
+    # weight, so train-loss is 0.25 x 2/3 (FedBuff: 0.25 x 1/2).
+    caplog.set_level(logging.WARNING, logger="flwr")
+    grid = FakeGrid({1: with_loss(1.0, 1.0), 2: with_loss(3.0, 1.0), 3: odd_shapes})
+    strategy = STRATEGIES[name]()
+    strategy.fraction_evaluate = 1.0
+    result = strategy.start(grid, weights(), num_rounds=1)
+    assert float(result.arrays["w"].numpy()[0]) == pytest.approx(3.0)
+    share = 1 / 2 if name == "fedbuff" else 2 / 3
+    loss = result.train_metrics_clientapp[1]["train-loss"]
+    assert loss == pytest.approx(0.25 * share)
+    # evaluation: two honest replies (0.5) of three
+    acc = result.evaluate_metrics_clientapp[1][keys.EVAL_ACC]
+    assert acc == pytest.approx(0.5 * 2 / 3)
+    lines = [r.getMessage() for r in caplog.records]
+    left_out = "metric 'eval-acc' left out of 1 replies: not a number as in the other 2"
+    assert left_out in lines
+    assert any(m.startswith("metric 'train-loss' left out of 1 replies") for m in lines)
