@@ -113,7 +113,7 @@ WORKLOADS: dict[str, Workload] = {
             20,
             "mobilenet-v1-0.5-160",
             True,
-            100,
+            80,
         ),
         Workload(
             "mnist1d-iid",
@@ -126,7 +126,7 @@ WORKLOADS: dict[str, Workload] = {
             20,
             "mobilenet-v1-0.5-160",
             True,
-            100,
+            80,
         ),
         Workload(
             "synthetic",
@@ -139,7 +139,7 @@ WORKLOADS: dict[str, Workload] = {
             20,
             "mobilenet-v1-0.5-160",
             True,
-            100,
+            80,
         ),
         Workload(
             "digits",
@@ -153,7 +153,7 @@ WORKLOADS: dict[str, Workload] = {
             50,
             "",
             False,
-            30,
+            20,
             learning_rate=0.05,
             local_steps=10,
             batch_size=16,
@@ -586,6 +586,7 @@ def run_cell(
     end_s = float(grid.clock.now())  # type: ignore[attr-defined]
     folded = _folded(result, len(evaluator.curve), grid)
     grid.drain()
+    fleet.close()
     _, nbytes = task_costs(s)
     return {
         "workload": workload.name,
