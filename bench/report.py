@@ -62,7 +62,10 @@ def headline_sentence(h: Mapping[str, Any]) -> str:
 
 
 def target_lines(targets: Sequence[Mapping[str, Any]]) -> list[str]:
-    """One line per target: met or not, with its figures."""
+    """One line per target: met or not, with its figures, and for a target not met
+    what was tried and what would close it (:data:`TARGET_NOTES`)."""
+    from flowerbed.bench.suite import TARGET_NOTES
+
     lines = []
     for t in targets:
         figures = ", ".join(
@@ -70,9 +73,11 @@ def target_lines(targets: Sequence[Mapping[str, Any]]) -> list[str]:
             for k, v in t.items()
             if k not in ("name", "text", "met")
         )
-        lines.append(
-            f"- **{'met' if t['met'] else 'not met'}**: {t['text']} ({figures})."
-        )
+        line = f"- **{'met' if t['met'] else 'not met'}**: {t['text']} ({figures})."
+        note = TARGET_NOTES.get(t["name"])
+        if not t["met"] and note:
+            line += f" What was tried, and what would close it: {note}"
+        lines.append(line)
     return lines
 
 

@@ -10,17 +10,22 @@ median accuracy against virtual time per workload. Its options: ``--seeds``,
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from .sections import SectionRun
 
 TITLE = "Strategies on unequal fleets"
+CELLS_FILE = "suite-cells.jsonl"
+"""Every finished cell, one JSON line each, written as it finishes: an interrupted
+run loses nothing (``--resume``)."""
 FULL_SEEDS = 5
 QUICK_SEEDS = 1
 
@@ -76,6 +81,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--jobs",
         type=int,
         help="worker processes for the suite (default: CPU count)",
+    )
+    g.add_argument(
+        "--resume",
+        action="store_true",
+        help=f"reuse the cells an interrupted run finished (benchmarks/{CELLS_FILE}, "
+        "same workload settings) instead of running them again",
     )
 
 
@@ -154,25 +165,54 @@ def _cell(workload: str, config: str, seed: int, quick: bool) -> dict[str, Any]:
     return out
 
 
+def cell_key(workload: Mapping[str, Any], config: str, seed: int) -> str:
+    """What makes a finished cell reusable: the workload's settings, the
+    configuration and the seed."""
+    return json.dumps([dict(workload), config, seed], sort_keys=True)
+
+
+def load_cells(path: Path) -> dict[str, dict[str, Any]]:
+    """Finished cells of an earlier run by :func:`cell_key` (a torn last line is
+    ignored)."""
+    out: dict[str, dict[str, Any]] = {}
+    if not path.is_file():
+        return out
+    for line in path.read_text().splitlines():
+        try:
+            entry = json.loads(line)
+            out[entry["key"]] = entry["cell"]
+        except (ValueError, KeyError, TypeError):
+            continue
+    return out
+
+
 def run_suite(
-    plan: SuitePlan, on_done: Callable[[dict[str, Any]], None]
+    plan: SuitePlan,
+    on_done: Callable[[dict[str, Any]], None],
+    done_before: Mapping[tuple[str, str, int], dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
-    """Run every cell (``plan.jobs`` processes); ``on_done`` is called per cell."""
-    args = [(w, s, seed, plan.quick) for w, s, seed in plan.cells]
-    cells: list[dict[str, Any]] = []
-    if plan.jobs == 1:
+    """Run every cell (``plan.jobs`` processes) but those in ``done_before``;
+    ``on_done`` is called per cell run."""
+    done_before = done_before or {}
+    args = [
+        (w, s, seed, plan.quick)
+        for w, s, seed in plan.cells
+        if (w, s, seed) not in done_before
+    ]
+    cells: list[dict[str, Any]] = list(done_before.values())
+    if plan.jobs == 1 or len(args) <= 1:
         for a in args:
             cells.append(_cell(*a))
             on_done(cells[-1])
-        return cells
-    import multiprocessing
+    else:
+        import multiprocessing
 
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(plan.jobs, mp_context=context) as pool:
-        futures = [pool.submit(_cell, *a) for a in args]
-        for future in as_completed(futures):
-            cells.append(future.result())
-            on_done(cells[-1])
+        context = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(plan.jobs, mp_context=context) as pool:
+            futures = [pool.submit(_cell, *a) for a in args]
+            for future in as_completed(futures):
+                cells.append(future.result())
+                on_done(cells[-1])
     order = {c: i for i, c in enumerate(plan.cells)}
     cells.sort(key=lambda c: order[(c["workload"], c["config"], c["seed"])])
     return cells
@@ -183,29 +223,41 @@ def run(ctx: SectionRun) -> dict[str, Any]:
     from flowerbed.bench.report import plot_workload
 
     plan = plan_from_args(ctx.args)
-    step = ctx.tracker(len(plan.cells))
-
-    def done(cell: dict[str, Any]) -> None:
-        status = "error" if "error" in cell else f"{cell['run_wall_s']:.0f}s"
-        step(f"{cell['workload']} / {cell['config']} / seed {cell['seed']}: {status}")
-
-    cells = run_suite(plan, done)
-    ok = [c for c in cells if "error" not in c and "skipped" not in c]
-    for workload in plan.workloads:
-        if any(c["workload"] == workload for c in ok):
-            plot_workload(ok, workload, ctx.data_dir / f"accuracy-{workload}.png")
     workloads = {
         w: suite.quick_workload(suite.WORKLOADS[w])
         if plan.quick
         else suite.WORKLOADS[w]
         for w in plan.workloads
     }
+    described = {w: suite.workload_description(wl) for w, wl in workloads.items()}
+    path = ctx.data_dir / CELLS_FILE
+    earlier = load_cells(path) if getattr(ctx.args, "resume", False) else {}
+    done_before = {}
+    for w, c, seed in plan.cells:
+        found = earlier.get(cell_key(described[w], c, seed))
+        if found is not None and "error" not in found:
+            done_before[(w, c, seed)] = found
+    if not done_before:
+        path.unlink(missing_ok=True)
+    step = ctx.tracker(len(plan.cells) - len(done_before))
+
+    def done(cell: dict[str, Any]) -> None:
+        key = cell_key(described[cell["workload"]], cell["config"], cell["seed"])
+        with path.open("a") as fh:
+            fh.write(json.dumps({"key": key, "cell": cell}) + "\n")
+        status = "error" if "error" in cell else f"{cell['run_wall_s']:.0f}s"
+        step(f"{cell['workload']} / {cell['config']} / seed {cell['seed']}: {status}")
+
+    cells = run_suite(plan, done, done_before)
+    ok = [c for c in cells if "error" not in c and "skipped" not in c]
+    for workload in plan.workloads:
+        if any(c["workload"] == workload for c in ok):
+            plot_workload(ok, workload, ctx.data_dir / f"accuracy-{workload}.png")
     return {
         "settings": {
             **asdict(plan),
-            "workload_descriptions": {
-                w: suite.workload_description(wl) for w, wl in workloads.items()
-            },
+            "workload_descriptions": described,
+            "resumed_cells": len(done_before),
             "strategy_descriptions": {
                 s: suite.CONFIGS[s].description for s in plan.strategies
             },

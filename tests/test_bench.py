@@ -256,3 +256,18 @@ def test_tree_cpu_counts_the_processes_a_process_started() -> None:
     finally:
         child.kill()
         child.wait()
+
+
+def test_resume_reuses_the_cells_an_interrupted_run_finished(tmp_path: Path) -> None:
+    args = ["bench", "--quick", "--sections", "suite", "--workloads", "digits"]
+    args += ["--jobs", "1", "--out", str(tmp_path)]
+    assert main([*args, "--strategies", "flwr-fedavg-q25"]) == 0
+    cells = tmp_path / "benchmarks" / "suite-cells.jsonl"
+    first = json.loads(cells.read_text().splitlines()[0])["cell"]
+    assert main([*args, "--strategies", "flwr-fedavg-q25,deadline", "--resume"]) == 0
+    results = json.loads((tmp_path / "benchmarks" / "results.json").read_text())
+    data = results["sections"]["suite"]["data"]
+    assert data["settings"]["resumed_cells"] == 1
+    assert data["cells"][0] == first  # reused as it was, not run again
+    assert [c["config"] for c in data["cells"]] == ["flwr-fedavg-q25", "deadline"]
+    assert len(cells.read_text().splitlines()) == 2
