@@ -76,7 +76,7 @@ def target_lines(targets: Sequence[Mapping[str, Any]]) -> list[str]:
         line = f"- **{'met' if t['met'] else 'not met'}**: {t['text']} ({figures})."
         note = TARGET_NOTES.get(t["name"])
         if not t["met"] and note:
-            line += f" What was tried, and what would close it: {note}"
+            line += f" What was tried: {note}"
         lines.append(line)
     return lines
 
@@ -135,6 +135,14 @@ def plot_workload(
     os.replace(tmp, path)
 
 
+def _num(value: float, spec: str) -> str:
+    """``value`` in ``spec``; with ``.3g``, thousands as whole numbers (1,234, not
+    1.23e+03)."""
+    if spec == ".3g" and abs(value) >= 1000:
+        return f"{value:,.0f}"
+    return format(value, spec)
+
+
 def _spread(
     values: Sequence[float | None],
     spec: str,
@@ -154,9 +162,9 @@ def _spread(
         if len(present) % 2
         else ((present[len(present) // 2 - 1] + present[len(present) // 2]) / 2)
     )
-    text = format(med, spec)
+    text = _num(med, spec)
     if len(present) > 1:
-        text += f" [{format(present[0], spec)}–{format(present[-1], spec)}]"
+        text += f" [{_num(present[0], spec)}–{_num(present[-1], spec)}]"
     if missing:
         text += f" ({missing} missed)"
     return text

@@ -140,6 +140,7 @@ WORKLOADS: dict[str, Workload] = {
             "mobilenet-v1-0.5-160",
             True,
             40,
+            learning_rate=0.05,
         ),
         Workload(
             "digits",
@@ -345,13 +346,39 @@ def _configs() -> list[Config]:
             _rw(weighting="fednova", balance_work=True),
         )
     )
+    deadline = {"adaptive_deadline": True, "partial_work": True}
+    for name, options, text in (
+        (
+            "deadline-over",
+            {"over_selection": OVER_SAMPLING},
+            f"over_selection={OVER_SAMPLING:g} (close at the first K of "
+            f"{OVER_SAMPLING:g}K)",
+        ),
+        (
+            "deadline-stale10",
+            {"max_staleness": 10},
+            "max_staleness=10 (slow devices' updates arrive ~7 rounds late)",
+        ),
+    ):
+        out.append(
+            Config(
+                name,
+                "variant",
+                f"DeadlineFedAvg as `deadline`, but {text}: a candidate default",
+                _flowerbed_with("DeadlineFedAvg", **deadline, **options),
+            )
+        )
     return out
 
 
-def _rw(**options: Any) -> Callable[[Scenario], Strategy]:
+def _flowerbed_with(name: str, **options: Any) -> Callable[[Scenario], Strategy]:
     from flowerbed.sims.scenario import flowerbed_strategy
 
-    return flowerbed_strategy("RuntimeWeightedFedAvg", **options)
+    return flowerbed_strategy(name, **options)
+
+
+def _rw(**options: Any) -> Callable[[Scenario], Strategy]:
+    return _flowerbed_with("RuntimeWeightedFedAvg", **options)
 
 
 CONFIGS: dict[str, Config] = {c.name: c for c in _configs()}
@@ -632,8 +659,9 @@ def time_to(curve: Sequence[Sequence[float]], target: float) -> float | None:
 
 def converged_accuracy(cells: Sequence[Mapping[str, Any]]) -> float:
     """A workload's converged accuracy: the median over seeds of the best accuracy
-    any configuration reached within the budget (each run's best of its last
-    five evaluations, so a lucky spike does not set it)."""
+    any configuration reached within the budget (each run's median of its last
+    five evaluations, so a lucky spike does not set it). The suite passes the
+    baselines' and defaults' cells only: a variant does not move the targets."""
     best: dict[int, float] = {}
     for c in cells:
         accs = [p[2] for p in c["curve"]][-5:]
@@ -704,7 +732,7 @@ def summarise_workload(
     w: Workload, cells: Sequence[Mapping[str, Any]]
 ) -> dict[str, Any]:
     """Per-configuration statistics of one workload over its seeds."""
-    conv = converged_accuracy(cells)
+    conv = converged_accuracy([c for c in cells if c["family"] != "variant"])
     targets = {f: f * conv for f in TARGET_FRACTIONS}
     by: dict[str, list[Mapping[str, Any]]] = {}
     for c in cells:
@@ -874,7 +902,32 @@ IID_WORKLOAD = "mnist1d-iid"
 TARGET_SPEEDUP = 2.0
 TARGET_SLOW_POINTS = 3.0
 TARGET_IDEAL_RATIO = 1.5
-TARGET_NOTES: dict[str, str] = {}
+TARGET_NOTES: dict[str, str] = {
+    "device-correlated": "flowerbed's three strategies with their defaults, and "
+    "two candidate DeadlineFedAvg defaults on the same seeds (variants "
+    "`deadline-over`, over_selection=1.3, and `deadline-stale10`, "
+    "max_staleness=10; measured in the issue-14 report, neither reached parity "
+    "with Flower's best). With the charged MobileNet, a low-end phone cannot "
+    "finish one local step inside a deadline a fast phone meets, so partial "
+    "work gives it nothing to send; its data arrives only as updates many "
+    "rounds late, beyond max_staleness 2. What would close it: work sized to "
+    "the deadline per device (fewer samples per step on slow devices, so they "
+    "finish inside a fast deadline) and folding very late updates as FedBuff "
+    "does.",
+    "iid": "the same strategies and variants. DeadlineFedAvg's rounds are "
+    "bimodal (most close early with the fast phones' partial work, about one "
+    "in ten waits for the slow tail, following the 80th percentile of recent "
+    "durations), so in the budget it folds fewer full updates than Flower's "
+    "fixed timeout and reaches the target later, with less energy. What would "
+    "close it: a pacer that holds the deadline near a fast task-time quantile "
+    "when the fleet's task times are far apart, raising it only when accuracy "
+    "stalls.",
+    "ideal": "as above; the ideal keeps every cohort slot busy with full tasks, "
+    "which no synchronous strategy does while slow devices' tasks take several "
+    "times longer. What would close it: asynchronous aggregation with a "
+    "concurrency above the cohort (FedBuff's default concurrency is the cohort, "
+    "so its slots sit on slow phones) or overlapping deadline rounds.",
+}
 """Per target name: what was tried and what would close it, shown when the target
 is not met (prose about the last published run; the figures come from the run)."""
 
