@@ -904,10 +904,12 @@ TARGET_SLOW_POINTS = 3.0
 TARGET_IDEAL_RATIO = 1.5
 TARGET_NOTES: dict[str, str] = {
     "device-correlated": "flowerbed's three strategies with their defaults, and "
-    "two candidate DeadlineFedAvg defaults on the same seeds (variants "
+    "two candidate DeadlineFedAvg defaults on the same seeds (rows "
     "`deadline-over`, over_selection=1.3, and `deadline-stale10`, "
-    "max_staleness=10; measured in the issue-14 report, neither reached parity "
-    "with Flower's best). With the charged MobileNet, a low-end phone cannot "
+    "max_staleness=10, in the tables below; neither reached parity with "
+    "Flower's best, so no default was changed). Also seen: DeadlineFedAvg's "
+    "first round, with no history, waits for 80% of the sampled devices, i.e. "
+    "for slow phones. With the charged MobileNet, a low-end phone cannot "
     "finish one local step inside a deadline a fast phone meets, so partial "
     "work gives it nothing to send; its data arrives only as updates many "
     "rounds late, beyond max_staleness 2. What would close it: work sized to "

@@ -273,8 +273,9 @@ class FedBuff(RuntimeWeightedFedAvg):
 
     def _prune_versions(self) -> None:
         assert self._inflight is not None
-        needed = {t.server_round for t in self._inflight.tickets.values()}
         oldest = self.version - self.max_staleness
+        # versions of unanswered messages and of replies waiting in the backlog
+        needed = {ticket.server_round for _, ticket in self._inflight.unconsumed()}
         self._versions = {
             v: x
             for v, x in self._versions.items()

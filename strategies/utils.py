@@ -968,6 +968,14 @@ class InFlight:
         """IDs of unanswered messages whose ticket satisfies ``predicate``."""
         return [i for i, t in self.tickets.items() if predicate(t)]
 
+    def unconsumed(self) -> list[tuple[str, Ticket]]:
+        """(message id, ticket) of every message not answered yet or whose reply
+        waits in the backlog."""
+        waiting = [(i, t) for i, t in self.tickets.items()]
+        return waiting + [
+            (m.metadata.reply_to_message_id, t) for m, t, _ in self._backlog
+        ]
+
     def outstanding(self, predicate: Callable[[Ticket], bool]) -> bool:
         """True if a matching message is unanswered or its reply not yet consumed."""
         return any(predicate(t) for t in self.tickets.values()) or any(
