@@ -224,8 +224,9 @@ class RoundLoop(FedAvg):
                 f"rejected, most often ({count}x): {reason}"
             )
         return (
-            f"{tally.missing} of {tally.sampled} sampled nodes did not reply within "
-            f"start()'s timeout={self._timeout:g} s: raise timeout"
+            f"{tally.missing + tally.unavailable} of {tally.sampled} sampled nodes "
+            f"did not reply within start()'s timeout={self._timeout:g} s or their "
+            "messages expired: raise timeout"
         )
 
     def _warn_stalled(self, server_round: int, rounds: int) -> None:

@@ -13,7 +13,7 @@ import pytest
 from flowerbed import keys
 from flowerbed.strategies import RuntimeWeightedFedAvg
 from flwr.app import ConfigRecord
-from test_strategies_fakes import FakeGrid, config_of, node, weights
+from test_strategies_fakes import FakeGrid, config_of, node, silent, weights
 
 
 def two_nodes(**kwargs: bool) -> FakeGrid:
@@ -132,3 +132,23 @@ def test_federated_evaluation_is_aggregated_per_round() -> None:
     # (10*0.2 + 30*0.6) / 40
     assert result.evaluate_metrics_clientapp[2]["eval-acc"] == pytest.approx(0.5)
     assert np.allclose(result.arrays["w"].numpy(), [2.0])
+
+
+def test_a_run_whose_messages_all_expire_names_the_timeout(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Both nodes never answer: each message comes back expired at the 5 s TTL
+    # (an error reply, not a missing one); the cause must still count them.
+    caplog.set_level(logging.WARNING, logger="flwr")
+    grid = FakeGrid({1: silent, 2: silent})
+    result = RuntimeWeightedFedAvg(fraction_evaluate=0.0).start(
+        grid, weights(3.0), num_rounds=3, timeout=5.0
+    )
+    assert float(result.arrays["w"].numpy()[0]) == 3.0
+    cause = (
+        "2 of 2 sampled nodes did not reply within start()'s timeout=5 s or their "
+        "messages expired: raise timeout"
+    )
+    lines = [r.getMessage() for r in caplog.records]
+    for kind in ("NO PROGRESS", "NO TRAINING"):
+        assert sum(m.startswith(kind) and m.endswith(cause) for m in lines) == 1
