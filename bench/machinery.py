@@ -550,22 +550,30 @@ monitor's specified accuracy (the default run assumes 0.03)."""
 
 
 def selection(
-    num_fleets: int, seed: int, truth_rounds: int, num_rounds: int = 100
+    num_fleets: int,
+    seed: int,
+    truth_rounds: int,
+    num_rounds: int = 100,
+    confidence_draws: int | None = None,
 ) -> dict[str, Any]:
     """Cluster-selection accuracy over random fleets
     (:func:`flowerbed.bench.selection_eval.evaluate_selection`).
 
     Also the energy and EDP objectives again with power sensors calibrated to
     :data:`SENSITIVITY_GAIN_ERROR` (``sensitivity``): the calibration error is
-    the one no profiling can shrink.
+    the one no profiling can shrink. ``confidence_draws`` (default: the
+    strategy's) sets the draws of each confidence estimate.
     """
     from flowerbed.bench.selection_eval import evaluate_selection
+    from flowerbed.strategies.cluster_selection.search import CONFIDENCE_DRAWS
 
+    draws = CONFIDENCE_DRAWS if confidence_draws is None else confidence_draws
     result = evaluate_selection(
         num_fleets=num_fleets,
         seed=seed,
         truth_rounds=truth_rounds,
         num_rounds=num_rounds,
+        confidence_draws=draws,
     )
     out = {"source": "flowerbed.bench.selection_eval.evaluate_selection", **result}
     meter = evaluate_selection(
@@ -575,6 +583,7 @@ def selection(
         num_rounds=num_rounds,
         power_gain_error=SENSITIVITY_GAIN_ERROR,
         objectives=("energy", "edp"),
+        confidence_draws=draws,
     )
     out["sensitivity"] = {
         "power_gain_error": SENSITIVITY_GAIN_ERROR,

@@ -13,7 +13,8 @@ from .sections import SectionRun
 
 TITLE = "Cluster selection"
 FLEETS = 30
-QUICK_FLEETS = 3
+QUICK_FLEETS = 1
+QUICK_DRAWS = 10  # confidence draws in quick mode: structure, not figures
 
 
 def run(ctx: SectionRun) -> dict[str, Any]:
@@ -25,6 +26,7 @@ def run(ctx: SectionRun) -> dict[str, Any]:
         seed=0,
         truth_rounds=2 if ctx.quick else 2000,
         num_rounds=10 if ctx.quick else 100,
+        confidence_draws=QUICK_DRAWS if ctx.quick else None,
     )
     step("selection")
     return out
