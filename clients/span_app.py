@@ -139,13 +139,17 @@ def member_context(context: Context) -> MemberContext:
     )
 
 
-def _error_reply(message: Message, err: Exception) -> Message:
+def error_reply(message: Message, err: Exception) -> Message:
+    """The error reply naming a problem of the plan or the board."""
     reason = f"flowerbed span client: {err}"
     log(ERROR, "%s reply is an error: %s", message.metadata.message_type, reason)
     return Message(Error(code=ERROR_CODE, reason=reason), reply_to=message)
 
 
-def _reply(message: Message, member: MemberContext, result: MemberResult) -> Message:
+def member_reply(
+    message: Message, member: MemberContext, result: MemberResult
+) -> Message:
+    """The reply carrying a runner's :class:`MemberResult` (module doc)."""
     content = RecordDict({keys.METRICS: MetricRecord(dict(result.metrics))})
     if result.arrays:
         content[keys.ARRAYS] = ArrayRecord(
@@ -169,7 +173,8 @@ def _config(message: Message) -> ConfigRecord:
     return message.content.config_records.get(keys.CONFIG, ConfigRecord())
 
 
-def _arrays(message: Message) -> dict[str, np.ndarray]:
+def message_arrays(message: Message) -> dict[str, np.ndarray]:
+    """The message's model and optimiser arrays, as a runner takes them."""
     out: dict[str, np.ndarray] = {}
     for name in (keys.ARRAYS, keys.SPAN_OPTIMIZER):
         if name in message.content.array_records:
@@ -179,7 +184,8 @@ def _arrays(message: Message) -> dict[str, np.ndarray]:
     return out
 
 
-def _query(message: Message) -> dict[str, Any]:
+def span_query(message: Message) -> dict[str, Any]:
+    """The decoded ``span-query`` JSON of a query or evaluate message."""
     raw = _config(message).get(keys.SPAN_QUERY)
     if not isinstance(raw, str):
         raise PlanError(
@@ -205,10 +211,10 @@ def train(message: Message, context: Context) -> Message:
         member = member_context(context)
         plan = MemberPlan.from_config(_config(message))
         runner = resolve(RUNNERS, plan.mode)
-        result = runner(plan, member, _arrays(message))
+        result = runner(plan, member, message_arrays(message))
     except HANDLED as err:
-        return _error_reply(message, err)
-    return _reply(message, member, result)
+        return error_reply(message, err)
+    return member_reply(message, member, result)
 
 
 @app.query()
@@ -217,12 +223,12 @@ def query(message: Message, context: Context) -> Message:
     try:
         member = member_context(context)
         member.check_address()
-        request = _query(message)
+        request = span_query(message)
         profiler = resolve(PROFILERS, request["mode"])
         result = profiler(request, member)
     except HANDLED as err:
-        return _error_reply(message, err)
-    return _reply(message, member, result)
+        return error_reply(message, err)
+    return member_reply(message, member, result)
 
 
 @app.evaluate()
@@ -237,16 +243,18 @@ def evaluate(message: Message, context: Context) -> Message:
     """
     try:
         member = member_context(context)
-        request = _query(message)
+        request = span_query(message)
         if request["mode"] in EVALUATORS:
             evaluator = resolve(EVALUATORS, request["mode"])
-            return _reply(message, member, evaluator(request, member, _arrays(message)))
+            return member_reply(
+                message, member, evaluator(request, member, message_arrays(message))
+            )
         model = build_sequential(
             str(request.get("model", "")), request.get("model_args")
         )
         state = {
             k: torch.from_numpy(np.array(v))
-            for k, v in _arrays(message).items()
+            for k, v in message_arrays(message).items()
             if not k.startswith(MOMENTUM_PREFIX)
         }
         try:
@@ -268,7 +276,7 @@ def evaluate(message: Message, context: Context) -> Message:
         begin = time.monotonic()
         loss, acc = chunked_evaluate(model, x, y)
     except HANDLED as err:
-        return _error_reply(message, err)
+        return error_reply(message, err)
     metrics = {
         keys.NUM_EXAMPLES: len(y),
         keys.EVAL_LOSS: loss,

@@ -27,13 +27,20 @@ Replies: the weights (``arrays``), the optimiser state (``optimizer``, names
 ``<buffer>/<parameter>`` and ``step``), and per step the compute seconds
 (forward + backward of this member's share, emulated speed included) and the
 rest of the step's wall time, the exposed all-reduce (``span-step-comm-s``).
+
+The simulator runs a whole group in one process with :func:`run_group` (every
+member's share in turn, their gradients summed as the all-reduce would), on the
+same :class:`Segment` code as a DDP member: data, batch shares, loss scale,
+optimiser and schedule are one code path (``flowerbed.sims.span_sim`` adds the
+virtual clock).
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -142,20 +149,83 @@ def build_member_model(plan: MemberPlan, arrays: Mapping[str, np.ndarray]) -> nn
     return model
 
 
-def run(
-    plan: MemberPlan, context: MemberContext, arrays: Mapping[str, np.ndarray]
-) -> MemberResult:
-    """Run one segment of large-batch synchronous training (module docstring)."""
-    from torch.nn.parallel import DistributedDataParallel
+@dataclass
+class Segment:
+    """A segment's working state, built the same way for a DDP member and for the
+    in-process group (:func:`run_group`): the model with the message's weights,
+    the optimiser with its state, the schedule and the job's data."""
 
-    begin = time.monotonic()
+    plan: MemberPlan
+    model: nn.Module
+    optimizer: LargeBatchOptimizer
+    schedule: LrSchedule
+    x: torch.Tensor
+    y: torch.Tensor
+    params: dict[str, nn.Parameter] = field(init=False)
+    views: dict[str, np.ndarray] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.params = {
+            n: p for n, p in self.model.named_parameters() if p.requires_grad
+        }
+        self.views = {n: p.detach().numpy() for n, p in self.params.items()}
+
+    def batch(self, step: int) -> np.ndarray:
+        """Sample indices of global step ``step``'s whole batch."""
+        plan = self.plan
+        return batch_indices(plan.seed, step, len(self.x), plan.batch_size)
+
+    def share_backward(
+        self, module: nn.Module, indices: np.ndarray, scale: float
+    ) -> float:
+        """Forward and backward of one share, its mean loss scaled by ``scale``
+        (:func:`~flowerbed.parallel.large_batch.loss_scale`); the unscaled loss."""
+        idx = torch.from_numpy(indices)
+        loss = nn.functional.cross_entropy(module(self.x[idx]), self.y[idx])
+        (loss * scale).backward()
+        return float(loss.detach())
+
+    def update(self, step: int) -> float:
+        """Apply the optimiser to the parameters' (all-reduced) gradients at
+        step ``step``'s rate; clear the gradients; return the rate."""
+        lr = self.schedule.lr(step)
+        grads = {
+            n: p.grad.numpy() if p.grad is not None else np.zeros_like(self.views[n])
+            for n, p in self.params.items()
+        }
+        self.optimizer.step(self.views, grads, lr)
+        for p in self.params.values():
+            p.grad = None
+        return lr
+
+    def grad_bytes(self) -> int:
+        """Bytes of the gradients a member all-reduces per step (uncompressed)."""
+        return sum(p.numel() * p.element_size() for p in self.params.values())
+
+    def result_state(self) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """Copies of the model state and the optimiser state (the reply's)."""
+        arrays = {
+            k: v.detach().numpy().copy() for k, v in self.model.state_dict().items()
+        }
+        return arrays, {k: np.asarray(v) for k, v in self.optimizer.state().items()}
+
+
+def share_of(plan: MemberPlan) -> tuple[int, int]:
+    """``(first, stop)`` of the plan's share of each step's batch (checked)."""
     if len(plan.batch_share) != 2 or plan.batch_share[1] <= plan.batch_share[0]:
         raise PlanError(
             "an all-reduce member needs a non-empty batch_share, got "
             f"{plan.batch_share}"
         )
     first, stop = plan.batch_share
-    share = stop - first
+    return first, stop
+
+
+def prepare(
+    plan: MemberPlan, context: MemberContext, arrays: Mapping[str, np.ndarray]
+) -> Segment:
+    """The plan's :class:`Segment`: PlanError names a bad plan before anything runs."""
+    share_of(plan)
     schedule = _schedule(plan)
     optimizer = make_optimizer(plan)
     saved = {
@@ -170,17 +240,67 @@ def run(
             raise PlanError(f"optimiser state: {err}") from None
     model = build_member_model(plan, arrays)
     x_all, y_all = _data(plan, context)
-    x_data = torch.from_numpy(np.ascontiguousarray(x_all, dtype=np.float32))
-    y_data = torch.from_numpy(np.ascontiguousarray(y_all)).long()
-    timed = TimedModule(model, context.speed)
-    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    views = {n: p.detach().numpy() for n, p in params.items()}
+    return Segment(
+        plan,
+        model,
+        optimizer,
+        schedule,
+        torch.from_numpy(np.ascontiguousarray(x_all, dtype=np.float32)),
+        torch.from_numpy(np.ascontiguousarray(y_all)).long(),
+    )
+
+
+def segment_metrics(
+    share: int,
+    compute: list[float],
+    comm: list[float],
+    losses: list[float],
+    lr: float,
+    *,
+    train_s: float,
+    setup_s: float,
+    overrun_s: float = 0.0,
+) -> dict[str, MetricValue]:
+    """A finished member's reply metrics (per-step compute and communication
+    seconds, examples, speed, loss): the same keys from a DDP member and from the
+    simulated one."""
+    steps = len(compute)
+    metrics: dict[str, MetricValue] = {
+        keys.SPAN_OK: 1,
+        keys.NUM_EXAMPLES: share * steps,
+        keys.NUM_STEPS: steps,
+        keys.TRAIN_TIME_S: train_s,
+        keys.SPAN_SETUP_S: setup_s,
+        keys.SPAN_STEP_COMPUTE_S: compute,
+        keys.SPAN_STEP_COMM_S: comm,
+        keys.SPAN_LR: lr,
+        keys.SPAN_OVERRUN_S: overrun_s,
+    }
+    if steps:
+        metrics[keys.TRAIN_LOSS] = statistics.fmean(losses)
+        metrics[keys.SAMPLES_PER_S] = share * steps / max(sum(compute), 1e-9)
+        metrics[keys.SPAN_STEP_S] = statistics.fmean(
+            c + m for c, m in zip(compute, comm, strict=True)
+        )
+    return metrics
+
+
+def run(
+    plan: MemberPlan, context: MemberContext, arrays: Mapping[str, np.ndarray]
+) -> MemberResult:
+    """Run one segment of large-batch synchronous training (module docstring)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    begin = time.monotonic()
+    segment = prepare(plan, context, arrays)
+    first, stop = share_of(plan)
+    share = stop - first
+    timed = TimedModule(segment.model, context.speed)
     scale = loss_scale(share, plan.batch_size, plan.world_size)
-    loss_fn = nn.CrossEntropyLoss()
     compute: list[float] = []
     comm: list[float] = []
     losses: list[float] = []
-    lr = schedule.lr(plan.start_step)
+    lr = segment.schedule.lr(plan.start_step)
     step = plan.start_step - 1
     setup = 0.0
     try:
@@ -189,30 +309,16 @@ def run(
             _register_compression(ddp, plan)
             setup = time.monotonic() - begin
             for step in range(plan.start_step, plan.end_step):
-                batch = batch_indices(plan.seed, step, len(x_data), plan.batch_size)
-                idx = torch.from_numpy(batch[first:stop])
                 timed.step = step
                 timed.reset()
                 started = time.perf_counter()
-                loss = loss_fn(ddp(x_data[idx]), y_data[idx])
-                (loss * scale).backward()
+                indices = segment.batch(step)[first:stop]
+                losses.append(segment.share_backward(ddp, indices, scale))
                 wall = time.perf_counter() - started
                 busy = sum(timed.forward_s) + sum(timed.backward_s)
                 compute.append(busy)
                 comm.append(max(0.0, wall - busy))
-                losses.append(float(loss.detach()))
-                lr = schedule.lr(step)
-                grads = {
-                    n: (
-                        p.grad.numpy()
-                        if p.grad is not None
-                        else np.zeros_like(views[n])
-                    )
-                    for n, p in params.items()
-                }
-                optimizer.step(views, grads, lr)
-                for p in params.values():
-                    p.grad = None
+                lr = segment.update(step)
     except PeerFailure as err:
         return MemberResult(
             ok=False,
@@ -223,30 +329,167 @@ def run(
             },
             failure=f"{err.phase}: {err}",
         )
-    steps = len(compute)
-    metrics: dict[str, MetricValue] = {
-        keys.SPAN_OK: 1,
-        keys.NUM_EXAMPLES: share * steps,
-        keys.NUM_STEPS: steps,
-        keys.TRAIN_TIME_S: time.monotonic() - begin,
-        keys.SPAN_SETUP_S: setup,
-        keys.SPAN_STEP_COMPUTE_S: compute,
-        keys.SPAN_STEP_COMM_S: comm,
-        keys.SPAN_LR: lr,
-        keys.SPAN_OVERRUN_S: timed.overrun_s,
-    }
-    if steps:
-        metrics[keys.TRAIN_LOSS] = statistics.fmean(losses)
-        metrics[keys.SAMPLES_PER_S] = share * steps / max(sum(compute), 1e-9)
-        metrics[keys.SPAN_STEP_S] = statistics.fmean(
-            c + m for c, m in zip(compute, comm, strict=True)
-        )
+    arrays_out, optimizer_out = segment.result_state()
     return MemberResult(
         ok=True,
-        metrics=metrics,
-        arrays={k: v.detach().numpy().copy() for k, v in model.state_dict().items()},
-        optimizer={k: np.asarray(v) for k, v in optimizer.state().items()},
+        metrics=segment_metrics(
+            share,
+            compute,
+            comm,
+            losses,
+            lr,
+            train_s=time.monotonic() - begin,
+            setup_s=setup,
+            overrun_s=timed.overrun_s,
+        ),
+        arrays=arrays_out,
+        optimizer=optimizer_out,
     )
+
+
+@dataclass
+class GroupRun:
+    """What :func:`run_group` did: the steps completed, each member's losses, the
+    final state (rank 0's, as every replica's) and the bytes all-reduced per step."""
+
+    steps: int
+    losses: list[list[float]]
+    lr: float
+    grad_bytes: int
+    arrays: dict[str, np.ndarray] = field(default_factory=dict)
+    optimizer: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+def check_group(plans: Sequence[MemberPlan]) -> list[MemberPlan]:
+    """The plans of one segment in rank order, checked to form a whole group:
+    ranks ``0 .. W-1``, the same segment settings, shares tiling the batch."""
+    if not plans:
+        raise PlanError("a group needs at least one member's plan")
+    ordered = sorted(plans, key=lambda p: p.rank)
+    lead = ordered[0]
+    ranks = [p.rank for p in ordered]
+    if ranks != list(range(lead.world_size)):
+        raise PlanError(
+            f"segment {lead.segment} of job {lead.job!r} has ranks {ranks}, world "
+            f"size {lead.world_size}: a group needs every rank once"
+        )
+    same = (
+        "job",
+        "segment",
+        "world_size",
+        "start_step",
+        "steps",
+        "batch_size",
+        "seed",
+        "model",
+        "model_args",
+        "dataset",
+        "momentum",
+        "weight_decay",
+        "options",
+    )
+    for plan in ordered[1:]:
+        for name in same:
+            if getattr(plan, name) != getattr(lead, name):
+                raise PlanError(
+                    f"rank {plan.rank}'s plan differs from rank 0's in {name!r}: "
+                    f"{getattr(plan, name)!r} vs {getattr(lead, name)!r}"
+                )
+    edge = 0
+    for plan in ordered:
+        first, stop = share_of(plan)
+        if first != edge:
+            raise PlanError(
+                f"rank {plan.rank}'s batch_share {plan.batch_share} does not start "
+                f"where rank {plan.rank - 1}'s ends ({edge})"
+            )
+        edge = stop
+    if edge != lead.batch_size:
+        raise PlanError(
+            f"the shares cover {edge} samples of a batch of {lead.batch_size}"
+        )
+    return ordered
+
+
+def run_group(
+    plans: Sequence[MemberPlan],
+    context: MemberContext,
+    arrays: Mapping[str, np.ndarray],
+    *,
+    stop_step: int | None = None,
+) -> GroupRun:
+    """Run a whole group's segment in this process, member by member (simulation).
+
+    Each step, every member in rank order computes the gradient of its share
+    with its loss scaled by ``W B_i / B`` (:meth:`Segment.share_backward`, as a
+    DDP member does); the all-reduce is their sum divided by ``W`` (DDP divides
+    before it sums; with compression ``fp16`` each contribution travels as
+    float16, as ``fp16_compress_hook`` sends it); then the optimiser steps once
+    (:meth:`Segment.update`), the same update every replica applies. Buffers
+    (BatchNorm's running statistics) follow DDP's ``broadcast_buffers``: every
+    member starts a step from rank 0's, and rank 0's are kept. The weights start
+    from ``arrays`` (rank 0's, which DDP broadcasts when it wraps the model).
+
+    ``stop_step``: the group breaks at that global step (a member lost): the
+    steps before it are done, the result has no state. PlanError for plans that
+    do not form one group, ``powersgd`` compression (not simulated) or a bad plan.
+    """
+    ordered = check_group(plans)
+    lead = ordered[0]
+    compression = str(lead.options.get(COMPRESSION, "none"))
+    if compression not in ("none", "fp16"):
+        raise PlanError(
+            f"compression {compression!r} is not simulated in process; valid "
+            "choices here: none, fp16"
+        )
+    segment = prepare(lead, context, arrays)
+    world = len(ordered)
+    bounds = [share_of(p) for p in ordered]
+    scales = [loss_scale(b - a, lead.batch_size, world) for a, b in bounds]
+    buffers = [b for b in segment.model.buffers() if b.is_floating_point()]
+    losses: list[list[float]] = [[] for _ in ordered]
+    lr = segment.schedule.lr(lead.start_step)
+    end = lead.end_step if stop_step is None else min(stop_step, lead.end_step)
+    done = 0
+    for step in range(lead.start_step, end):
+        batch = segment.batch(step)
+        start_buffers = [b.detach().clone() for b in buffers]
+        rank0_buffers = start_buffers
+        total: dict[str, torch.Tensor] = {}
+        for rank, (first, stop) in enumerate(bounds):
+            if rank == 1 and buffers:
+                rank0_buffers = [b.detach().clone() for b in buffers]
+            if rank and buffers:
+                _copy_into(buffers, start_buffers)
+            losses[rank].append(
+                segment.share_backward(segment.model, batch[first:stop], scales[rank])
+            )
+            for name, param in segment.params.items():
+                grad = param.grad if param.grad is not None else torch.zeros_like(param)
+                part = (
+                    grad.to(torch.float16).div_(world)
+                    if compression == "fp16"
+                    else grad / world
+                )
+                total[name] = part if name not in total else total[name] + part
+                param.grad = None
+        if world > 1 and buffers:
+            _copy_into(buffers, rank0_buffers)
+        for name, param in segment.params.items():
+            param.grad = total[name].to(param.dtype)
+        lr = segment.update(step)
+        done += 1
+    grad_bytes = segment.grad_bytes() // (2 if compression == "fp16" else 1)
+    if stop_step is not None and stop_step < lead.end_step:
+        return GroupRun(done, losses, lr, grad_bytes)
+    arrays_out, optimizer_out = segment.result_state()
+    return GroupRun(done, losses, lr, grad_bytes, arrays_out, optimizer_out)
+
+
+def _copy_into(targets: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for target, value in zip(targets, values, strict=True):
+            target.copy_(value)
 
 
 def profile(query: Mapping[str, Any], context: MemberContext) -> MemberResult:

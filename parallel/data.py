@@ -10,7 +10,9 @@ steps sees the same data (the tests compare the two).
 Built-in datasets (offline): ``digits`` (scikit-learn's 8x8 digits, 1 channel),
 ``digits32`` (the same, each pixel repeated 4x4: 32x32 for the VGG-style CNN),
 ``har`` (generated human-activity windows, 9 x 128, see
-:func:`flowerbed.data.make_har`); ``mnist`` and ``cifar10`` from a data folder.
+:func:`flowerbed.data.make_har`), ``mnist1d`` (35,000 generated 1 x 40 signals,
+:func:`flowerbed.data.make_mnist1d`: large batches of many members);
+``mnist`` and ``cifar10`` from a data folder.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import functools
 import numpy as np
 from flowerbed.data import DataError, Dataset, load_dataset, make_har
 
-JOB_DATASETS = ("digits", "digits32", "har", "mnist", "cifar10")
+JOB_DATASETS = ("digits", "digits32", "har", "mnist1d", "mnist", "cifar10")
 
 
 @functools.lru_cache(maxsize=4)
@@ -38,7 +40,7 @@ def load_job_dataset(name: str, data_dir: str = "") -> Dataset:
         )
     if name == "har":
         return make_har()
-    if name in ("digits", "mnist", "cifar10"):
+    if name in ("digits", "mnist1d", "mnist", "cifar10"):
         return load_dataset(name, data_dir)
     raise DataError(
         f"unknown job dataset {name!r}; valid choices: {', '.join(JOB_DATASETS)}"

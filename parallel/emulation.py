@@ -76,6 +76,10 @@ class DeviceSpeed:
     def backward_s(self, macs: float, step: int) -> float:
         return BACKWARD_FLOPS_PER_MAC * macs / self.rate_at(step)
 
+    def train_s(self, macs: float, step: int) -> float:
+        """Forward plus backward seconds of ``macs`` multiply-accumulates."""
+        return self.forward_s(macs, step) + self.backward_s(macs, step)
+
 
 class _Mark(torch.autograd.Function):
     """Identity whose backward calls a callback: marks where a backward pass is."""
