@@ -169,7 +169,8 @@ def member_reply(
     return Message(content, reply_to=message)
 
 
-def _config(message: Message) -> ConfigRecord:
+def message_config(message: Message) -> ConfigRecord:
+    """The message's ``config`` ConfigRecord (empty when it has none)."""
     return message.content.config_records.get(keys.CONFIG, ConfigRecord())
 
 
@@ -186,7 +187,7 @@ def message_arrays(message: Message) -> dict[str, np.ndarray]:
 
 def span_query(message: Message) -> dict[str, Any]:
     """The decoded ``span-query`` JSON of a query or evaluate message."""
-    raw = _config(message).get(keys.SPAN_QUERY)
+    raw = message_config(message).get(keys.SPAN_QUERY)
     if not isinstance(raw, str):
         raise PlanError(
             f"the query has no {keys.SPAN_QUERY!r} JSON: not a span job query"
@@ -209,7 +210,7 @@ def train(message: Message, context: Context) -> Message:
     """Run one segment of the plan's mode; reply with state and measurements."""
     try:
         member = member_context(context)
-        plan = MemberPlan.from_config(_config(message))
+        plan = MemberPlan.from_config(message_config(message))
         runner = resolve(RUNNERS, plan.mode)
         result = runner(plan, member, message_arrays(message))
     except HANDLED as err:

@@ -102,7 +102,10 @@ class Flow:
 class Network(Protocol):
     """What the virtual clock asks a network."""
 
-    name: str
+    @property
+    def name(self) -> str:
+        """Short name (``wired``, ``wifi``)."""
+        ...
 
     def rates_mbps(self, flows: Sequence[Flow]) -> list[float]:
         """Goodput of each of ``flows`` while exactly these are active."""

@@ -27,12 +27,13 @@ one per segment (a gloo group cannot shrink, so each segment has a new group).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from flowerbed import keys
@@ -58,6 +59,7 @@ from .utils import (
     InFlight,
     MetricsAccumulator,
     ReplyRejected,
+    Ticket,
     check_evaluate_reply,
 )
 
@@ -448,12 +450,7 @@ class SpanJobStrategy(FedAvg):
             nonlocal until
             until = min(until, self.clock.now() + self._grace(join=join))
 
-        replies = self.inflight.replies(
-            start + timeout,
-            kind=MessageType.TRAIN,
-            done=lambda: self.clock.now() >= until,
-        )
-        for reply, ticket, _ in replies:
+        for reply, ticket in self._segment_replies(lambda: until):
             node_id = ticket.node_id
             if reply.has_error():
                 reason = reply.error.reason or f"error code {reply.error.code}"
@@ -508,6 +505,32 @@ class SpanJobStrategy(FedAvg):
         self.inflight.forget(sent)
         outcome.seconds = self.clock.now() - start
         return outcome
+
+    def _segment_replies(
+        self, until: Callable[[], float]
+    ) -> Iterator[tuple[Message, Ticket]]:
+        """Train replies as they arrive until ``until()`` (which a grace period
+        may bring forward while this runs). Each wait is bounded by the current
+        ``until()``, so on the virtual clock a grace period ends the wait when it
+        expires instead of at the next arrival (a lost member's TTL expiry)."""
+        while True:
+            bound = until()
+            pulled = cast(
+                Generator[tuple[Message, Ticket, float], None, None],
+                self.inflight.replies(
+                    bound,
+                    kind=MessageType.TRAIN,
+                    done=lambda: self.clock.now() >= until(),
+                ),
+            )
+            # closing it hands replies pulled but not yet taken back to the backlog
+            with contextlib.closing(pulled) as replies:
+                for reply, ticket, _ in replies:
+                    yield reply, ticket
+                    if until() < bound:
+                        break  # a grace period began: wait at most until then
+                else:
+                    return
 
     def _grace(self, *, join: bool) -> float:
         bound = self.join_timeout_s + STORE_GRACE_S if join else self.timeout_s
