@@ -12,6 +12,14 @@ Three parts:
   (``flowerbed.sims.links``). Beside it the physical limit: the all-reduce's
   bandwidth term alone (gradient bytes over the link), fully overlapped with
   compute (``N b / max(b t, bytes term)``).
+- ``sync`` (the in-process engine): :class:`LargeBatchSync` itself on ``N`` =
+  8 ... 138 simulated phones, wired and Wi-Fi (``flowerbed.sims.span_sim``): a
+  small MLP trains for real on mnist1d with the DDP step code while the virtual
+  clock charges MobileNet-v1's compute and gradient bytes; the engine's samples
+  per virtual second beside the ``scaling`` model's figure for the same
+  configuration (they must agree), virtual seconds per round (weights to and
+  from the server included) and wall seconds. ``--quick`` leaves it out unless
+  named (``--large-batch sync``), then with 8 and 16 phones.
 - ``rounds`` (the in-process engine): :class:`LargeBatchRounds` with 138
   simulated phones on each network; virtual seconds per round, samples per
   virtual second, and the wall time of the run (requirement 4: minutes).
@@ -33,7 +41,12 @@ from typing import Any
 from .sections import SectionRun
 
 TITLE = "Large-batch synchronous training"
-PARTS = ("scaling", "rounds", "accuracy")
+PARTS = ("scaling", "sync", "rounds", "accuracy")
+QUICK_SKIPS = ("sync",)
+"""Parts ``--quick`` runs only when named in ``--large-batch``."""
+SYNC_MODEL = "mobilenet-v1"
+SYNC_ROUNDS = 2
+SYNC_STEPS = 2
 PHONES = (8, 16, 32, 64, 138)
 PER_DEVICE_BATCH = 32
 MODELS = ("lenet", "mobilenet-v1", "resnet-50")
@@ -80,13 +93,18 @@ def _parts(args: argparse.Namespace) -> list[str]:
 
 def run(ctx: SectionRun) -> dict[str, Any]:
     parts = _parts(ctx.args)
+    if ctx.quick and not getattr(ctx.args, "large_batch", None):
+        parts = [p for p in parts if p not in QUICK_SKIPS]
     data: dict[str, Any] = dict(ctx.previous or {})
     data.pop("error", None)
     step = ctx.tracker(len(parts))
     for part in parts:
-        data[part] = {"scaling": scaling, "rounds": rounds, "accuracy": accuracy}[part](
-            ctx.quick
-        )
+        data[part] = {
+            "scaling": scaling,
+            "sync": sync,
+            "rounds": rounds,
+            "accuracy": accuracy,
+        }[part](ctx.quick)
         step(part)
     return data
 
@@ -147,6 +165,74 @@ def scaling(quick: bool) -> dict[str, Any]:
         "seconds-per-sample": phone.seconds_per_sample,
         "per-device-batch": PER_DEVICE_BATCH,
         "networks": {k: v.describe() for k, v in networks.items()},
+        "rows": rows,
+    }
+
+
+# ------------------------------------------------------------------ sync
+def sync(quick: bool) -> dict[str, Any]:
+    """LargeBatchSync on the in-process engine (module doc, part ``sync``)."""
+    from flowerbed.models import charged_costs
+    from flowerbed.sims.devices import get_device
+    from flowerbed.sims.links import (
+        SwitchedEthernet,
+        WifiMedium,
+        synchronous_throughput,
+    )
+    from flowerbed.sims.span_sim import simulate
+    from flowerbed.strategies import LargeBatchSync
+
+    factor, grad_bytes = charged_costs(SYNC_MODEL)
+    per_sample = get_device(DEVICE).seconds_per_sample * factor
+    rows = []
+    for name, net in (("wired", SwitchedEthernet()), ("wifi", WifiMedium())):
+        for n in (8, 16) if quick else PHONES:
+            batch = PER_DEVICE_BATCH * n
+            strategy = LargeBatchSync(
+                fraction_evaluate=0.0,
+                min_train_nodes=n,
+                min_available_nodes=n,
+                model="deep-mlp",
+                model_args={"in_features": 40, "hidden": 64, "depth": 2},
+                dataset="mnist1d",
+                batch_size=batch,
+                steps_per_round=1 if quick else SYNC_STEPS,
+                optimizer="lamb",
+                base_lr=0.01,
+                base_batch=batch,
+                profile_batch=1,
+                profile_repeats=1,
+            )
+            run = simulate(
+                strategy,
+                [DEVICE] * n,
+                1 if quick else SYNC_ROUNDS,
+                network=net,
+                charge_as=SYNC_MODEL,
+            )
+            metrics = run.result.train_metrics_clientapp
+            last = metrics[max(metrics)]
+            ends = run.round_end_s
+            model = synchronous_throughput(
+                net, n, PER_DEVICE_BATCH, per_sample, grad_bytes
+            )
+            rows.append(
+                {
+                    "network": name,
+                    "phones": n,
+                    "samples-per-s": float(last["samples-per-s"]),
+                    "model-samples-per-s": model,
+                    "efficiency": float(last["samples-per-s"]) * per_sample / n,
+                    "step-s": float(last["step-s"]),
+                    "comm-s": float(last["comm-s"]),
+                    "virtual-s-per-round": ends[-1] - ends[-2],
+                    "wall-s": run.wall_s,
+                }
+            )
+    return {
+        "device": DEVICE,
+        "charged": SYNC_MODEL,
+        "per-device-batch": PER_DEVICE_BATCH,
         "rows": rows,
     }
 
@@ -310,6 +396,8 @@ def render(data: Mapping[str, Any]) -> list[str]:
         return [*lines, f"The section failed: {data['error']}", ""]
     if "scaling" in data:
         lines += _render_scaling(data["scaling"])
+    if "sync" in data:
+        lines += _render_sync(data["sync"])
     if "rounds" in data:
         lines += _render_rounds(data["rounds"])
     if "accuracy" in data:
@@ -336,6 +424,30 @@ def _render_scaling(d: Mapping[str, Any]) -> list[str]:
             f"| {r['compute-s']:.3g} | {r['allreduce-s']:.3g} | {r['bound-s']:.3g} "
             f"| {r['samples-per-s']:.3g} | {r['efficiency']:.0%} "
             f"| {r['limit-samples-per-s']:.3g} |"
+        )
+    return [*lines, ""]
+
+
+def _render_sync(d: Mapping[str, Any]) -> list[str]:
+    lines = [
+        f"LargeBatchSync on the in-process engine: `{d['device']}` phones, "
+        f"{d['per-device-batch']} samples per phone per step, a small MLP trained "
+        f"on mnist1d with the DDP step code while the virtual clock charges "
+        f"{d['charged']}'s compute and gradient bytes (flowerbed.sims.span_sim); "
+        "samples/s per step from the rounds' metrics beside the scaling model's "
+        "figure; a round also moves the (small) trained model to and from the "
+        "server:",
+        "",
+        "| network | phones | samples/s | model samples/s | efficiency | step s "
+        "| all-reduce s | virtual s / round | wall s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in d["rows"]:
+        lines.append(
+            f"| {r['network']} | {r['phones']} | {r['samples-per-s']:.3g} "
+            f"| {r['model-samples-per-s']:.3g} | {r['efficiency']:.0%} "
+            f"| {r['step-s']:.3g} | {r['comm-s']:.3g} "
+            f"| {r['virtual-s-per-round']:.3g} | {r['wall-s']:.1f} |"
         )
     return [*lines, ""]
 

@@ -1,4 +1,4 @@
-"""LargeBatchSync on the in-process engine: the DDP step code, charged on the virtual clock."""
+"""LargeBatchSync on the in-process engine: the DDP step code on the virtual clock."""
 
 from __future__ import annotations
 
@@ -221,7 +221,35 @@ def test_bad_fleets_are_named() -> None:
         node_config("no-such-phone", 0)
     with pytest.raises(ValueError, match="GFLOP/s > 0"):
         node_config(-1.0, 0)
-    with pytest.raises(ValueError, match="valid: 0..1"):
+    with pytest.raises(ValueError, match=r"valid: 0\.\.1"):
         span_grid(["rpi4b", "rpi4b"], crash_at_step={5: 1})
     with pytest.raises(ValueError, match="unknown charged model 'vgg-99'"):
         SegmentRunner(charge_as="vgg-99")
+
+
+def test_the_bench_part_agrees_with_the_scaling_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine's LargeBatchSync throughput equals the scaling model's for
+    the same phones, batch and network (both: max compute + ring all-reduce);
+    Wi-Fi below wired. --quick leaves the part out unless it is named."""
+    import argparse
+
+    from flowerbed.bench import large_batch_section as section
+    from flowerbed.bench.sections import SectionRun
+
+    named = argparse.Namespace(quick=True, large_batch="sync")
+    data = section.run(SectionRun("large-batch", named, tmp_path))
+    rows = {(r["network"], r["phones"]): r for r in data["sync"]["rows"]}
+    assert sorted(rows) == [("wifi", 8), ("wifi", 16), ("wired", 8), ("wired", 16)]
+    for row in rows.values():
+        assert row["samples-per-s"] == pytest.approx(row["model-samples-per-s"])
+    assert rows[("wifi", 16)]["samples-per-s"] < rows[("wired", 16)]["samples-per-s"]
+    text = "\n".join(section.render(data))
+    assert "| wired | 16 |" in text and "mobilenet-v1" in text
+    ran: list[str] = []
+    for part in section.PARTS:
+        monkeypatch.setattr(section, part, lambda quick, p=part: ran.append(p) or {})
+    unnamed = argparse.Namespace(quick=True, large_batch=None)
+    out = section.run(SectionRun("large-batch", unnamed, tmp_path))
+    assert ran == ["scaling", "rounds", "accuracy"] and "sync" not in out
