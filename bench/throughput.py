@@ -144,7 +144,10 @@ def _workers(mode: str) -> int:
 
 
 def measure(mode: str, population: int, cohort: int, rounds: int) -> dict[str, Any]:
-    # Flower's INFO log off, as `flowerbed sim` runs (without --verbose)
+    # Flower's INFO log off, as `flowerbed sim` runs (without --verbose); after
+    # importing Flower, whose logger module sets its level when imported
+    import flwr.supercore.logger  # noqa: F401
+
     logging.getLogger("flwr").setLevel(logging.WARNING)
     _run(mode, scenario(population, min(cohort, 10), 1))  # warm-up
     cpu0, wall0 = cpu_seconds(), time.monotonic()
