@@ -15,7 +15,7 @@ from logging import INFO
 import numpy as np
 import torch
 from flowerbed import keys
-from flowerbed.arrays import encode_array
+from flowerbed.arrays import encode_record
 from flowerbed.clients.training import TrainStats, evaluate, train_steps
 from flowerbed.data import Dataset, load_dataset, partition
 from flowerbed.models import build_model, charged_costs, cost_factor, model_num_bytes
@@ -322,9 +322,7 @@ def train_reply(
     arrays = (
         weights
         if isinstance(weights, ArrayRecord)
-        else ArrayRecord(
-            {name: encode_array(v.detach().numpy()) for name, v in weights.items()}
-        )
+        else encode_record({name: v.detach().numpy() for name, v in weights.items()})
     )
     content = RecordDict({keys.ARRAYS: arrays, keys.METRICS: metrics})
     return Message(content, reply_to=message)

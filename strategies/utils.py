@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 from flowerbed import keys
-from flowerbed.arrays import encode_array
+from flowerbed.arrays import encode_record
 from flowerbed.clock import Clock
 from flwr.app import (
     Array,
@@ -456,7 +456,7 @@ def to_numpy(record: ArrayRecord) -> dict[str, np.ndarray]:
 
 def to_arrayrecord(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
     """Encode NumPy arrays as an ArrayRecord (order kept)."""
-    return ArrayRecord({name: encode_array(v) for name, v in arrays.items()})
+    return encode_record(arrays)
 
 
 FOLD_CHUNK = 1 << 16

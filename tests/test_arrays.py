@@ -1,11 +1,17 @@
-"""flowerbed.arrays.encode_array makes the bytes Flower's own Array(ndarray) makes."""
+"""flowerbed.arrays.encode_array makes the bytes Flower's own Array(ndarray) makes,
+and its arrays read back without np.load, yet behave as Flower's."""
 
 from __future__ import annotations
 
+import pickle
+
 import numpy as np
 import pytest
-from flowerbed.arrays import encode_array
-from flwr.app import Array
+from flowerbed.arrays import EncodedArray, encode_array, encode_record
+from flwr.app import Array, ArrayRecord
+from flwr.supercore.inflatable.inflatable_object import (
+    get_object_type_from_object_content,
+)
 
 
 @pytest.mark.parametrize(
@@ -31,3 +37,45 @@ def test_encode_array_makes_the_same_array_as_flower(value: np.ndarray) -> None:
             expected.data,
         )
     assert np.array_equal(encode_array(value).numpy(), value)
+
+
+def test_numpy_reads_the_elements_without_np_load_and_returns_a_fresh_copy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    value = np.arange(6, dtype=np.float32).reshape(2, 3)
+    array = encode_array(value)
+    assert isinstance(array, EncodedArray)
+    monkeypatch.setattr(np, "load", lambda *a, **k: pytest.fail("np.load called"))
+    first, second = array.numpy(), array.numpy()
+    assert first.dtype == np.float32 and first.shape == (2, 3)
+    assert np.array_equal(first, value)
+    first[0, 0] = 99.0  # writable, and its own: as np.load's result
+    assert second[0, 0] == 0.0 and array.numpy()[0, 0] == 0.0
+
+
+def test_setting_a_field_drops_the_shortcut() -> None:
+    array = encode_array(np.zeros(3, np.float32))
+    array.data = Array(np.array([[1, 2], [3, 4]], np.int64)).data
+    array.dtype, array.shape = "int64", (2, 2)
+    assert np.array_equal(array.numpy(), [[1, 2], [3, 4]])
+
+
+def test_it_serialises_and_pickles_as_flowers_array() -> None:
+    value = np.linspace(0, 1, 12, dtype=np.float32).reshape(3, 4)
+    ours, flowers = encode_array(value), Array(value)
+    assert ours.deflate() == flowers.deflate()
+    assert ours.object_id == flowers.object_id
+    assert get_object_type_from_object_content(ours.deflate()) == "Array"
+    back = pickle.loads(pickle.dumps(ours))
+    assert isinstance(back, EncodedArray)
+    assert back.data == flowers.data and np.array_equal(back.numpy(), value)
+
+
+def test_encode_record_keeps_the_arrays_and_their_order() -> None:
+    arrays = {"w": np.ones((2, 2), np.float32), "b": np.zeros(2, np.float64)}
+    record = encode_record(arrays)
+    assert isinstance(record, ArrayRecord) and list(record) == ["w", "b"]
+    assert all(isinstance(a, EncodedArray) for a in record.values())
+    assert [a.data for a in record.values()] == [Array(v).data for v in arrays.values()]
+    # ArrayRecord(dict) would have rebuilt them as plain Arrays
+    assert type(ArrayRecord(dict(record))["w"]) is Array
