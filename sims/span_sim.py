@@ -249,7 +249,6 @@ class SegmentRunner:
     ) -> list[MemberResult | Exception]:
         """One segment of one group: each member's result (or the dropout of a
         member that vanished), in the order of ``plans``."""
-        began = time.monotonic()
         ordered = allreduce.check_group(plans)
         lead = ordered[0]
         by_rank = {p.rank: m for p, m in zip(plans, members, strict=True)}
@@ -278,7 +277,6 @@ class SegmentRunner:
                 compute[r].append(shares[r] * per_sample[r])
                 comm[r].append(step_s - compute[r][-1])
         segment_s = sum(compute[0][t] + comm[0][t] for t in range(run.steps))
-        setup = time.monotonic() - began
         results: list[MemberResult | Exception] = []
         for plan, member in zip(plans, members, strict=True):
             r = plan.rank
@@ -308,7 +306,6 @@ class SegmentRunner:
                 train_s=segment_s,
                 setup_s=0.0,
             )
-            metrics[SIM_WALL_S] = setup
             results.append(
                 MemberResult(
                     ok=True, metrics=metrics, arrays=run.arrays, optimizer=run.optimizer
@@ -346,10 +343,6 @@ class SegmentRunner:
             info={"address": member.address},
         )
         return member_reply(message, member, result)
-
-
-SIM_WALL_S = "sim-wall-s"
-"""Reply metric: real seconds the in-process group took (not virtual)."""
 
 
 def _vanished(node_id: int) -> NodeDropout:

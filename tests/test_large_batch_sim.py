@@ -253,3 +253,23 @@ def test_the_bench_part_agrees_with_the_scaling_model(
     unnamed = argparse.Namespace(quick=True, large_batch=None)
     out = section.run(SectionRun("large-batch", unnamed, tmp_path))
     assert ran == ["scaling", "rounds", "accuracy"] and "sync" not in out
+
+
+def test_members_evaluate_the_model_and_the_server_scores_it() -> None:
+    """Federated evaluation goes to the boards' evaluate (the test split of the
+    job dataset); simulate(evaluate=True) scores the same model server side."""
+    s = strategy(fraction_evaluate=1.0)
+    run = simulate(s, [1.0, 0.5], 2, evaluate=True)
+    from flowerbed.parallel.data import load_job_dataset
+
+    tests = len(load_job_dataset("digits").x_test)
+    for r in (1, 2):
+        members = run.result.evaluate_metrics_clientapp[r]
+        server = run.result.evaluate_metrics_serverapp[r]
+        assert server["num-examples"] == tests  # (Flower's aggregate drops the key)
+        assert members["eval-acc"] == pytest.approx(server["eval-acc"])
+    assert set(run.result.evaluate_metrics_serverapp) == {0, 1, 2}
+    assert (
+        run.result.evaluate_metrics_serverapp[2]["eval-loss"]
+        < run.result.evaluate_metrics_serverapp[0]["eval-loss"]
+    )
