@@ -86,6 +86,7 @@ from flwr.serverapp.strategy import Result
 
 from .engine import FleetGrid, SimNode
 from .links import Network, SwitchedEthernet, sync_step_seconds
+from .node import single_threaded
 from .pipeline_local import device_gflops
 from .vclock import NodeDropout
 
@@ -201,6 +202,7 @@ class SegmentRunner:
     def __call__(
         self, tasks: Sequence[tuple[Message, Context]]
     ) -> list[Message | Exception]:
+        single_threaded()  # tiny per-member shares: threads only spin (node.py)
         out: list[Message | Exception | None] = [None] * len(tasks)
         groups: dict[tuple[str, int], list[tuple[int, MemberPlan, MemberContext]]] = {}
         for index, (message, context) in enumerate(tasks):
