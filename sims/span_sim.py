@@ -378,6 +378,7 @@ def span_grid(
     *,
     network: Network | None = None,
     crash_at_step: Mapping[int, int] | None = None,
+    slow_from_step: Mapping[int, tuple[int, float]] | None = None,
     charge_as: str = "",
 ) -> FleetGrid:
     """An in-process fleet of span members, one per entry of ``devices``.
@@ -385,7 +386,9 @@ def span_grid(
     ``devices``: catalogue names (``flowerbed.sims.devices``), ``name@factor`` for
     a slowed one. ``network`` carries both the all-reduce and the rounds' weight
     transfers (default :func:`board_network`). ``crash_at_step``: node index ->
-    global step at which that member vanishes. ``charge_as``: charge compute and
+    global step at which that member vanishes. ``slow_from_step``: node index ->
+    ``(step, factor)``, that member trains ``factor`` times slower from that
+    global step on (a board that heats up). ``charge_as``: charge compute and
     gradient bytes of a published architecture (``flowerbed.models.CHARGED_MODELS``)
     in place of the trained model's. Node ids are ``FIRST_NODE_ID + index``.
     """
@@ -393,15 +396,23 @@ def span_grid(
         raise ValueError("a span fleet needs at least one device")
     net = network if network is not None else board_network()
     crashes = dict(crash_at_step or {})
-    unknown = sorted(set(crashes) - set(range(len(devices))))
-    if unknown:
-        raise ValueError(
-            f"crash_at_step names node indices {unknown}; valid: 0..{len(devices) - 1}"
-        )
+    slows = dict(slow_from_step or {})
+    for label, indexed in (("crash_at_step", crashes), ("slow_from_step", slows)):
+        unknown = sorted(set(indexed) - set(range(len(devices))))
+        if unknown:
+            raise ValueError(
+                f"{label} names node indices {unknown}; valid: 0..{len(devices) - 1}"
+            )
     nodes = [
         SimNode(
             FIRST_NODE_ID + i,
-            node_config(d, i, crash_at_step=crashes.get(i, -1)),
+            node_config(
+                d,
+                i,
+                crash_at_step=crashes.get(i, -1),
+                slow_from_step=slows.get(i, (-1, 1.0))[0],
+                slow_factor=slows.get(i, (-1, 1.0))[1],
+            ),
         )
         for i, d in enumerate(devices)
     ]
@@ -426,6 +437,7 @@ def simulate(
     *,
     network: Network | None = None,
     crash_at_step: Mapping[int, int] | None = None,
+    slow_from_step: Mapping[int, tuple[int, float]] | None = None,
     initial_arrays: ArrayRecord | None = None,
     evaluate: bool = False,
     charge_as: str = "",
@@ -440,7 +452,11 @@ def simulate(
     from flowerbed.models import build_sequential
 
     grid = span_grid(
-        devices, network=network, crash_at_step=crash_at_step, charge_as=charge_as
+        devices,
+        network=network,
+        crash_at_step=crash_at_step,
+        slow_from_step=slow_from_step,
+        charge_as=charge_as,
     )
     if initial_arrays is None:
         model = build_sequential(strategy.model, strategy.model_args, seed=0)

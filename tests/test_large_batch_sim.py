@@ -273,3 +273,17 @@ def test_members_evaluate_the_model_and_the_server_scores_it() -> None:
         run.result.evaluate_metrics_serverapp[2]["eval-loss"]
         < run.result.evaluate_metrics_serverapp[0]["eval-loss"]
     )
+
+
+def test_a_member_that_slows_down_gets_a_smaller_share_next_round() -> None:
+    """Two 1 GFLOP/s members (t per sample); member 1 three times slower from
+    step 3 (round 2). Round 1: 12 + 12, compute 12 t. Round 2: the same shares,
+    member 1 takes 36 t; it reports 1 / 3t, smoothed 0.5 / 3t + 0.5 / t = 2 / 3t.
+    Round 3: 24 x (1, 2/3) / (5/3) = (14.4, 9.6) -> 14 + 10, compute 30 t."""
+    t = 6 * MACS / 1e9
+    s = strategy()
+    run = simulate(s, [1.0, 1.0], 3, slow_from_step={1: (3, 3.0)})
+    computes = [m["compute-s"] for m in run.result.train_metrics_clientapp.values()]
+    assert computes == pytest.approx([12 * t, 36 * t, 30 * t])
+    # after round 3: 0.5 / 3t + 0.5 x 2 / 3t = 1 / 2t
+    assert s.speeds[1001] == pytest.approx(1 / (2 * t))
