@@ -35,7 +35,7 @@ def encode_array(value: np.ndarray) -> Array:
     array = EncodedArray(
         dtype=dtype, shape=value.shape, stype=SType.NUMPY, data=header + value.tobytes()
     )
-    array.__dict__[_LAYOUT] = (value.dtype, len(header))
+    array.__dict__[_LAYOUT] = (array.data, dtype, array.shape, value.dtype, len(header))
     return array
 
 
@@ -53,7 +53,8 @@ def encode_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
 
 
 _LAYOUT = "_flowerbed_layout"
-"""Where an :class:`EncodedArray` keeps (NumPy dtype, header length)."""
+"""Where an :class:`EncodedArray` keeps the fields it was made with (data, dtype,
+shape) and its NumPy dtype and header length."""
 
 
 class EncodedArray(Array):
@@ -61,28 +62,29 @@ class EncodedArray(Array):
     :meth:`numpy` reads the elements straight after the header it wrote.
 
     ``numpy()`` returns a fresh, writable copy, as ``np.load`` does, so callers
-    see no difference; setting any field drops the shortcut (back to
-    ``np.load``). Serialised (``deflate``, for Flower's gRPC and Ray paths) it
+    see no difference; once a field is set to something else it falls back to
+    ``np.load``. Serialised (``deflate``, for Flower's gRPC and Ray paths) it
     is an ``Array`` like any other: the class reports Flower's qualified name.
     """
 
     def numpy(self) -> np.ndarray:  # type: ignore[override]
         """The array as NumPy: a copy of the elements, without ``np.load``."""
         layout = self.__dict__.get(_LAYOUT)
-        if layout is None:
+        if (
+            layout is None
+            or layout[0] is not self.data
+            or (layout[1], layout[2], self.stype)
+            != (self.dtype, self.shape, SType.NUMPY)
+        ):
             return super().numpy()
-        dtype, offset = layout
+        dtype, offset = layout[3:]
         return np.frombuffer(self.data, dtype, offset=offset).reshape(self.shape).copy()
-
-    def __setattr__(self, name: str, value: object) -> None:
-        if name in ("dtype", "shape", "stype", "data"):
-            self.__dict__.pop(_LAYOUT, None)
-        super().__setattr__(name, value)
 
     def __reduce__(self) -> tuple[object, tuple[object, ...]]:
         # pickle finds classes by __qualname__, which names Flower's class here
         fields = (self.dtype, self.shape, self.stype, self.data)
-        return _rebuild, (*fields, self.__dict__.get(_LAYOUT))
+        layout = self.__dict__.get(_LAYOUT)
+        return _rebuild, (*fields, layout[3:] if layout is not None else None)
 
 
 def _rebuild(
@@ -95,7 +97,7 @@ def _rebuild(
     """Unpickle an :class:`EncodedArray`."""
     array = EncodedArray(dtype=dtype, shape=shape, stype=stype, data=data)
     if layout is not None:
-        array.__dict__[_LAYOUT] = layout
+        array.__dict__[_LAYOUT] = (data, dtype, array.shape, *layout)
     return array
 
 
