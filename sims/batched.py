@@ -366,6 +366,8 @@ def _train_group(
     lr = torch.tensor([job.lr for job in jobs], dtype=torch.float32)
     mu = torch.tensor([job.proximal_mu for job in jobs], dtype=torch.float32)
     loss_sums = torch.zeros(n, dtype=torch.float64)
+    tensors = [stacked[name] for name in names]
+    rates = [lr.view((-1,) + (1,) * (t.dim() - 1)) for t in tensors]
 
     grouped = grouped_forward(model)
     if grouped is not None:
@@ -411,17 +413,20 @@ def _train_group(
             )
         )
         with torch.no_grad():
+            gs = []
             for name in names:
                 g = grads[name]
-                shape = (-1,) + (1,) * (g.dim() - 1)
                 if proximal:
                     # FedProx: d/dw (mu/2)||w - w0||^2 = mu (w - w0) (Li et al. 2020,
                     # Eq. 2), as train_steps differentiates it
+                    shape = (-1,) + (1,) * (g.dim() - 1)
                     g = g + mu[rows].view(shape) * (params[name] - anchors[name][rows])
-                if every:
-                    stacked[name].addcmul_(g, lr.view(shape), value=-1.0)
-                else:
-                    update = g * lr[rows].view(shape)
+                gs.append(g)
+            if every:  # w -= lr g for every array in one call
+                torch._foreach_addcmul_(tensors, gs, rates, value=-1.0)
+            else:
+                for name, g in zip(names, gs, strict=True):
+                    update = g * lr[rows].view((-1,) + (1,) * (g.dim() - 1))
                     stacked[name].index_put_((rows,), stacked[name][rows] - update)
             loss_sums.index_add_(0, rows, losses.detach().double())
     out = []
