@@ -28,10 +28,12 @@ and a segment of ``K`` steps ``sum_t step(t)``: each member reports
 ``span-step-compute-s = B_i t_i`` and ``span-step-comm-s = step - B_i t_i`` (the
 rest of the step: waiting for slower members and the all-reduce, what a DDP
 member measures as wall minus compute), and ``train-time-s`` the segment's
-seconds, so every reply arrives when the segment ends. With a ``network`` on the
-grid, the round's weight downloads and uploads are charged to it as well
+seconds, so every reply arrives when the segment ends. The round's weight
+downloads and uploads are charged to the same network
 (:func:`~flowerbed.sims.links.charge_round`). Not charged: the rendezvous, DDP's
-initial broadcast of the weights and evaluation.
+initial broadcast of the weights and evaluation. ``charge_as`` charges ``M`` and
+``G`` of a published architecture (``flowerbed.models.CHARGED_MODELS``) while a
+small model trains.
 
 **Profiling** answers ``samples-per-s = 1 / t_i`` (what the boards' profile
 measures, without noise) and costs ``repeats x batch x t_i`` virtual seconds.
@@ -224,12 +226,13 @@ class SegmentRunner:
                 (index, plan, member)
             )
         for group in groups.values():
-            messages = [tasks[i][0] for i, _, _ in group]
+            # the weights rank 0 was sent: DDP broadcasts them when it wraps the model
+            lead = min(group, key=lambda entry: entry[1].rank)[0]
             try:
                 answers = self.run_segment(
                     [p for _, p, _ in group],
                     [m for _, _, m in group],
-                    message_arrays(messages[0]),
+                    message_arrays(tasks[lead][0]),
                 )
             except HANDLED as err:
                 for i, _, _ in group:
