@@ -12,6 +12,7 @@ some parts keeps the others' figures from the previous results.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections.abc import Mapping
 from datetime import datetime, timezone
@@ -123,7 +124,12 @@ def run(ctx: SectionRun) -> dict[str, Any]:
     out = {p: previous[p] for p in PARTS if p in previous and p not in parts}
     for part in parts:
         measured = datetime.now(timezone.utc).isoformat(timespec="seconds")
-        out[part] = {"measured": measured, **run_part(part, ctx.quick, app_root())}
+        load = list(os.getloadavg())  # the figures depend on it: on the page
+        out[part] = {
+            "measured": measured,
+            "load_average": load,
+            **run_part(part, ctx.quick, app_root()),
+        }
         step(part)
     return {p: out[p] for p in PARTS if p in out}
 
