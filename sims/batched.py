@@ -297,6 +297,9 @@ def train_many(
 ) -> list[tuple[dict[str, torch.Tensor], TrainStats]]:
     """Train every job from its own weights; return each one's weights and stats.
 
+    Each job's weights are views of its row in one stacked tensor per array
+    (not copies: the caller encodes them anyway).
+
     ``model`` gives the architecture only (its own weights are not used or
     changed). Jobs are grouped by batch size (one stacked computation per
     group); within a group, a job that has done its steps stops moving while the
@@ -433,7 +436,7 @@ def _train_group(
     sums = loss_sums.tolist()
     for i in range(n):
         done = steps[i]
-        weights = {name: stacked[name][i].clone() for name in names}
+        weights = {name: stacked[name][i] for name in names}  # row views, no copy
         stats = TrainStats(done, done * batch, sums[i] / done if done else float("nan"))
         out.append((weights, stats))
     return out

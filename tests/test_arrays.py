@@ -63,6 +63,8 @@ def test_setting_a_field_drops_the_shortcut() -> None:
 def test_it_serialises_and_pickles_as_flowers_array() -> None:
     value = np.linspace(0, 1, 12, dtype=np.float32).reshape(3, 4)
     ours, flowers = encode_array(value), Array(value)
+    assert ours == flowers and flowers == ours and ours != Array(value + 1)
+    assert ArrayRecord({"a": flowers}) == encode_record({"a": value})
     assert ours.deflate() == flowers.deflate()
     assert ours.object_id == flowers.object_id
     assert get_object_type_from_object_content(ours.deflate()) == "Array"
