@@ -36,6 +36,7 @@ it does not know) keep the vmap path.
 
 from __future__ import annotations
 
+import functools
 import operator
 import weakref
 from collections.abc import Callable, Sequence
@@ -315,12 +316,47 @@ def train_many(
         raise ValueError(
             f"{type(model).__name__} has buffers or random layers: train it per node"
         )
+    keep_freed_memory()
     onednn = torch.backends.mkldnn.enabled
     torch.backends.mkldnn.enabled = True  # type: ignore[assignment]
     try:
         return _train_groups(model, jobs)
     finally:
         torch.backends.mkldnn.enabled = onednn  # type: ignore[assignment]
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+"""glibc ``mallopt`` parameters (``<malloc.h>``)."""
+HEAP_BLOCKS_UP_TO = 1 << 30
+"""Allocations up to this size come from the heap once :func:`keep_freed_memory`
+ran (glibc's default: up to 128 KiB, raised as blocks are freed, 32 MiB at most)."""
+
+
+@functools.lru_cache(maxsize=1)
+def keep_freed_memory() -> bool:
+    """Let this process reuse freed tensor memory instead of returning it; True if done.
+
+    A batched step allocates its activations and gradients afresh; at 1,000
+    LeNet nodes several are tens of MB, above glibc's mmap threshold, so each
+    is a fresh ``mmap`` whose pages the kernel faults in and zeroes, every
+    step, and unmaps when freed. With the threshold at :data:`HEAP_BLOCKS_UP_TO`
+    and trimming off, they come from the heap and the next step reuses them
+    (measured here: ~10% more node-tasks per CPU-second at 1,000 nodes, no
+    change at 10). The cost: the process keeps its peak memory for later
+    instead of giving it back. glibc only (``mallopt``); elsewhere a no-op.
+    Both are set together: setting the trim threshold alone also stops glibc
+    from raising the mmap threshold, which is slower than doing nothing.
+    """
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    if mallopt(M_MMAP_THRESHOLD, HEAP_BLOCKS_UP_TO) != 1:
+        return False
+    return bool(mallopt(M_TRIM_THRESHOLD, 2 * HEAP_BLOCKS_UP_TO) == 1)
 
 
 def _train_groups(
