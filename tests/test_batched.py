@@ -64,6 +64,11 @@ def _with_onednn(
 
 @pytest.mark.parametrize("name", ["lenet", "mobilenet"])
 def test_batched_training_equals_training_each_node_alone(name: str) -> None:
+    # A fixed initialisation: the two paths sum in different orders (~1e-7 apart),
+    # and on about 2 of 30 random MobileNet initialisations that difference grew
+    # to ~1e-3 in the weights after 6 SGD steps (measured), failing atol 1e-5
+    # at random; with a seed the comparison is the same on every run.
+    torch.manual_seed(0)
     model = build_model(name, 1, 8, 10)
     jobs = _digits_jobs(model)
     batched = train_many(model, jobs)
