@@ -36,6 +36,10 @@ LOCAL_STEPS = "local-steps"
 """Optimiser steps assigned to this node this round."""
 LEARNING_RATE = "lr"
 BATCH_SIZE = "batch-size"
+MIN_BATCH_SIZE = "min-batch-size"
+"""With ``deadline-s``: a node that cannot finish one step of ``batch-size`` in
+time trains one step on the largest batch that fits, if that batch holds at least
+this many samples (work sized to the deadline per device)."""
 
 # Record names inside a Message's RecordDict (Flower's FedAvg defaults) ----------
 ARRAYS = "arrays"

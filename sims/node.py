@@ -261,7 +261,13 @@ def plan_train(message: Message, context: Context) -> TrainPlan:
         node.model_bytes, dev.downlink_mbps
     ) + vclock.transfer_seconds(node.model_bytes, dev.uplink_mbps)
     if deadline > 0:
-        steps = min(steps, vclock.max_steps_within(deadline, comm_s, step_s))
+        fit = vclock.max_steps_within(deadline, comm_s, step_s)
+        min_batch = int(_number(config, keys.MIN_BATCH_SIZE, 0))
+        if fit == 0 and min_batch > 0 and steps > 0:
+            smaller = vclock.max_batch_within(deadline, comm_s, step_s / batch)
+            if smaller >= min_batch:  # one smaller step instead of none
+                batch, step_s, fit = smaller, step_s * smaller / batch, 1
+        steps = min(steps, fit)
     _maybe_drop(scenario, node, server_round, TRAIN, comm_s + steps * step_s)
     seed = int(
         vclock.task_rng(scenario.seed, node.partition_id, server_round, TRAIN).integers(

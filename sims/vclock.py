@@ -13,7 +13,9 @@ bytes / bandwidth):
     energy_j  = busy_w x compute_s + idle_w x (down_s + up_s)
 
 With a deadline D (``deadline-s``, measured from dispatch) a node takes at most
-floor((D - down_s - up_s) / step_s) steps and reports that partial work.
+floor((D - down_s - up_s) / step_s) steps and reports that partial work. When not
+one step fits and the server sent ``min-batch-size`` m, it takes one step of
+b' = floor((D - down_s - up_s) / (step_s / batch_size)) samples if b' >= m.
 """
 
 from __future__ import annotations
@@ -83,6 +85,15 @@ def max_steps_within(deadline_s: float, comm_s: float, step_s: float) -> int:
     if budget <= 0:
         return 0
     return math.floor(budget / step_s + 1e-9)
+
+
+def max_batch_within(deadline_s: float, comm_s: float, sample_s: float) -> int:
+    """Samples one step can take within a deadline after the model has travelled
+    both ways (``sample_s``: seconds per sample, ``step_s / batch_size``)."""
+    budget = deadline_s - comm_s
+    if budget <= 0 or sample_s <= 0:
+        return 0
+    return math.floor(budget / sample_s + 1e-9)
 
 
 def energy_joules(device: DeviceProfile, compute_s: float, comm_s: float) -> float:
