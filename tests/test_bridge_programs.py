@@ -138,6 +138,52 @@ def test_the_input_shape_and_batch_limit_reach_the_phone_when_exported(tmp_path)
     assert (described["input"], described["max_batch_size"]) == ([1, 8, 8], 16)
 
 
+def test_the_state_and_the_evaluation_method_reach_the_phone_and_are_checked(tmp_path):
+    """A program that trains batch norm carries its running statistics as state: the
+    task's arrays must be its parameters and its state, and the phone is told which
+    are which, the smallest batch and the evaluation method."""
+    pte = _write_program(tmp_path)
+    meta = json.loads((tmp_path / "tiny.pte.json").read_text())
+    meta.update(
+        state=[{"name": "bn.running_mean", "shape": [2]}],
+        evaluate_method="evaluate",
+        min_batch_size=2,
+    )
+    (tmp_path / "tiny.pte.json").write_text(json.dumps(meta))
+    program = load_program(pte)
+    described = program.describe()
+    assert described["state"] == [{"name": "bn.running_mean", "shape": [2]}]
+    assert described["evaluate_method"] == "evaluate"
+    assert described["min_batch_size"] == 2
+    program.check_arrays(
+        [("fc.weight", (2, 3)), ("bn.running_mean", (2,)), ("fc.bias", (2,))]
+    )
+    with pytest.raises(ProgramError, match=r"missing \['bn.running_mean'\]"):
+        program.check_arrays([("fc.weight", (2, 3)), ("fc.bias", (2,))])
+    assert (
+        "state" not in load_program(_write_program(tmp_path, name="plain")).describe()
+    )
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"state": [{"name": "fc.bias", "shape": [2]}]}, "must appear once"),
+        ({"state": {"name": "x"}}, "lists"),
+        ({"evaluate_method": 3}, "evaluate_method must be a string"),
+        ({"min_batch_size": 0}, "min_batch_size must be an integer >= 1"),
+        ({"max_batch_size": 2.5}, "max_batch_size must be an integer >= 1"),
+    ],
+)
+def test_metadata_with_bad_state_or_batch_fields_is_refused(tmp_path, change, message):
+    pte = _write_program(tmp_path)
+    meta = json.loads((tmp_path / "tiny.pte.json").read_text())
+    meta.update(change)
+    (tmp_path / "tiny.pte.json").write_text(json.dumps(meta))
+    with pytest.raises(ProgramError, match=message):
+        load_program(pte)
+
+
 def test_a_program_changed_after_export_is_refused(tmp_path):
     pte = _write_program(tmp_path)
     pte.write_bytes(PTE + b"tampered")

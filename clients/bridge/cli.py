@@ -327,12 +327,19 @@ def run(args: argparse.Namespace) -> int:
     gateway = Gateway(tokens, connector, settings, programs=programs)
     for program in programs:
         log.info(
-            "serving program %r (sha256 %s, %d bytes, %d parameters)",
+            "serving program %r (sha256 %s, %d bytes, %d parameters, %d state arrays)",
             program.name,
             program.sha256[:12],
             len(program.data),
             len(program.parameters),
+            len(program.state),
         )
+        if program.evaluate_method is None:
+            log.warning(
+                "program %r has no evaluation method (exported before it had one): "
+                "phones fail its evaluate tasks; export it again",
+                program.name,
+            )
     try:
         server = GatewayServer(
             gateway, args.host, args.port, args.certfile, args.keyfile

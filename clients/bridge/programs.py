@@ -2,15 +2,17 @@
 
 A program is an ExecuTorch ``.pte`` written by ``flowerbed export-android`` with its
 metadata beside it (``<file>.pte.json``): model name, the parameters in the order the
-program takes them (name and shape), the program's SHA-256 and the oldest ExecuTorch
-runtime that can run it. The gateway checks the hash when it loads the program,
-describes it in every task that needs it, and serves its bytes (resumable with
-``Range``) at ``/v1/program/<sha256>``. A phone downloads it once, checks the hash and
-caches it by hash, so a new program reaches every phone without ``adb push`` and a
-phone can never train an old program against a new model.
+program takes them (name and shape), the state it carries (batch-norm running
+statistics, also name and shape), its training and evaluation methods, the program's
+SHA-256 and the oldest ExecuTorch runtime that can run it. The gateway checks the
+hash when it loads the program, describes it in every task that needs it, and serves
+its bytes (resumable with ``Range``) at ``/v1/program/<sha256>``. A phone downloads it
+once, checks the hash and caches it by hash, so a new program reaches every phone
+without ``adb push`` and a phone can never train an old program against a new model.
 
 Before a task is offered, the message's arrays are checked against the program's
-parameters; a mismatch becomes an error reply to Flower naming the arrays at fault.
+parameters and state; a mismatch becomes an error reply to Flower naming the arrays
+at fault.
 """
 
 from __future__ import annotations
@@ -60,6 +62,11 @@ class Program:
     min_runtime: str
     """Oldest ExecuTorch runtime version that runs it (e.g. ``"1.5.1"``)."""
     metadata: dict[str, Any] = field(default_factory=dict, repr=False)
+    state: Layout = field(default_factory=list)
+    """Arrays the training method carries from step to step (batch-norm running
+    statistics), in the program's order; sent and returned with the parameters."""
+    evaluate_method: str | None = None
+    """The method that evaluates without a backward pass (None: an older export)."""
 
     @property
     def url(self) -> str:
@@ -77,15 +84,22 @@ class Program:
                 {"name": name, "shape": list(shape)} for name, shape in self.parameters
             ],
         }
-        # What the app needs to feed the program: one sample's shape, largest batch.
-        for key in ("input", "max_batch_size"):
+        if self.state:
+            described["state"] = [
+                {"name": name, "shape": list(shape)} for name, shape in self.state
+            ]
+        if self.evaluate_method is not None:
+            described["evaluate_method"] = self.evaluate_method
+        # What the app needs to feed the program: one sample's shape, batch bounds.
+        for key in ("input", "min_batch_size", "max_batch_size"):
             if key in self.metadata:
                 described[key] = self.metadata[key]
         return described
 
     def check_arrays(self, layout: Layout) -> None:
-        """Raise :class:`ProgramError` unless ``layout`` is exactly its parameters."""
-        want = dict(self.parameters)
+        """Raise :class:`ProgramError` unless ``layout`` is exactly its parameters
+        and state."""
+        want = dict(self.parameters + self.state)
         got = dict(layout)
         missing = [n for n in want if n not in got]
         extra = [n for n in got if n not in want]
@@ -135,17 +149,37 @@ def load_program(path: str | Path) -> Program:
         if not isinstance(name, str) or not isinstance(declared, str):
             raise TypeError("model and sha256 must be strings")
         version_tuple(min_runtime)
-        layout: Layout = [
-            (str(p["name"]), tuple(int(d) for d in p["shape"])) for p in params
-        ]
+        layout = _layout(params)
+        state = _layout(meta.get("state", []))
+        evaluate = meta.get("evaluate_method")
+        if evaluate is not None and not isinstance(evaluate, str):
+            raise TypeError("evaluate_method must be a string")
+        for key in ("min_batch_size", "max_batch_size"):
+            if key in meta and (type(meta[key]) is not int or meta[key] < 1):
+                raise TypeError(f"{key} must be an integer >= 1")
     except (KeyError, TypeError, ValueError) as err:
         raise ProgramError(
             f"{meta_file}: needs model, sha256, min_runtime (dotted version) and "
-            f"parameters [{{name, shape}}]: {err}"
+            f"parameters [{{name, shape}}], optionally state [{{name, shape}}], "
+            f"evaluate_method and integer batch sizes: {err}"
         ) from err
+    clash = sorted({n for n, _ in layout} & {n for n, _ in state})
+    if clash or len({n for n, _ in layout + state}) != len(layout + state):
+        raise ProgramError(
+            f"{meta_file}: every parameter and state name must appear once "
+            f"({clash or 'a name is repeated'})"
+        )
     if declared != digest:
         raise ProgramError(
             f"{pte} has sha256 {digest}, its metadata says {declared}: the program "
             "changed after export; export it again"
         )
-    return Program(name, digest, data, layout, min_runtime, meta)
+    return Program(name, digest, data, layout, min_runtime, meta, state, evaluate)
+
+
+def _layout(entries: Any) -> Layout:
+    """``[{name, shape}, ...]`` -> ``[(name, shape), ...]``; raises TypeError or
+    ValueError for anything else."""
+    if not isinstance(entries, list):
+        raise TypeError("parameters and state are lists")
+    return [(str(p["name"]), tuple(int(d) for d in p["shape"])) for p in entries]

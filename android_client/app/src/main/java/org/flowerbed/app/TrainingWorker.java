@@ -24,6 +24,7 @@ import org.flowerbed.phone.PhoneAgent;
 import org.flowerbed.phone.PolicyStatus;
 import org.flowerbed.phone.ProgramCache;
 import org.flowerbed.phone.ProgramInfo;
+import org.flowerbed.phone.ProgramTrainer;
 import org.flowerbed.phone.Sleeper;
 import org.flowerbed.phone.Task;
 import org.flowerbed.phone.Ticker;
@@ -149,7 +150,7 @@ public final class TrainingWorker extends Worker {
   private static final class ProgramTrainers implements PhoneAgent.TrainerFactory {
     private final Dataset data;
     private File loaded;
-    private ExecuTorchTrainer trainer;
+    private ExecuTorchProgram runner;
 
     ProgramTrainers(Dataset data) {
       this.data = data;
@@ -167,17 +168,11 @@ public final class TrainingWorker extends Worker {
       if (program == null) {
         return create(arrays);
       }
-      if (info.sampleShape() == null || info.maxBatchSize() < 1) {
-        throw new IllegalArgumentException(
-            "program: '" + info.name() + "' names no input shape; export it again");
-      }
       if (!program.equals(loaded)) {
-        trainer =
-            ExecuTorchTrainer.load(program, data, info.sampleShape(), info.maxBatchSize(), seed);
+        runner = new ExecuTorchProgram(program);
         loaded = program;
-      } else {
-        trainer.reseed(seed);
       }
+      ProgramTrainer trainer = new ProgramTrainer(runner, info, data, seed);
       trainer.setParameters(arrays);
       return trainer;
     }

@@ -10,7 +10,9 @@ import java.util.regex.Pattern;
 
 /**
  * The training program a task needs (protocol revision 2): which ExecuTorch program, by SHA-256,
- * where to fetch it, and the parameters it trains. See android_client/PROTOCOL.md.
+ * where to fetch it, the parameters it trains, the state it carries from step to step (batch-norm
+ * running statistics), its evaluation method and the batch sizes it takes. See
+ * android_client/PROTOCOL.md.
  */
 public final class ProgramInfo {
   private static final Pattern SHA256 = Pattern.compile("[0-9a-f]{64}");
@@ -23,8 +25,11 @@ public final class ProgramInfo {
   private final String path;
   private final Map<String, int[]> parameters;
   private final List<String> order;
+  private List<String> stateOrder = Collections.emptyList();
   private long[] sampleShape;
+  private int minBatchSize = 1;
   private int maxBatchSize;
+  private String evaluateMethod;
 
   ProgramInfo(
       String name,
@@ -79,27 +84,7 @@ public final class ProgramInfo {
       throw violation("program.parameters must be a non-empty list", json);
     }
     Map<String, int[]> layout = new HashMap<String, int[]>();
-    List<String> order = new ArrayList<String>();
-    for (Object p : (List<Object>) params) {
-      Object pname = p instanceof Map ? ((Map<String, Object>) p).get("name") : null;
-      Object shape = p instanceof Map ? ((Map<String, Object>) p).get("shape") : null;
-      if (!(pname instanceof String) || !(shape instanceof List)) {
-        throw violation("each parameter needs a name and a shape", json);
-      }
-      List<Object> dims = (List<Object>) shape;
-      int[] s = new int[dims.size()];
-      for (int i = 0; i < s.length; i++) {
-        Object d = dims.get(i);
-        if (!(d instanceof Long) || (Long) d < 0 || (Long) d > Integer.MAX_VALUE) {
-          throw violation("parameter shapes hold integers >= 0", json);
-        }
-        s[i] = (int) (long) (Long) d;
-      }
-      if (layout.put((String) pname, s) != null) {
-        throw violation("parameter " + pname + " appears twice", json);
-      }
-      order.add((String) pname);
-    }
+    List<String> order = readLayout((List<Object>) params, layout, "parameter", json);
     ProgramInfo info =
         new ProgramInfo(
             (String) name,
@@ -109,7 +94,24 @@ public final class ProgramInfo {
             (String) url,
             layout,
             order);
+    Object state = json.get("state");
+    if (state != null) {
+      if (!(state instanceof List)) {
+        throw violation("program.state must be a list", json);
+      }
+      info.stateOrder =
+          Collections.unmodifiableList(
+              readLayout((List<Object>) state, info.parameters, "state array", json));
+    }
+    Object evaluate = json.get("evaluate_method");
+    if (evaluate != null) {
+      if (!(evaluate instanceof String) || ((String) evaluate).isEmpty()) {
+        throw violation("program.evaluate_method must be a method name", json);
+      }
+      info.evaluateMethod = (String) evaluate;
+    }
     Object input = json.get("input");
+    Object minBatch = json.get("min_batch_size");
     Object maxBatch = json.get("max_batch_size");
     if (input != null) {
       if (!(input instanceof List) || ((List<Object>) input).isEmpty()) {
@@ -131,7 +133,48 @@ public final class ProgramInfo {
       }
       info.maxBatchSize = (int) (long) (Long) maxBatch;
     }
+    if (minBatch != null) {
+      if (!(minBatch instanceof Long)
+          || (Long) minBatch < 1
+          || (info.maxBatchSize > 0 && (Long) minBatch > info.maxBatchSize)) {
+        throw violation("program.min_batch_size must be an integer from 1 to max_batch_size", json);
+      }
+      info.minBatchSize = (int) (long) (Long) minBatch;
+    }
     return info;
+  }
+
+  /**
+   * Read {@code [{name, shape}, ...]} into {@code shapes}; returns the names in order.
+   *
+   * @throws GatewayException (protocol violation) for a bad entry or a name seen before
+   */
+  @SuppressWarnings("unchecked")
+  private static List<String> readLayout(
+      List<Object> entries, Map<String, int[]> shapes, String what, Object json)
+      throws GatewayException {
+    List<String> order = new ArrayList<String>();
+    for (Object p : entries) {
+      Object pname = p instanceof Map ? ((Map<String, Object>) p).get("name") : null;
+      Object shape = p instanceof Map ? ((Map<String, Object>) p).get("shape") : null;
+      if (!(pname instanceof String) || !(shape instanceof List)) {
+        throw violation("each " + what + " needs a name and a shape", json);
+      }
+      List<Object> dims = (List<Object>) shape;
+      int[] s = new int[dims.size()];
+      for (int i = 0; i < s.length; i++) {
+        Object d = dims.get(i);
+        if (!(d instanceof Long) || (Long) d < 0 || (Long) d > Integer.MAX_VALUE) {
+          throw violation(what + " shapes hold integers >= 0", json);
+        }
+        s[i] = (int) (long) (Long) d;
+      }
+      if (shapes.put((String) pname, s) != null) {
+        throw violation(what + " " + pname + " appears twice", json);
+      }
+      order.add((String) pname);
+    }
+    return order;
   }
 
   private static GatewayException violation(String what, Object json) {
@@ -140,7 +183,7 @@ public final class ProgramInfo {
   }
 
   /**
-   * Refuse arrays that are not exactly this program's parameters (names and shapes).
+   * Refuse arrays that are not exactly this program's parameters and state (names and shapes).
    *
    * @throws IllegalArgumentException starting "program:" and naming the arrays at fault
    */
@@ -158,6 +201,11 @@ public final class ProgramInfo {
       }
     }
     for (String p : order) {
+      if (!seen.containsKey(p)) {
+        problems.add("missing " + p);
+      }
+    }
+    for (String p : stateOrder) {
       if (!seen.containsKey(p)) {
         problems.add("missing " + p);
       }
@@ -233,6 +281,30 @@ public final class ProgramInfo {
   /** Parameter names in the program's own order. */
   public List<String> parameterNames() {
     return order;
+  }
+
+  /**
+   * Names of the arrays the training method carries from step to step (its inputs and outputs
+   * after the batch), in the program's order; empty for most programs.
+   */
+  public List<String> stateNames() {
+    return stateOrder;
+  }
+
+  /** Shape of parameter or state array {@code name}, or null if the program has none such. */
+  public int[] shapeOf(String name) {
+    int[] s = parameters.get(name);
+    return s == null ? null : s.clone();
+  }
+
+  /** The evaluation method (no backward pass), or null for a program exported without one. */
+  public String evaluateMethod() {
+    return evaluateMethod;
+  }
+
+  /** Smallest training batch the program takes (2 when it trains batch norm), default 1. */
+  public int minBatchSize() {
+    return minBatchSize;
   }
 
   /** Shape of one input sample the program takes (e.g. [3, 32, 32]), or null if not given. */

@@ -134,6 +134,45 @@ public class ProgramTest {
   }
 
   @Test
+  public void stateEvaluationMethodAndBatchBoundsAreRead() throws IOException {
+    Map<String, Object> json = programJson("tiny", PTE, "1.5.1");
+    ProgramInfo plain = ProgramInfo.fromJson(json);
+    assertEquals(Collections.emptyList(), plain.stateNames());
+    assertEquals(null, plain.evaluateMethod());
+    assertEquals(1, plain.minBatchSize());
+    List<Object> state = new ArrayList<Object>();
+    state.add(param("bn.running_mean", 2L));
+    state.add(param("bn.running_var", 2L));
+    json.put("state", state);
+    json.put("evaluate_method", "evaluate");
+    json.put("max_batch_size", 16L);
+    json.put("min_batch_size", 2L);
+    ProgramInfo p = ProgramInfo.fromJson(json);
+    assertEquals(Arrays.asList("bn.running_mean", "bn.running_var"), p.stateNames());
+    assertEquals(Arrays.asList("fc.weight", "fc.bias"), p.parameterNames());
+    assertArrayEquals(new int[] {2}, p.shapeOf("bn.running_var"));
+    assertEquals("evaluate", p.evaluateMethod());
+    assertEquals(2, p.minBatchSize());
+  }
+
+  @Test
+  public void stateNamedLikeAParameterOrBatchBoundsOutOfOrderAreViolations() throws IOException {
+    Map<String, Object> clash = programJson("tiny", PTE, "1.5.1");
+    clash.put("state", new ArrayList<Object>(Arrays.asList((Object) param("fc.bias", 2L))));
+    Map<String, Object> bounds = programJson("tiny", PTE, "1.5.1");
+    bounds.put("max_batch_size", 4L);
+    bounds.put("min_batch_size", 5L);
+    for (Map<String, Object> bad : Arrays.asList(clash, bounds)) {
+      try {
+        ProgramInfo.fromJson(bad);
+        fail("accepted " + bad);
+      } catch (GatewayException e) {
+        assertEquals(GatewayException.PROTOCOL_VIOLATION, e.status());
+      }
+    }
+  }
+
+  @Test
   public void malformedMetadataIsAProtocolViolation() throws IOException {
     Map<String, Object> p = programJson("tiny", PTE, "1.5.1");
     p.put("url", "/elsewhere");
