@@ -14,6 +14,9 @@ from typing import Any
 from flowerbed.data import DATASETS
 from flowerbed.zoo import MODEL_NAMES, ONE_D_MODELS
 
+BATCHNORM_MODES = ("train", "groupnorm", "refuse")
+"""``--batchnorm`` choices, the default first (see export_android_norm)."""
+
 DEFAULT_HIDDEN = 64
 """Hidden width of ``mlp`` (must match the phone trainer's MLP when they are mixed)."""
 
@@ -84,11 +87,12 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument(
         "--batchnorm",
-        choices=("groupnorm", "refuse"),
-        default="groupnorm",
-        help="BatchNorm layers: replace by GroupNorm (default; use "
-        "flowerbed.clients.export_android.replace_batchnorm on the ServerApp's model "
-        "too) or refuse the model",
+        choices=BATCHNORM_MODES,
+        default=BATCHNORM_MODES[0],
+        help="BatchNorm layers: train them as they are, running statistics carried "
+        "as state (default); replace them by GroupNorm; or refuse the model. Apply "
+        "flowerbed.clients.export_android.prepare_batchnorm(model, MODE) to the "
+        "ServerApp's model too",
     )
     parser.add_argument(
         "--profile",
@@ -112,13 +116,14 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
     from flowerbed.clients.export_android import (
+        EVALUATE_METHOD,
         METHOD_NAME,
         ExportError,
         export_training_program,
-        load_arrays,
         profile_program,
         resolve_model,
     )
+    from flowerbed.clients.export_android_norm import batchnorm_layers
     from rich.console import Console
     from rich.table import Table
 
@@ -131,8 +136,11 @@ def run(args: argparse.Namespace) -> int:
             )
         torch.manual_seed(args.seed)
         model, shape = resolve_model(args.model, args.dataset, hidden=args.hidden)
-        if args.arrays is not None:
-            load_arrays(model, args.arrays)
+        if args.profile == 1 and args.batchnorm == "train" and batchnorm_layers(model):
+            raise ValueError(
+                "--profile 1: a program that trains batch norm takes batches of 2 "
+                "or more"
+            )
         with console.status(
             f"exporting {args.model} and stepping it once in ExecuTorch's runtime"
         ):
@@ -141,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
                 shape,
                 max_batch_size=args.max_batch_size,
                 batchnorm=args.batchnorm,
+                arrays=args.arrays,
             )
     except (ValueError, ImportError, ExportError) as err:
         print(f"flowerbed export-android: error: {err}", file=sys.stderr)
@@ -155,24 +164,40 @@ def run(args: argparse.Namespace) -> int:
     table.add_column("shape")
     for name, dims in program.parameters:
         table.add_row(name, str(list(dims)))
+    for name, dims in program.state:
+        table.add_row(f"{name} (state)", str(list(dims)))
     console.print(table)
-    if program.replaced_batchnorm:
+    layers = program.batchnorm_layers
+    if layers and program.batchnorm == "groupnorm":
         console.print(
-            f"BatchNorm replaced by GroupNorm in {len(program.replaced_batchnorm)} "
-            "layers: build the ServerApp's model with replace_batchnorm(model) too",
+            f"BatchNorm replaced by GroupNorm in {len(layers)} layers: build the "
+            "ServerApp's model with prepare_batchnorm(model, 'groupnorm') too",
             markup=False,
         )
+    elif layers:
+        console.print(
+            f"BatchNorm trained as it is in {len(layers)} layers (batch statistics, "
+            f"running statistics carried as {len(program.state)} state arrays, "
+            f"batches of {program.min_batch_size} or more): build the ServerApp's "
+            "model with prepare_batchnorm(model, 'train') too",
+            markup=False,
+        )
+    state = ", state" if program.state else ""
     console.print(
         f"method {METHOD_NAME!r}: images float32 "
         f"[batch, {shape.in_channels}, {shape.image_size}, {shape.image_size}], "
-        f"labels int64 [batch], batch 1..{args.max_batch_size}; returns loss, "
-        f"logits, gradients, parameters; sha256 {program.sha256[:16]}; checked in "
-        f"ExecuTorch {program.executorch_version} (loss {program.check_loss:.4f}"
+        f"labels int64 [batch]{state}, batch {program.min_batch_size}.."
+        f"{args.max_batch_size}; returns loss, logits{state}, gradients, parameters; "
+        f"method {EVALUATE_METHOD!r}: images, labels, parameters{state}; returns "
+        f"loss, logits; sha256 {program.sha256[:16]}; checked in ExecuTorch "
+        f"{program.executorch_version} (loss {program.check_loss:.4f}"
         + (
-            f", torch {program.torch_loss:.4f})"
+            f", torch {program.torch_loss:.4f}"
             if program.torch_loss is not None
-            else ")"
-        ),
+            else ""
+        )
+        + f"; evaluation loss {program.check_eval_loss:.4f}, torch "
+        f"{program.torch_eval_loss:.4f})",
         markup=False,
     )
     if args.profile is not None:
@@ -182,7 +207,9 @@ def run(args: argparse.Namespace) -> int:
             f"step of {prof.batch_size}: ExecuTorch {prof.executorch_s * 1e3:.1f} ms "
             f"({prof.executorch_cpu_s * 1e3:.1f} ms CPU), torch "
             f"{prof.torch_s * 1e3:.1f} ms ({prof.torch_cpu_s * 1e3:.1f} ms CPU), ratio "
-            f"{prof.ratio:.1f}x; memory +{prof.rss_growth_bytes / 2**20:.0f} MiB; a "
+            f"{prof.ratio:.1f}x; evaluation {prof.evaluate_s * 1e3:.1f} ms "
+            f"({prof.evaluate_cpu_s * 1e3:.1f} ms CPU) per batch; memory "
+            f"+{prof.rss_growth_bytes / 2**20:.0f} MiB; a "
             f"round of K local steps costs about K x {prof.executorch_s:.2f} s on this "
             "machine now (a phone core: 2-4x more)",
             markup=False,

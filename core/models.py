@@ -9,7 +9,9 @@ Image models, chosen by the run config key ``model``:
   parameters). No batch norm: with a handful of samples per node, batch statistics
   are noise, and federated averaging of running statistics is ill-defined.
 - ``mobilenetv2``: the real MobileNetV2 (Sandler et al., CVPR 2018; 2.2 M
-  parameters) with group norm in place of batch norm, for the same reasons.
+  parameters) with group norm in place of batch norm, for the same reasons;
+  :func:`mobilenetv2_batchnorm` builds it with the paper's batch norm (for phones:
+  ``flowerbed export-android --model flowerbed.models:mobilenetv2_batchnorm``).
 
 Models for 1-D data (N x C x L, ``mnist1d`` and ``synthetic``):
 
@@ -116,19 +118,26 @@ class InvertedResidual(nn.Module):
     expansion by ``t``, a 3x3 depthwise convolution, a linear 1x1 projection, and a
     skip connection when the shape allows."""
 
-    def __init__(self, in_ch: int, out_ch: int, stride: int, t: int) -> None:
+    def __init__(
+        self,
+        in_ch: int,
+        out_ch: int,
+        stride: int,
+        t: int,
+        norm: Callable[[int], nn.Module] = group_norm,
+    ) -> None:
         super().__init__()
         hidden = in_ch * t
         layers: list[nn.Module] = []
         if t != 1:
-            layers += [nn.Conv2d(in_ch, hidden, 1, bias=False), group_norm(hidden)]
+            layers += [nn.Conv2d(in_ch, hidden, 1, bias=False), norm(hidden)]
             layers.append(nn.ReLU6())
         layers += [
             nn.Conv2d(hidden, hidden, 3, stride, 1, groups=hidden, bias=False),
-            group_norm(hidden),
+            norm(hidden),
             nn.ReLU6(),
             nn.Conv2d(hidden, out_ch, 1, bias=False),
-            group_norm(out_ch),
+            norm(out_ch),
         ]
         self.conv = nn.Sequential(*layers)
         self.residual = stride == 1 and in_ch == out_ch
@@ -146,6 +155,8 @@ class MobileNetV2(nn.Module):
     statistics; group norm (Wu & He, ECCV 2018) normalises each sample alone. For
     inputs of 32 pixels or less (CIFAR, MNIST, digits) the stem and the first
     stride-2 stage keep their resolution, the usual adaptation to small images.
+    ``norm`` builds each normalisation layer from its channel count
+    (``nn.BatchNorm2d`` for the paper's network).
     """
 
     # (expansion t, channels c, repeats n, stride s) of the paper's Table 2.
@@ -159,23 +170,30 @@ class MobileNetV2(nn.Module):
         (6, 320, 1, 1),
     )
 
-    def __init__(self, in_channels: int, image_size: int, num_classes: int) -> None:
+    def __init__(
+        self,
+        in_channels: int,
+        image_size: int,
+        num_classes: int,
+        norm: Callable[[int], nn.Module] = group_norm,
+    ) -> None:
         super().__init__()
         small = image_size <= 32
         layers: list[nn.Module] = [
             nn.Conv2d(in_channels, 32, 3, 1 if small else 2, 1, bias=False),
-            group_norm(32),
+            norm(32),
             nn.ReLU6(),
         ]
         channels = 32
         for index, (t, c, n, s) in enumerate(self.STAGES):
             stride = 1 if small and index == 1 else s
             for i in range(n):
-                layers.append(InvertedResidual(channels, c, stride if i == 0 else 1, t))
+                block = InvertedResidual(channels, c, stride if i == 0 else 1, t, norm)
+                layers.append(block)
                 channels = c
         layers += [
             nn.Conv2d(channels, 1280, 1, bias=False),
-            group_norm(1280),
+            norm(1280),
             nn.ReLU6(),
             nn.AdaptiveAvgPool2d(1),
         ]
@@ -184,6 +202,16 @@ class MobileNetV2(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.classifier(self.features(x))
+
+
+def mobilenetv2_batchnorm(
+    in_channels: int, image_size: int, num_classes: int
+) -> MobileNetV2:
+    """:class:`MobileNetV2` with batch norm, as Sandler et al. train it,
+    He-initialised like the zoo's models (:func:`he_init`)."""
+    model = MobileNetV2(in_channels, image_size, num_classes, norm=nn.BatchNorm2d)
+    he_init(model)
+    return model
 
 
 class ConvNet1D(nn.Module):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -20,12 +21,17 @@ from flowerbed.cli import main as cli_main
 from flowerbed.clients.export_android import (
     DATASET_SHAPES,
     DEFAULT_MAX_BATCH_SIZE,
+    EVALUATE_METHOD,
     EXPORT_MODELS,
     METHOD_NAME,
     ExportError,
+    _statistics_scale,
     build_export_model,
+    close_arrays,
     export_training_program,
     load_arrays,
+    prepare_batchnorm,
+    run_evaluation,
 )
 from flowerbed.data import load_dataset
 from torch import nn
@@ -53,9 +59,18 @@ class Program:
         self.pte = pte
         self.module = _load_for_executorch_for_training_from_buffer(pte)
 
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Forward and backward on one batch; returns the loss."""
-        return self.module.forward_backward(METHOD_NAME, (x, y))[0]
+    def step(self, x: torch.Tensor, y: torch.Tensor, *state: torch.Tensor) -> Any:
+        """Forward and backward on one batch; returns the loss (and, for a program
+        that carries state, the updated state after it)."""
+        out = self.module.forward_backward(METHOD_NAME, (x, y, *state))
+        return (out[0], out[2:]) if state else out[0]
+
+    def evaluate(
+        self, x: torch.Tensor, y: torch.Tensor, names: list[str], *state: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The evaluation method on the program's current parameters."""
+        params = self.parameters()
+        return run_evaluation(self.module, [params[n] for n in names], x, y, state)
 
     def parameters(self) -> dict[str, torch.Tensor]:
         """The program's own parameter tensors (writing them writes the program)."""
@@ -101,7 +116,8 @@ def _torch_grads(
 
 
 FAST_EXPORT_MODELS = [m for m in EXPORT_MODELS if m != "mobilenetv2"]
-"""MobileNetV2 takes minutes to export; it has its own (slow) test below."""
+"""MobileNetV2 takes minutes to export; it has its own (slow) test below, with the
+paper's batch norm."""
 
 
 @needs_executorch
@@ -349,10 +365,58 @@ def test_arrays_file_that_does_not_fit_the_model_is_refused(
         load_arrays(model, tmp_path / "a.npz")
 
 
-def test_model_with_running_state_is_refused_when_asked() -> None:
+def test_model_with_batch_norm_is_refused_when_asked() -> None:
     model = nn.Sequential(nn.Flatten(), nn.BatchNorm1d(64), nn.Linear(64, 10))
-    with pytest.raises(ValueError, match=r"buffers \['1.running_mean'"):
+    with pytest.raises(ValueError, match=r"batch norm layers \['1'\]"):
         export_training_program(model, DATASET_SHAPES["digits"], batchnorm="refuse")
+
+
+class Counter(nn.Module):
+    """Running state that is not batch norm: phones cannot carry it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(64, 10)
+        self.register_buffer("seen", torch.zeros(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.flatten(x, 1))
+
+
+def test_running_state_other_than_batch_norm_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"buffers \['seen'\]"):
+        export_training_program(Counter(), DATASET_SHAPES["digits"])
+
+
+def test_statistics_are_compared_at_the_scale_of_the_whole_array() -> None:
+    """A running mean with an element near zero: 2.5e-5 off there is 2.5e-3 of that
+    element (an element-wise rtol of 1e-3 fails it) but 2.5e-6 of the array's norm
+    (sqrt(0.01^2 + 10^2) = 10.000005), so it passes; 2e-2 off is 2e-3 of the norm."""
+    want = torch.tensor([0.01, 10.0])
+    assert close_arrays(torch.tensor([0.01 + 2.5e-5, 10.0]), want)
+    assert not torch.allclose(torch.tensor([0.01 + 2.5e-5, 10.0]), want, 1e-3, 1e-5)
+    assert not close_arrays(torch.tensor([0.01, 10.02]), want)
+    assert not close_arrays(torch.tensor([0.01]), want)  # another shape
+    # A running mean that is zero but for rounding is judged in units of the
+    # channels' standard deviation, sqrt(running_var): 1e-8 off is 1e-8 of ||[1, 1]||.
+    zero = torch.tensor([1e-9, -2e-9])
+    assert not close_arrays(torch.tensor([1e-8, 0.0]), zero)
+    assert close_arrays(torch.tensor([1e-8, 0.0]), zero, scale=torch.ones(2))
+    statistics = {"bn.running_mean": zero, "bn.running_var": torch.tensor([4.0, 9.0])}
+    assert _statistics_scale("bn.running_mean", statistics).tolist() == [2.0, 3.0]
+    assert _statistics_scale("bn.running_var", statistics).tolist() == [4.0, 9.0]
+    nan = torch.tensor([math.nan, 1.0])
+    assert close_arrays(nan.clone(), nan)
+    assert not close_arrays(torch.tensor([0.0, 1.0]), nan)
+    assert not close_arrays(nan.clone(), torch.tensor([0.0, 1.0]))
+
+
+def test_batch_norm_with_a_cumulative_average_is_refused_with_the_choices() -> None:
+    model = nn.Sequential(nn.Flatten(), nn.BatchNorm1d(64, momentum=None))
+    with pytest.raises(ValueError, match=r"\['1'\] have momentum=None.*groupnorm"):
+        prepare_batchnorm(model, "train")
+    with pytest.raises(ValueError, match="one of train, groupnorm, refuse"):
+        prepare_batchnorm(model, "instance")  # type: ignore[arg-type]
 
 
 class BatchNormNet(nn.Module):
@@ -377,8 +441,10 @@ def test_batchnorm_becomes_groupnorm_with_the_same_parameter_names(
     with torch.no_grad():
         model.bn.weight.uniform_(0.5, 1.5)
     before = {k: v.clone() for k, v in model.named_parameters()}
-    result = export_training_program(model, DATASET_SHAPES["digits"])
-    assert result.replaced_batchnorm == ["bn"]
+    result = export_training_program(
+        model, DATASET_SHAPES["digits"], batchnorm="groupnorm"
+    )
+    assert result.replaced_batchnorm == ["bn"] and result.state == []
     # 8 channels: fewer than 16 per group, so one group; weight and bias carried over.
     assert isinstance(model.bn, nn.GroupNorm) and model.bn.num_groups == 1
     assert list(model.state_dict()) == list(before)  # no running statistics left
@@ -391,6 +457,109 @@ def test_batchnorm_becomes_groupnorm_with_the_same_parameter_names(
     torch.testing.assert_close(
         program.gradients()["bn.weight"], want_grads["bn.weight"], rtol=1e-4, atol=1e-5
     )
+
+
+@needs_executorch
+def test_batch_norm_trains_as_it_is_with_its_running_statistics_as_state(
+    digits_batch: Batch,
+) -> None:
+    """The default: batch statistics in the training step, exactly as torch's
+    ``model.train()``; the running statistics go in and come out of every step,
+    updated as torch updates them; the evaluation method normalises with them."""
+    from executorch.extension.training import get_sgd_optimizer
+
+    torch.manual_seed(0)
+    model = BatchNormNet()
+    with torch.no_grad():
+        model.bn.weight.uniform_(0.5, 1.5)
+        model.bn.running_var.fill_(2.0)  # not the initial 1: the state must be used
+    result = export_training_program(model, DATASET_SHAPES["digits"])
+    assert isinstance(model.bn, nn.BatchNorm2d)
+    assert result.batchnorm == "train" and result.batchnorm_layers == ["bn"]
+    assert result.state == [("bn.running_mean", (8,)), ("bn.running_var", (8,))]
+    # What phones exchange: the parameters and the float32 running statistics.
+    assert list(model.state_dict()) == [
+        "conv.weight",
+        "bn.weight",
+        "bn.bias",
+        "bn.running_mean",
+        "bn.running_var",
+        "head.1.weight",
+        "head.1.bias",
+    ]
+    meta = result.metadata("bn-net", "digits", DATASET_SHAPES["digits"], 64)
+    assert meta["state"] == [
+        {"name": "bn.running_mean", "shape": [8]},
+        {"name": "bn.running_var", "shape": [8]},
+    ]
+    assert (meta["min_batch_size"], meta["evaluate_method"]) == (2, EVALUATE_METHOD)
+    x, y = digits_batch
+    program = Program(result.data)
+    reference = copy.deepcopy(model).train()
+    torch_sgd = torch.optim.SGD(reference.parameters(), lr=0.1)
+    state = (model.bn.running_mean.clone(), model.bn.running_var.clone())
+    optimiser = None
+    for _ in range(3):
+        loss, state = program.step(x, y, *state)
+        torch_sgd.zero_grad()
+        want = F.cross_entropy(reference(x), y)
+        want.backward()
+        assert float(loss) == pytest.approx(float(want), rel=1e-5)
+        for key, param in reference.named_parameters():
+            torch.testing.assert_close(
+                program.gradients()[key], param.grad, rtol=1e-4, atol=1e-5, msg=key
+            )
+        torch.testing.assert_close(state[0], reference.bn.running_mean)
+        torch.testing.assert_close(state[1], reference.bn.running_var)
+        if optimiser is None:
+            optimiser = get_sgd_optimizer(program.parameters(), 0.1)
+        optimiser.step(program.gradients())
+        torch_sgd.step()
+    reference.eval()
+    with torch.no_grad():
+        logits = reference(x)
+    names = [n for n, _ in result.parameters]
+    eval_loss, eval_logits = program.evaluate(x, y, names, *state)
+    torch.testing.assert_close(eval_logits, logits, rtol=1e-4, atol=1e-5)
+    assert float(eval_loss) == pytest.approx(float(F.cross_entropy(logits, y)), 1e-5)
+
+
+@needs_executorch
+@pytest.mark.parametrize("name", FAST_EXPORT_MODELS)
+def test_the_evaluation_method_is_torchs_eval_without_a_backward_pass(
+    name: str, exported: ExportedModels, digits_batch: Batch
+) -> None:
+    """Evaluation runs a method of its own: a function of the batch and the weights it
+    is given, with no gradient outputs, so it needs no training step first and
+    changes nothing in the program."""
+    _, pte = exported[name]
+    x, y = digits_batch
+    program = Program(pte)
+    program.step(x, y)  # the Python runtime names parameters after a first step
+    before = {k: v.clone() for k, v in program.parameters().items()}
+    torch.manual_seed(5)
+    other, _ = build_export_model(name, "digits")
+    weights = [p.detach() for p in other.parameters()]
+    loss, logits = run_evaluation(program.module, weights, x, y)
+    with torch.no_grad():
+        want = other.eval()(x)
+    torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-5)
+    assert float(loss) == pytest.approx(float(F.cross_entropy(want, y)), rel=1e-5)
+    for key, value in program.parameters().items():
+        assert torch.equal(value, before[key]), key
+    methods = set(program.module.model.method_names())
+    assert {METHOD_NAME, EVALUATE_METHOD} <= methods
+    assert f"__et_training_gradients_index_{EVALUATE_METHOD}" not in methods
+    assert len(program.module.model.run_method(EVALUATE_METHOD, (x, y, *weights))) == 2
+
+
+@needs_executorch
+def test_the_evaluation_method_stores_no_second_copy_of_the_weights() -> None:
+    torch.manual_seed(0)
+    model, shape = build_export_model("mlp", "mnist", hidden=256)
+    weight_bytes = 4 * sum(p.numel() for p in model.parameters())  # 0.8 MB
+    result = export_training_program(model, shape)
+    assert weight_bytes < len(result.data) < 1.25 * weight_bytes
 
 
 class AvgPoolNet(nn.Module):
@@ -465,9 +634,13 @@ def test_cli_exports_a_users_model_with_metadata_the_gateway_loads(
 
     (tmp_path / "my_models.py").write_text(USER_MODULE)
     monkeypatch.chdir(tmp_path)
-    for attr, names in [
-        ("build", ["1.weight", "1.bias"]),
-        ("instance", ["1.weight", "1.bias", "2.weight", "2.bias"]),  # BN -> GN
+    for attr, names, state in [
+        ("build", ["1.weight", "1.bias"], []),
+        (
+            "instance",
+            ["1.weight", "1.bias", "2.weight", "2.bias"],
+            ["1.running_mean", "1.running_var"],  # batch norm trained as it is
+        ),
     ]:
         out = tmp_path / f"{attr}.pte"
         argv = ["export-android", "--model", f"my_models:{attr}", "--dataset", "digits"]
@@ -475,9 +648,11 @@ def test_cli_exports_a_users_model_with_metadata_the_gateway_loads(
         served = load_program(out)  # what `flowerbed bridge --program` does
         assert served.name == f"my_models:{attr}"
         assert [n for n, _ in served.parameters] == names
+        assert [n for n, _ in served.state] == state
+        assert served.evaluate_method == EVALUATE_METHOD
         assert served.min_runtime == "1.5.1"
     printed = capsys.readouterr().out
-    assert "BatchNorm replaced by GroupNorm in 1 layers" in printed
+    assert "BatchNorm trained as it is in 1 layers" in printed
     assert "ratio" in printed and "step of 4: ExecuTorch" in printed
 
 
@@ -512,51 +687,101 @@ def test_cli_refuses_models_it_cannot_use(
 
 @needs_executorch
 @pytest.mark.slow
-def test_mobilenetv2_trains_in_the_runtime_like_torch(digits_batch: Batch) -> None:
-    """The zoo's 2.2 M-parameter MobileNetV2 (group norm) exports; its first step's
-    loss and gradients are torch's, and three SGD steps lower the loss as torch's do
-    (an export takes minutes).
+def test_mobilenetv2_with_batch_norm_trains_in_the_runtime_like_torch(
+    digits_batch: Batch,
+) -> None:
+    """The paper's MobileNetV2 (2.2 M parameters, batch norm trained as it is) exports
+    and trains three SGD steps in the runtime. At each step torch float64 is run at
+    the runtime's own weights and statistics: the loss matches to 1e-5, the updated
+    running statistics to 1e-4, the classifier's gradients to 1e-4 (relative L2) and
+    the whole gradient within 5 %; the runtime's SGD update is exactly w - lr * g;
+    the loss falls; the evaluation method gives torch's ``model.eval()`` loss (an
+    export takes minutes).
 
-    Known gap, measured here: the first step's loss is torch's to 1e-5 but its
-    gradients, as one vector, differ from torch's by 2.6 % (relative L2), largest in
-    the last blocks (1x1 feature maps on digits). Every layer kind of the model
-    (depthwise and pointwise convolutions, group norm with 1 to 32 groups, ReLU6,
-    residual blocks, pooling) matches torch exactly when exported alone, so the
-    source is not found yet; the test bounds it (5 %) so that it cannot grow
-    unnoticed, and the fast-fitted 12-sample batch makes later losses drift, so
-    they are compared within 10 %. docs/export-android.md states the gap.
+    Why not every gradient to 1e-4: the 2.6 % of the issue. ReLU6's derivative
+    jumps at 0 and 6, and of the 1.1 M ReLU6 inputs of this batch some lie within
+    float32 rounding of a kink (6 within 1e-5, 107 within 1e-4, in float64).
+    ExecuTorch's portable kernels round differently from torch's (another
+    accumulation order): its inputs to two of those ReLU6 (in features.13 and the
+    last, features.22; 6e-6 and 3e-5 from a kink) fall on the other side, each
+    passes or stops one element's
+    gradient, and batch norm's backward spreads it over the channel and every layer
+    before. Forcing those two derivatives in torch float64 brings the runtime's
+    whole gradient from 1.7 % to 4e-4 of torch float64's (docs/export-android.md,
+    "How exact the gradients are"). The classifier is after the last ReLU6, so its
+    gradient is unaffected and must match.
     """
     from executorch.extension.training import get_sgd_optimizer
+    from flowerbed.models import mobilenetv2_batchnorm
 
     torch.manual_seed(0)
-    model, shape = build_export_model("mobilenetv2", "digits")
+    model = mobilenetv2_batchnorm(1, 8, 10)
     assert sum(p.numel() for p in model.parameters()) > 2_000_000
-    result = export_training_program(model, shape, max_batch_size=16)
-    assert result.replaced_batchnorm == []
+    assert not any(isinstance(m, nn.Dropout) for m in model.modules())
+    result = export_training_program(model, DATASET_SHAPES["digits"], max_batch_size=16)
+    assert len(result.batchnorm_layers) == 52 and len(result.state) == 104
     x, y = digits_batch
     program = Program(result.data)
-    first = float(program.step(x, y))
-    want_loss, want_grads = _torch_grads(model, x, y)
-    assert first == pytest.approx(want_loss, rel=1e-5)
-    got = torch.cat([program.gradients()[n].flatten() for n in want_grads])
-    want = torch.cat([g.flatten() for g in want_grads.values()])
-    assert float((got - want).norm() / want.norm()) < 0.05
-    lr = 0.005
-    optimiser = get_sgd_optimizer(program.parameters(), lr)
-    reference = copy.deepcopy(model)
-    torch_sgd = torch.optim.SGD(reference.parameters(), lr=lr)
-    losses, torch_losses = [first], []
-    for _ in range(3):
+    names = [n for n, _ in result.parameters]
+    buffers = dict(model.named_buffers())
+    state = tuple(buffers[n].clone() for n, _ in result.state)
+    lr = 0.05
+    optimiser = None
+    losses = []
+    for step in range(3):
+        # torch float64 at the program's current weights and statistics
+        reference = copy.deepcopy(model).double().train()
+        with torch.no_grad():
+            weights = program.parameters() if step else dict(model.named_parameters())
+            for name, param in reference.named_parameters():
+                param.copy_(weights[name])
+            statistics = dict(reference.named_buffers())
+            for (name, _), value in zip(result.state, state, strict=True):
+                statistics[name].copy_(value)
+        before = {n: program.parameters()[n].clone() for n in names} if step else None
+        loss, state = program.step(x, y, *state)
+        want = F.cross_entropy(reference(x.double()), y)
+        want.backward()
+        losses.append(float(loss))
+        assert float(loss) == pytest.approx(float(want), rel=1e-5), step
+        got = program.gradients()
+        grads = {n: p.grad for n, p in reference.named_parameters()}
+        for name in ("classifier.1.weight", "classifier.1.bias"):
+            # In L2: the feature at a kink is ~0, so is its column of the gradient.
+            assert close_arrays(got[name].double(), grads[name], 1e-4), (step, name)
+        flat = torch.cat([got[n].flatten() for n in names]).double()
+        ref = torch.cat([grads[n].flatten() for n in names])
+        assert float((flat - ref).norm() / ref.norm()) < 0.05, step
+        trained = dict(reference.named_buffers())
+        for (name, _), value in zip(result.state, state, strict=True):
+            scale = _statistics_scale(name, trained)
+            assert close_arrays(value.double(), trained[name], 1e-4, scale), name
+        if optimiser is None:
+            optimiser = get_sgd_optimizer(program.parameters(), lr)
+        gradients = {n: g.clone() for n, g in program.gradients().items()}
         optimiser.step(program.gradients())
-        losses.append(float(program.step(x, y)))
-        torch_sgd.zero_grad()
-        loss = F.cross_entropy(reference(x), y)
-        torch_losses.append(float(loss))
-        loss.backward()
-        torch_sgd.step()
-    torch_losses.append(float(F.cross_entropy(reference(x), y)))
-    assert losses[-1] < losses[0] and torch_losses[-1] < torch_losses[0]
-    assert losses == pytest.approx(torch_losses, rel=0.1)
+        if before is not None:
+            for name in names:
+                torch.testing.assert_close(
+                    program.parameters()[name],
+                    before[name] - lr * gradients[name],
+                    # a few float32 ulps (another rounding of w - lr g; an ulp
+                    # of 1 is 1.2e-7)
+                    rtol=1e-6,
+                    atol=1e-7,
+                    msg=lambda text, name=name: f"{name}: {text}",
+                )
+    assert losses[-1] < losses[0]
+    eval_loss, _ = program.evaluate(x, y, names, *state)
+    evaluator = copy.deepcopy(model).double().eval()
+    with torch.no_grad():
+        for name, param in evaluator.named_parameters():
+            param.copy_(program.parameters()[name])
+        statistics = dict(evaluator.named_buffers())
+        for (name, _), value in zip(result.state, state, strict=True):
+            statistics[name].copy_(value)
+        want_eval = F.cross_entropy(evaluator(x.double()), y)
+    assert float(eval_loss) == pytest.approx(float(want_eval), rel=1e-4)
 
 
 def test_importing_flowerbed_and_its_cli_does_not_import_executorch() -> None:
