@@ -6,20 +6,24 @@ Phones train on-device with ExecuTorch's training runtime
 gradient of every parameter and the parameters themselves. This module builds that
 program from a flowerbed torch model:
 
-1. the model is given a forward that ends in its loss (mean cross-entropy over the
-   batch, the loss of :func:`flowerbed.clients.training.train_steps`), returning
-   ``(loss, logits)``; the loss must be the first output, which the runtime
-   differentiates;
+1. a copy of the model is given a forward that ends in its loss (mean cross-entropy
+   over the batch, the loss of :func:`flowerbed.clients.training.train_steps`),
+   returning ``(loss, logits, *state)``; the loss must be the first output, which
+   the runtime differentiates; ``state`` is the batch-norm running statistics,
+   inputs and outputs of every step (:mod:`.export_android_norm`);
 2. ``torch.export.export`` captures it with a dynamic batch dimension,
-   ``torch.export.experimental._export_forward_backward`` adds the backward pass,
-   and ``executorch.exir.to_edge(...).to_executorch()`` lowers it to a ``.pte``.
+   ``torch.export.experimental._export_forward_backward`` adds the backward pass;
+3. a second method, :data:`EVALUATE_METHOD`, evaluates without a backward pass: a
+   function of the batch, the parameters and the state;
+4. ``executorch.exir.to_edge({...}).to_executorch()`` lowers both to one ``.pte``,
+   which is loaded and stepped once in ExecuTorch's Python runtime before success.
 
 The names contract: the program names each parameter by its key in the model's
 ``state_dict`` (for example ``features.0.weight``), which is also its name in the
 Flower ``ArrayRecord`` the gateway relays, so the phone loads the global model into the
 program by name and sends its update back under the same names. To keep the names
-free of a wrapper prefix, the loss is added by giving a shallow copy of the model a
-subclass of its own class (same parameter objects, new ``forward``), not by nesting
+free of a wrapper prefix, the loss is added by giving a copy of the model a
+subclass of its own class (same parameter names, new ``forward``), not by nesting
 the model inside a wrapper module.
 
 One kernel is avoided on purpose: ExecuTorch's portable
