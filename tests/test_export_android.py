@@ -702,8 +702,8 @@ def test_mobilenetv2_with_batch_norm_trains_in_the_runtime_like_torch(
     jumps at 0 and 6, and of the 1.1 M ReLU6 inputs of this batch some lie within
     float32 rounding of a kink (6 within 1e-5, 107 within 1e-4, in float64).
     ExecuTorch's portable kernels round differently from torch's (another
-    accumulation order): its inputs to two of those ReLU6 (in features.13 and the
-    last, features.22; 6e-6 and 3e-5 from a kink) fall on the other side, each
+    accumulation order): its inputs to two of those ReLU6 (features.13.conv.2 and
+    features.19.conv.5; 6e-6 and 3e-5 from a kink) fall on the other side, each
     passes or stops one element's
     gradient, and batch norm's backward spreads it over the channel and every layer
     before. Forcing those two derivatives in torch float64 brings the runtime's
