@@ -9,6 +9,9 @@ step as the share b' / batch of a step when it estimates full-work durations.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import Any
+
 import pytest
 from flowerbed import keys
 from flowerbed.models import build_model, cost_factor, model_num_bytes
@@ -97,8 +100,8 @@ def test_deadline_fedavg_sends_min_batch_size_with_partial_work_only() -> None:
     assert all(keys.MIN_BATCH_SIZE not in config_of(m) for _, m in grid.pushed)
 
 
-def test_the_default_percentile_is_fast_with_partial_work_only() -> None:
-    assert DeadlineFedAvg(partial_work=True).deadline_percentile == 30.0
+def test_the_default_percentile_is_80_with_or_without_partial_work() -> None:
+    assert DeadlineFedAvg(partial_work=True).deadline_percentile == 80.0
     assert DeadlineFedAvg().deadline_percentile == 80.0
     assert DeadlineFedAvg(partial_work=True).min_batch_size == 4
     assert DeadlineFedAvg(deadline_percentile=55.0).deadline_percentile == 55.0
@@ -142,3 +145,42 @@ def test_a_smaller_step_counts_as_its_share_of_a_step_in_the_deadline(
     assert result.train_metrics_clientapp[2][ROUND_DEADLINE_S] == pytest.approx(
         expected
     )
+
+
+class _Updates(DeadlineFedAvg):
+    """DeadlineFedAvg that notes the rounds whose aggregation gave a model."""
+
+    updated: list[int]
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> Any:
+        out = super().aggregate_train(server_round, replies)
+        if out[0] is not None:
+            self.updated = [*getattr(self, "updated", []), server_round]
+        return out
+
+
+@pytest.mark.usefixtures("quiet_single_threaded")
+def test_a_fast_percentile_never_leaves_a_round_without_an_update() -> None:
+    """p30 on phones-10x digits: a fast phone's task is ~85% transfer, so the
+    30th percentile of full-work durations left no node time for one step
+    (rounds 4 and 5 of 10 nodes had no update) until the floor of transfers plus
+    one smallest step (DeadlineFedAvg._least_seconds) held the deadline up."""
+    from flowerbed.sims.scenario import run_scenario
+
+    strategy = _Updates(
+        fraction_evaluate=0.0,
+        min_train_nodes=1,
+        min_available_nodes=1,
+        adaptive_deadline=True,
+        over_selection=1.3,
+        partial_work=True,
+        balance_work=True,
+        deadline_percentile=30.0,
+        seed=1,
+    )
+    config = {"fleet": "phones-10x", "num-nodes": 10, "num-rounds": 8, "seed": 1}
+    run_scenario(config, strategy=strategy, write=False)
+    assert strategy.updated == list(range(1, 9))
+    least = [s for _, s in strategy.least]
+    assert least and all(s > 0 for s in least)
+    assert strategy.current_deadline(9) * 0.8 >= min(least)
