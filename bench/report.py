@@ -64,7 +64,7 @@ def headline_sentence(h: Mapping[str, Any]) -> str:
 def target_lines(targets: Sequence[Mapping[str, Any]]) -> list[str]:
     """One line per target: met or not, with its figures, and for a target not met
     what was tried and what would close it (:data:`TARGET_NOTES`)."""
-    from flowerbed.bench.suite import TARGET_NOTES
+    from flowerbed.bench.suite import TARGET_CAVEATS, TARGET_NOTES
 
     lines = []
     for t in targets:
@@ -77,6 +77,8 @@ def target_lines(targets: Sequence[Mapping[str, Any]]) -> list[str]:
         note = TARGET_NOTES.get(t["name"])
         if not t["met"] and note:
             line += f" What was tried: {note}"
+        if t["name"] in TARGET_CAVEATS:
+            line += f" {TARGET_CAVEATS[t['name']]}"
         lines.append(line)
     return lines
 
