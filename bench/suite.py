@@ -952,7 +952,7 @@ TARGET_NOTES: dict[str, str] = {
     "2.83] (median 2.13x) faster than Flower's best to 95%, final accuracy +7.9 "
     "[5.3, 10.6] points, slow phones' data +13.2 [11.1, 15.3] points, 5% more "
     "energy; without work sizing (row `deadline-p30-nosizing`) it is slower "
-    "and 9 points lower on the slow phones' data. p30 is not the default: on "
+    "and 8.5 points lower on the slow phones' data. p30 is not the default: on "
     "the README's 20-round digits example (issue 16's guard, "
     "tests/test_deadline_sweep.py) it ends 1-2 points below Flower's FedAvg at "
     "equal rounds, where p80 stays within 0.6. Also measured, not adopted "
