@@ -37,6 +37,7 @@ virtual clock).
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from collections.abc import Mapping, Sequence
@@ -306,19 +307,28 @@ def run(
     try:
         with joined_group(plan, context.address):
             ddp = DistributedDataParallel(timed)
-            _register_compression(ddp, plan)
-            setup = time.monotonic() - begin
-            for step in range(plan.start_step, plan.end_step):
-                timed.step = step
-                timed.reset()
-                started = time.perf_counter()
-                indices = segment.batch(step)[first:stop]
-                losses.append(segment.share_backward(ddp, indices, scale))
-                wall = time.perf_counter() - started
-                busy = sum(timed.forward_s) + sum(timed.backward_s)
-                compute.append(busy)
-                comm.append(max(0.0, wall - busy))
-                lr = segment.update(step)
+            try:
+                _register_compression(ddp, plan)
+                setup = time.monotonic() - begin
+                for step in range(plan.start_step, plan.end_step):
+                    timed.step = step
+                    timed.reset()
+                    started = time.perf_counter()
+                    indices = segment.batch(step)[first:stop]
+                    losses.append(segment.share_backward(ddp, indices, scale))
+                    wall = time.perf_counter() - started
+                    busy = sum(timed.forward_s) + sum(timed.backward_s)
+                    compute.append(busy)
+                    comm.append(max(0.0, wall - busy))
+                    lr = segment.update(step)
+            finally:
+                # Free DDP's reducer (and its comm hook's state) while the group
+                # is still alive: left to the garbage collector after
+                # destroy_process_group, its destructor hung the next segment's
+                # call in about 1 of 6 three-segment runs (a rank stuck for the
+                # test's 240 s, tests/test_large_batch_ddp.py).
+                del ddp
+                gc.collect()
     except PeerFailure as err:
         return MemberResult(
             ok=False,
