@@ -89,8 +89,17 @@ def test_profiling_leaves_out_a_node_without_an_address(grid: ProcessGrid) -> No
 def test_a_segment_reports_every_member_and_its_link(grid: ProcessGrid) -> None:
     s = strategy(free_port())
     s.attach(grid)
-    plans = probe_plans(s, [1, 2, 3])
-    out = s.run_segment(s.segment_messages(plans, {}, {}, ConfigRecord(), 60), 1, 60)
+    for _ in range(3):
+        # A port free a moment ago can be taken by another process's ephemeral
+        # connection before rank 0 binds it; as the strategy does, the next
+        # segment moves on to the next port of its range.
+        plans = probe_plans(s, [1, 2, 3])
+        messages = s.segment_messages(plans, {}, {}, ConfigRecord(), 60)
+        out = s.run_segment(messages, 1, 60)
+        if out.complete or not (
+            out.errors and all("in use" in e for e in out.errors.values())
+        ):
+            break
     assert out.complete, (out.errors, out.rejected, out.lost)
     assert sorted(out.replies) == [1, 2, 3]
     for reply in out.replies.values():
