@@ -16,7 +16,9 @@ Two timeouts, both from the plan:
   dies mid-segment surfaces at once as "Connection closed by peer" on its
   neighbours (their processes then exit and close their own connections, so the
   failure cascades along the pipeline in milliseconds), and a peer that hangs
-  surfaces after ``timeout_s``.
+  surfaces after ``timeout_s``. (gloo takes every operation's timeout from
+  ``init_process_group``'s, which also bounds its rendezvous, and ignores
+  ``pg_options``' timeout; so the join is a barrier on the store first.)
 
 :func:`joined_group` turns both into :class:`PeerFailure`; a rendezvous port that
 is in use, or an advertised address that is not this board's, is a
@@ -144,18 +146,25 @@ def joined_group(plan: MemberPlan, address: str) -> Iterator[None]:
                 f"{plan.host}"
             )
     join = datetime.timedelta(seconds=plan.join_timeout_s)
+    operation = datetime.timedelta(seconds=plan.timeout_s)
     started = time.monotonic()
     try:
         store = _connect_store(plan, join)
+        # The join is a barrier on the store, bounded by the join timeout:
+        # init_process_group's own timeout bounds both its rendezvous and every
+        # later operation of the group (gloo ignores pg_options' timeout), so it
+        # gets the operation timeout, and by then every member is there.
+        store.set(f"flowerbed/arrived/{plan.rank}", "1")
+        store.wait([f"flowerbed/arrived/{r}" for r in range(plan.world_size)], join)
         options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
-        options._timeout = datetime.timedelta(seconds=plan.timeout_s)
+        options._timeout = operation
         dist.init_process_group(
             "gloo",
             store=store,
             rank=plan.rank,
             world_size=plan.world_size,
-            timeout=join,
+            timeout=operation,
             pg_options=options,
         )
     except PeerFailure:

@@ -596,16 +596,17 @@ class LargeBatchSync(SpanJobStrategy):
                 new, metrics = self._accept(server_round, replies, attempt)
                 if new is not None and metrics is not None:
                     return new, metrics
-            gone = outcome.failed_members | set(outcome.errors)
-            self.lost.update(gone)
+            # A member that only found the rendezvous port taken stays in.
+            self.lost.update(outcome.dropped_members)
             log(
                 WARNING,
                 "round %d: segment %d failed (lost %s, errors %s): re-forming "
-                "without them from step %d",
+                "without %s from step %d",
                 server_round,
                 attempt,
                 sorted(outcome.failed_members),
                 sorted(outcome.errors),
+                sorted(outcome.dropped_members) or "anyone (a taken port only)",
                 self.step,
             )
         return None

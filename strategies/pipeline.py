@@ -845,7 +845,7 @@ class PipelineTraining(SpanJobStrategy):
             self.lost.add(node_id)
             self.planner.forget(node_id)
         for node_id, reason in outcome.errors.items():
-            if "rendezvous port" not in reason and node_id in layout.members:
+            if node_id not in outcome.port_errors and node_id in layout.members:
                 # The plan suited the others: this board cannot run it.
                 self.refused[node_id] = reason
                 self.lost.add(node_id)

@@ -133,6 +133,18 @@ class SegmentOutcome:
         """Members whose state after the segment cannot be used (lost, malformed)."""
         return set(self.lost) | set(self.rejected)
 
+    @property
+    def port_errors(self) -> set[int]:
+        """Members that answered only that the segment's rendezvous port was in use:
+        alive and blameless (the server skips the port from then on)."""
+        return {n for n, why in self.errors.items() if _port_in_use(why) is not None}
+
+    @property
+    def dropped_members(self) -> set[int]:
+        """Members to leave out of the next attempt: lost, malformed, or refusing
+        the plan with an error other than a taken port."""
+        return self.failed_members | (set(self.errors) - self.port_errors)
+
 
 def _finite(value: object) -> bool:
     if isinstance(value, list):

@@ -603,9 +603,7 @@ class TiledTraining(SpanJobStrategy):
                 metrics[key] = max(values)
         head = seg.boards[0].node_id
         if not outcome.complete or head not in replies:
-            lost = outcome.failed_members | {
-                n for n, why in outcome.errors.items() if "in use" not in why
-            }
+            lost = outcome.dropped_members
             self.boards = [b for b in self.boards if b.node_id not in lost]
             log(
                 WARNING,

@@ -287,3 +287,29 @@ def test_a_member_that_slows_down_gets_a_smaller_share_next_round() -> None:
     assert computes == pytest.approx([12 * t, 36 * t, 30 * t])
     # after round 3: 0.5 / 3t + 0.5 x 2 / 3t = 1 / 2t
     assert s.speeds[1001] == pytest.approx(1 / (2 * t))
+
+
+def test_a_member_that_found_the_port_taken_stays_in_the_cohort() -> None:
+    """Member 1001 answers the first segment only that the rendezvous port was
+    in use (another program took it): it is alive and blameless, so the repeat
+    runs with all three members, not two (a red CI dropped it as lost)."""
+    s = strategy()
+    real = s.run_segment
+    calls = []
+
+    def first_port_taken(*args, **kwargs):  # type: ignore[no-untyped-def]
+        out = real(*args, **kwargs)
+        if not calls:
+            out.errors[1001] = (
+                "flowerbed span client: rendezvous port 29500 on 127.0.0.1 is in "
+                "use: another program (or a previous segment still closing) holds it"
+            )
+            out.replies.pop(1001, None)
+        calls.append(out)
+        return out
+
+    s.run_segment = first_port_taken  # type: ignore[method-assign]
+    run = simulate(s, [1.0, 1.0, 1.0], 1)
+    assert s.lost == set()
+    first = run.result.train_metrics_clientapp[1]
+    assert first["attempts"] == 2 and first["members"] == 3

@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 from flowerbed.parallel.group import (
     PeerFailure,
     RendezvousError,
@@ -93,6 +94,61 @@ def test_members_exchange_around_the_ring_and_survivors_learn_of_a_loss_fast() -
         assert "lost a peer" in text
         assert 0 <= seconds < 30
     assert results[1][1]["pair"] == [0.0, 1.0, 2.0, 3.0]
+
+
+def silent_peer(rank: int, port: int, mode: str) -> tuple[str, float]:
+    """Rank 1 joins, then stays alive but silent; rank 0 waits for its tensor."""
+    plan = make_plan(rank, 2, port, join_timeout_s=30.0, timeout_s=2.0)
+    try:
+        with joined_group(plan, HOST):
+            begin = time.monotonic()
+            if rank == 1:
+                time.sleep(12.0)
+                return ("slept", 0.0)
+            if mode == "all_reduce":
+                dist.all_reduce(torch.ones(3))
+            else:
+                recv_state(1)
+            return ("received", 0.0)
+    except PeerFailure as err:
+        return (err.phase, time.monotonic() - begin)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["all_reduce", "recv"])
+def test_an_operation_waits_for_the_operation_timeout_not_the_join_timeout(
+    mode: str,
+) -> None:
+    """A peer that joined and then went silent (a hung board) surfaces after
+    the plan's timeout_s, not after the longer join timeout: init_process_group's
+    ``timeout`` (the join's) also became the operation timeout, so survivors of
+    a lost member waited 20 s where the strategy's grace allowed 10 (red CI)."""
+    results = run_ranks(silent_peer, 2, free_port(), mode, timeout=90)
+    status, (phase, seconds) = results[0]
+    assert status == "ok" and phase == "train", results
+    assert 1.5 < seconds < 8.0, results
+
+
+def late_member(rank: int, port: int) -> tuple[str, float]:
+    plan = make_plan(rank, 2, port, join_timeout_s=30.0, timeout_s=1.0)
+    if rank == 1:
+        time.sleep(4.0)  # its Flower message came late
+    begin = time.monotonic()
+    try:
+        with joined_group(plan, HOST):
+            dist.all_reduce(torch.ones(2))
+            return ("joined", time.monotonic() - begin)
+    except PeerFailure as err:
+        return (str(err), time.monotonic() - begin)
+
+
+@pytest.mark.slow
+def test_a_member_later_than_the_operation_timeout_still_joins() -> None:
+    """The join is bounded by join_timeout_s alone, not by the shorter timeout_s."""
+    results = run_ranks(late_member, 2, free_port(), timeout=90)
+    assert results[0][0] == "ok" and results[0][1][0] == "joined", results
+    assert results[0][1][1] > 3.0, results
+    assert results[1][1][0] == "joined", results
 
 
 @pytest.mark.slow
