@@ -38,6 +38,8 @@ from flwr.common.constant import ErrorCode, SType
 from flwr.serverapp import Grid
 from flwr.supercore import log
 
+from . import fold_kernel
+
 R = TypeVar("R", ArrayRecord, MetricRecord, ConfigRecord)
 
 StalenessFn = Callable[[int], float]
@@ -465,6 +467,13 @@ stays in a core's L2 cache between the passes of one fold step (difference,
 sum of squares, scale, add)."""
 
 
+def _rejection(name: str, delta: np.ndarray) -> ReplyRejected:
+    """Why an update whose ``delta`` has a non-finite sum of squares is refused."""
+    if not np.isfinite(delta).all():
+        return ReplyRejected(f"array {name!r} contains NaN or Inf")
+    return ReplyRejected(f"array {name!r} changes by more than float32 can sum")
+
+
 def _sum_dtype(dtype: np.dtype) -> np.dtype:
     """The running sum's dtype for arrays of ``dtype``: see UpdateAccumulator."""
     if dtype.kind == "f" and dtype.itemsize <= 4:
@@ -681,33 +690,40 @@ class UpdateAccumulator:
         if name not in self._sum:
             self._sum[name] = np.zeros(base.size, dtype)
         total = self._sum[name]
-        delta_buffer = self._buffer(dtype)
+        compiled = fold_kernel.kernel() if base.dtype == dtype else None
+        scalars = [dtype.type(f) for f in factors]  # as NumPy rounds a Python float
+        zero = dtype.type(0)
+        # A lone value needs no chunks when compiled: the kernel blocks itself.
+        step = base.size if compiled is not None and len(flat) == 1 else FOLD_CHUNK
         squares = [0.0] * len(flat)
         failed: dict[int, tuple[ReplyRejected, int]] = {}
         live = list(range(len(flat)))
         with np.errstate(over="ignore", invalid="ignore"):
-            for start in range(0, base.size, FOLD_CHUNK):
-                stop = min(start + FOLD_CHUNK, base.size)
-                delta = delta_buffer[: stop - start]
+            for start in range(0, base.size, max(step, 1)):
+                stop = min(start + step, base.size)
                 part = base[start:stop]
                 into = total[start:stop]
                 for k in live:
-                    np.subtract(flat[k][start:stop], part, out=delta, casting="unsafe")
-                    chunk = float(np.dot(delta, delta))
-                    if not math.isfinite(chunk):
-                        failed[k] = (
-                            ReplyRejected(
-                                f"array {name!r} contains NaN or Inf"
-                                if not np.isfinite(delta).all()
-                                else f"array {name!r} changes by more than float32 "
-                                "can sum"
-                            ),
-                            start,
-                        )
-                        continue
+                    value = flat[k][start:stop]
+                    if compiled is not None and value.dtype == dtype:
+                        chunk, stopped = compiled(value, part, into, scalars[k], zero)
+                        if stopped >= 0:
+                            block = slice(stopped, stopped + fold_kernel.BLOCK)
+                            failed[k] = (
+                                _rejection(name, value[block] - part[block]),
+                                start + stopped,
+                            )
+                            continue
+                    else:
+                        delta = self._buffer(dtype)[: stop - start]
+                        np.subtract(value, part, out=delta, casting="unsafe")
+                        chunk = float(np.dot(delta, delta))
+                        if not math.isfinite(chunk):
+                            failed[k] = (_rejection(name, delta), start)
+                            continue
+                        delta *= scalars[k]
+                        into += delta
                     squares[k] += chunk
-                    delta *= factors[k]
-                    into += delta
                 if failed and len(failed) > len(flat) - len(live):
                     live = [k for k in live if k not in failed]
         if base.dtype.kind != "f":

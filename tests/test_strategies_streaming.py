@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from flowerbed.strategies import RuntimeWeightedFedAvg
+from flowerbed.strategies import RuntimeWeightedFedAvg, fold_kernel
 from flowerbed.strategies.robust import MIN_REFERENCE
 from flowerbed.strategies.utils import (
     FOLD_CHUNK,
@@ -236,6 +236,10 @@ def test_peak_memory_stays_at_a_few_models_whatever_the_number_of_replies() -> N
             arrays = {"w": np.full(MODEL_FLOATS, float(i), np.float32)}
             yield reply(template, arrays, num_examples=1)
 
+    # The fold kernel's one-off compilation (or load from numba's disk cache)
+    # allocates Python memory: do it before counting, as for a running server.
+    small = np.ones(8, np.float32)
+    UpdateAccumulator().add({"w": array_view(Array(small))}, {"w": small * 0}, 1.0)
     model_bytes = MODEL_FLOATS * 4
     tracemalloc.start()
     try:
@@ -257,3 +261,98 @@ def _config():  # type: ignore[no-untyped-def]
     from flwr.app import ConfigRecord
 
     return ConfigRecord()
+
+
+@pytest.fixture
+def numpy_fold(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fold with the NumPy fallback, as where numba is not installed."""
+    monkeypatch.setattr(fold_kernel, "_built", [None])
+
+
+def _fold_all(
+    replies: list[dict[str, np.ndarray]], base: dict[str, np.ndarray]
+) -> tuple[UpdateAccumulator, list[float | ReplyRejected]]:
+    acc = UpdateAccumulator()
+    outcomes: list[float | ReplyRejected] = []
+    for i, r in enumerate(replies):
+        try:
+            outcomes.append(acc.add(r, base, 1.0 + 0.37 * i, scale=0.9))
+        except ReplyRejected as err:
+            outcomes.append(err)
+    outcomes += acc.add_many([Update(r, base, 2.5) for r in replies])
+    return acc, outcomes
+
+
+def test_compiled_fold_equals_the_numpy_fold_bit_for_bit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    if fold_kernel.kernel() is None:
+        pytest.skip("numba is not installed (or FLOWERBED_NUMBA=0)")
+    size = 2 * FOLD_CHUNK + 5
+    rng = np.random.default_rng(3)
+    base = {"w": rng.standard_normal(size).astype(np.float32), "n": np.array([4])}
+    replies = _replies(size, 4, seed=4)
+    replies[2]["w"][FOLD_CHUNK + 9] = np.inf  # rejected after one chunk is folded
+    compiled, compiled_out = _fold_all(replies, base)
+    monkeypatch.setattr(fold_kernel, "_built", [None])
+    fallback, fallback_out = _fold_all(replies, base)
+    # the same rejections; norms equal to float32 summation order (the kernel
+    # sums a block's squares in vector lanes, NumPy's dot in its own order)
+    for got, expected in zip(compiled_out, fallback_out, strict=True):
+        if isinstance(expected, ReplyRejected):
+            assert isinstance(got, ReplyRejected) and got.reason == expected.reason
+        else:
+            assert got == pytest.approx(expected, rel=1e-5)
+    assert [isinstance(o, ReplyRejected) for o in compiled_out] == [
+        False, False, True, False
+    ] * 2  # fmt: skip
+    # the sums: the same operations per element (x - b, times f, plus s), so
+    # equal bit for bit where nothing was taken back (the first chunk; the
+    # rejected reply's own, which the kernel had partly added in its block,
+    # can differ by one rounding of the sum)
+    a, b = compiled._sum["w"], fallback._sum["w"]
+    assert np.array_equal(a[:FOLD_CHUNK], b[:FOLD_CHUNK])
+    assert np.array_equal(compiled._sum["n"], fallback._sum["n"])
+    # one rounding per take-back (2) of the running sum at its largest (a
+    # bound on it: the sum of the updates' sizes times their factors, < 4.5)
+    largest = sum(
+        4.5 * np.abs(np.nan_to_num(r["w"], posinf=0) - base["w"]) for r in replies
+    )
+    assert np.all(np.abs(a - b) <= 2 * np.spacing(largest))
+    without = [r for i, r in enumerate(replies) if i != 2]
+    exact, _ = _fold_all(without, base)
+    monkeypatch.setattr(fold_kernel, "_built", [])
+    again, _ = _fold_all(without, base)
+    assert np.array_equal(exact._sum["w"], again._sum["w"])
+    assert compiled.count == fallback.count == 6
+
+
+@pytest.mark.usefixtures("numpy_fold")
+def test_numpy_fallback_rejects_non_finite_and_keeps_the_sum() -> None:
+    size = 3 * FOLD_CHUNK
+    base = {"b": np.zeros(size, np.float32)}
+    acc = UpdateAccumulator()
+    acc.add({"b": np.ones(size, np.float32)}, base, 1.0)
+    poisoned = np.full(size, 5.0, np.float32)
+    poisoned[2 * FOLD_CHUNK + 1] = np.nan
+    with pytest.raises(ReplyRejected, match="array 'b' contains NaN or Inf"):
+        acc.add({"b": poisoned}, base, 3.0)
+    with pytest.raises(ReplyRejected, match="more than float32 can sum"):
+        acc.add({"b": np.full(size, 3e38, np.float32)}, base, 1.0)
+    assert acc.count == 1
+    assert np.array_equal(acc.result(base)["b"], np.ones(size))
+
+
+def test_compiled_fold_takes_back_a_partly_folded_block() -> None:
+    # A NaN inside the kernel's block: the finite elements of that block were
+    # added before the block's sum of squares showed the NaN; they are taken
+    # back exactly here (integers), before anything else is folded.
+    size = fold_kernel.BLOCK + 10
+    base = {"w": np.zeros(size, np.float32)}
+    acc = UpdateAccumulator()
+    acc.add({"w": np.full(size, 2.0, np.float32)}, base, 1.0)
+    poisoned = np.full(size, 4.0, np.float32)
+    poisoned[fold_kernel.BLOCK - 1] = np.nan  # the first block's last element
+    with pytest.raises(ReplyRejected, match="NaN or Inf"):
+        acc.add({"w": poisoned}, base, 1.0)
+    assert np.array_equal(acc.result(base)["w"], np.full(size, 2.0))

@@ -1,0 +1,68 @@
+"""The compiled fold step of :class:`flowerbed.strategies.utils.UpdateAccumulator`.
+
+One call folds ``s += f (x - b)`` over an array and returns the sum of squares
+of ``d = x - b``, in one pass: each element of ``x``, ``b`` and ``s`` is read
+once and ``s`` written once, with no temporaries (the NumPy fallback makes
+four passes over a cache-resident chunk of ``d``). Per element it adds ``d**2``
+to the block's sum and ``f d`` to ``s`` -- or nothing where ``d**2`` is not
+finite (NaN, Inf, or ``|d|`` over ~1.8e19 in float32), so ``s`` never takes in
+a non-finite value. At the end of each block of :data:`BLOCK` elements the
+block's sum of squares is the NaN/Inf check (finite exactly when every
+difference is, and below the dtype's range); a non-finite block is taken back
+at once (``s -= f d`` over its finite elements: the sum is as it was to within
+one rounding per element) and the call returns where that block starts, so the
+caller takes back the blocks before it, as for the NumPy fallback.
+
+The arithmetic per element is NumPy's (``d = x - b``, ``f * d``, ``s + f d``,
+each rounded to the sum's dtype, no fused multiply-add), so the sum equals the
+NumPy fallback's bit for bit when nothing is taken back; only the order in
+which a block's squares are added differs (``fastmath`` reassociation, which
+lets the compiler vectorise that sum; NaN and Inf still propagate: no
+``nnan``/``ninf`` flags). Measured on this project's 2-core AMD EPYC: one
+25.6 M-float update folds at ~14 GB/s against ~9 GB/s with NumPy chunks
+(``flowerbed bench``, machinery section, gives the published figures).
+
+numba compiles the kernel at its first use in a process, for each dtype and
+writability of the arrays (~0.4 s each), and caches the machine code on disk
+(``cache=True``), so later processes load it in milliseconds. Importing this
+module does not import numba: :func:`kernel` does, once, and returns ``None``
+when numba is not installed (or ``FLOWERBED_NUMBA=0``); UpdateAccumulator then
+folds with NumPy (the same sums, slower).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from logging import WARNING
+
+from flwr.supercore import log
+
+BLOCK = 1 << 16
+"""Elements per checked block (256 KiB of float32): what a rejected update's
+block costs to take back; measured 14.1 GB/s against 12.2 GB/s with 4,096
+(the per-block call and the sum's conversion)."""
+
+Kernel = Callable[..., tuple[float, int]]
+_built: list[Kernel | None] = []
+
+
+def kernel() -> Kernel | None:
+    """``fold(x, b, s, f, zero) -> (sum of squares, -1 or where it stopped)``,
+    or ``None`` without numba. ``x``, ``b``, ``s`` are 1-D, C-contiguous and of
+    one float dtype; ``f`` and ``zero`` are scalars of that dtype. Where it
+    stopped, nothing of that block is left in ``s``; before it, all is."""
+    if not _built:
+        _built.append(_build() if os.environ.get("FLOWERBED_NUMBA") != "0" else None)
+    return _built[0]
+
+
+def _build() -> Kernel | None:
+    try:
+        from . import _fold_numba
+    except ImportError:  # numba is not installed: the NumPy fallback
+        return None
+    except Exception as err:  # e.g. numba finds no writable cache directory
+        log(WARNING, "fold kernel unavailable, folding with NumPy: %s", err)
+        return None
+    return _fold_numba.fold
