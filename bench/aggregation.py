@@ -8,7 +8,13 @@ size (``ru_maxrss``) is that method's alone.
   :class:`flowerbed.strategies.utils.UpdateAccumulator` (float32 running sum of the
   updates, O(model) memory, NaN/Inf check and update norm in the same pass) through
   zero-copy views of the reply's bytes (:func:`flowerbed.strategies.utils.array_view`),
-  as the flowerbed strategies do; each reply is dropped after folding.
+  as the flowerbed strategies do; each reply is dropped after folding. The fold
+  is numba's compiled one-pass kernel (:mod:`flowerbed.strategies.fold_kernel`)
+  where numba is installed, else NumPy chunks: each point says which
+  (``kernel``) and what the kernel's first use cost the process
+  (``kernel_first_use_s``: importing numba and compiling, or loading the
+  compiled code from numba's disk cache; not in the timed figures, as a server
+  pays it once).
 - ``grouped``: the same, but replies come :data:`GROUP` at a time (as a pull
   that returns several, or Flower's list, hands them over) and are folded by
   ``UpdateAccumulator.add_many`` in one pass: the base and the sum are read once
@@ -115,12 +121,28 @@ def _streaming(
     return folding + time.process_time() - t0
 
 
+def kernel_first_use() -> dict[str, Any]:
+    """Which fold kernel this process uses, and the wall seconds of its first use
+    (a fold of a tiny update read in place, as the strategies read replies)."""
+    from flowerbed.strategies import fold_kernel
+    from flowerbed.strategies.utils import UpdateAccumulator, array_view
+    from flwr.app import Array
+
+    small = np.ones(8, np.float32)
+    t0 = time.perf_counter()
+    UpdateAccumulator().add({"w": array_view(Array(small))}, {"w": small * 0}, 1.0)
+    seconds = time.perf_counter() - t0
+    kernel = "numba" if fold_kernel.kernel() is not None else "numpy"
+    return {"kernel": kernel, "kernel_first_use_s": seconds}
+
+
 def measure_streaming(nodes: int, floats: int, group: int = 1) -> dict[str, Any]:
+    first = kernel_first_use()
     base = _base(floats)
     _streaming(base, min(2, nodes), group)  # warm-up (see the module docstring)
     before = measure_bandwidth(floats)
     seconds = _streaming(base, nodes, group)
-    return {"seconds": seconds, **_limits(before, measure_bandwidth(floats))}
+    return {"seconds": seconds, **first, **_limits(before, measure_bandwidth(floats))}
 
 
 def measure_flower(nodes: int, floats: int) -> dict[str, Any]:

@@ -353,7 +353,11 @@ def _aggregation_lines(agg: Mapping[str, Any]) -> list[str]:
                 )
                 for p in ours
             )
-            + ". flowerbed's strategies fold one reply at a time (`add`: the "
+            + ". A fold of *updates* (`x - base`, whose norm and NaN/Inf check "
+            "it returns) also reads the base, so a lone fold can reach at most "
+            "3/4 of the limit; a group of 4 reads the base and the sum once. "
+            + _kernel_text(ours)
+            + "flowerbed's strategies fold one reply at a time (`add`: the "
             "rows so named); `add_many` is for callers that hold several "
             "replies trained from the same model. The sum is float32 for "
             "float32 models (its error stays within one float32 rounding of "
@@ -363,6 +367,25 @@ def _aggregation_lines(agg: Mapping[str, Any]) -> list[str]:
             "",
         ]
     return lines
+
+
+def _kernel_text(points: Sequence[Mapping[str, Any]]) -> str:
+    """Which fold kernel the points used and its first-use cost, as a sentence."""
+    kernels = sorted({str(p["kernel"]) for p in points if "kernel" in p})
+    if not kernels:
+        return ""
+    firsts = [float(p["kernel_first_use_s"]) for p in points if "kernel" in p]
+    names = {
+        "numba": "numba's compiled one-pass kernel (strategies/fold_kernel.py)",
+        "numpy": "the NumPy fallback (numba not installed)",
+    }
+    return (
+        "Fold: "
+        + " and ".join(names.get(k, k) for k in kernels)
+        + f"; its first use in a process took {min(firsts):.2f}-{max(firsts):.2f} "
+        "s (numba's import and compiling, or loading its disk cache; not in the "
+        "timed figures: a server pays it once). "
+    )
 
 
 def _run_spread(point: Mapping[str, Any]) -> str:
