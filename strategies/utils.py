@@ -506,19 +506,29 @@ class UpdateAccumulator:
     and ``m = T / W`` for FedNova (Wang et al., NeurIPS 2020, Eq. 6 with vanilla
     SGD: ``c_i = 1/tau_i``, ``tau_eff = sum_i p_i tau_i``).
 
-    Speed: :meth:`add` streams each array in chunks of :data:`FOLD_CHUNK`
-    elements; per chunk it forms ``delta`` in a cache-resident buffer, takes its
+    Speed: :meth:`add` folds each array in one pass with the compiled kernel
+    of :mod:`flowerbed.strategies.fold_kernel` (numba; installed with
+    flowerbed): per element it forms ``delta``, adds its square to the update's
     sum of squares (the update's norm, and the NaN/Inf check: the sum is finite
-    exactly when every element is, and stays below float32's range), and adds
-    ``w_i c_i delta`` into the sum. The update, its base and the sum are each
-    read once from memory (the sum also written once): no model-sized
-    temporaries. Arrays read from an ``ArrayRecord`` with :func:`array_view`
-    are not copied at all. :meth:`add_many` folds several replies that trained
-    from the same base in one such pass: per chunk the base and the sum are
-    read (and the sum written) once for all of them, while they sit in cache,
-    so each reply costs little more than reading its own bytes (measured by
-    ``flowerbed bench``'s machinery section). The sum is the same, bit for bit,
-    as adding the replies one by one in the same order.
+    exactly when every element is, and stays below float32's range) and adds
+    ``w_i c_i delta`` into the sum, so the update, its base and the sum are each
+    read once from memory and the sum written once, with no temporaries; a
+    non-finite element never enters the sum. Arrays read from an
+    ``ArrayRecord`` with :func:`array_view` are not copied at all. Without
+    numba (or for mixed dtypes, float16 and integer arrays) the same sums are
+    made with NumPy in chunks of :data:`FOLD_CHUNK` elements, several passes
+    over each cache-resident chunk. :meth:`add_many` folds several replies
+    that trained from the same base chunk by chunk, so the base and the sum are
+    read (and the sum written) once per chunk for all of them while they sit
+    in cache. The sum is the same, bit for bit, as adding the replies one by
+    one in the same order. Measured by ``flowerbed bench``'s machinery section.
+    The base is read for every update because the norm and the NaN/Inf check
+    are of ``delta``, and because summing ``delta`` keeps float32 exact enough
+    (below); folding raw replies and taking the weighted base off once at the
+    end would save that read but sum model-sized values, whose float32
+    roundings are of the weights, not of the updates: for the 138 updates
+    below, 12.3 float32 ulp of the result at most (mean 1.8) against 0.58
+    (mean 0.25) for the sum of updates, measured against float64.
 
     Precision: ``S`` is kept in float32 for float16/32 arrays and in float64 for
     float64 and integer arrays (integer arrays such as BatchNorm's
@@ -533,7 +543,9 @@ class UpdateAccumulator:
     update's size. A float64 sum would only change the result for updates
     below float32's resolution of the weights, which a float32 model cannot
     hold anyway; it is used where it does matter: float64 models, and integer
-    arrays (exact counts up to 2**53).
+    arrays (exact counts up to 2**53). The norm's sum of squares is float32
+    within a block of ``fold_kernel.BLOCK`` (NumPy: a chunk) elements and
+    float64 across them.
 
     Clipping: :meth:`add` returns the update's L2 norm ``||delta_i||`` (over its
     float arrays), computed in the same pass, and with ``max_norm`` scales the
