@@ -356,3 +356,14 @@ def test_compiled_fold_takes_back_a_partly_folded_block() -> None:
     with pytest.raises(ReplyRejected, match="NaN or Inf"):
         acc.add({"w": poisoned}, base, 1.0)
     assert np.array_equal(acc.result(base)["w"], np.full(size, 2.0))
+
+
+def test_array_view_reuses_a_parsed_header_but_reads_each_payload() -> None:
+    first = Array(np.arange(6, dtype=np.float32).reshape(2, 3))
+    second = Array(np.full((2, 3), 7.0, np.float32))  # the same header bytes
+    assert array_view(first).tolist() == [[0, 1, 2], [3, 4, 5]]
+    view = array_view(second)
+    assert view.shape == (2, 3) and view.tolist() == [[7.0] * 3] * 2
+    assert not view.flags.writeable and not view.flags.owndata
+    fortran = np.asfortranarray(np.arange(6, dtype=np.float64).reshape(2, 3))
+    assert array_view(Array(fortran)).tolist() == fortran.tolist()
