@@ -347,9 +347,9 @@ def _aggregation_lines(agg: Mapping[str, Any]) -> list[str]:
                 f"{AGGREGATION_NAMES.get(p['method'], p['method']).split(', ')[-1]} "
                 f"at {p['nodes']} nodes "
                 + (
-                    f"{p['of_limit']:.0%} (met)"
+                    f"{p['of_limit']:.1%} (met)"
                     if p["of_limit"] >= AGGREGATION_TARGET
-                    else f"{p['of_limit']:.0%} (**not met**)"
+                    else f"{p['of_limit']:.1%} (**not met**)"
                 )
                 for p in ours
             )
