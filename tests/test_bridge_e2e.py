@@ -6,7 +6,10 @@ A ServerApp (``flowerbed.clients.bridge.demo_app``, DeadlineFedAvg with a 5 s
 deadline) runs in deployment mode through ``flwr run`` against a local SuperLink.
 Phone p3 trains slowly and is killed during its first task: that round must close
 at the deadline without it, and after p3 restarts (same token) it must come back as
-the same Flower node and be used again.
+the same Flower node and be used again. The other phones take ~2 s a task
+(``FAST_MS`` per step) so that the rounds after p3's task expires last long enough
+for the restarted JVM to be sampled: at full speed they took ~0.7 s each and p3
+came back in time for the last round only (one CI run it missed it).
 """
 
 from __future__ import annotations
@@ -43,6 +46,9 @@ JAR = Path(
 """The JVM phone; FLOWERBED_PHONE_JAR points at a prebuilt one."""
 PHONES = 4
 DEADLINE_S = 5.0
+ROUNDS = 6
+FAST_MS = 100
+"""Milliseconds per local step of the phones that are not killed (20 steps)."""
 APP_TOML = """\
 [build-system]
 requires = ["hatchling"]
@@ -63,7 +69,7 @@ serverapp = "flowerbed.clients.bridge.demo_app:app"
 clientapp = "flowerbed.clients.bridge.demo_app:client_app"
 
 [tool.flwr.app.config]
-num-rounds = 5
+num-rounds = {rounds}
 strategy = "deadline"
 min-nodes = 3
 wait-nodes = {phones}
@@ -171,7 +177,9 @@ def test_phones_train_digits_and_a_killed_phone_is_a_straggler_then_rejoins(
     app.mkdir()
     results = tmp_path / "results.json"
     (app / "pyproject.toml").write_text(
-        APP_TOML.format(phones=PHONES, deadline=DEADLINE_S, results=results)
+        APP_TOML.format(
+            phones=PHONES, deadline=DEADLINE_S, results=results, rounds=ROUNDS
+        )
     )
     home = tmp_path / "flwr-home"
     home.mkdir()
@@ -202,7 +210,9 @@ def test_phones_train_digits_and_a_killed_phone_is_a_straggler_then_rejoins(
         )
     )
     for i in range(PHONES - 1):
-        procs.append(_phone(jar, gw_port, i, data, tmp_path / f"p{i}.log"))
+        procs.append(
+            _phone(jar, gw_port, i, data, tmp_path / f"p{i}.log", slow_ms=FAST_MS)
+        )
     p3_log = tmp_path / "p3.log"
     victim = _phone(jar, gw_port, 3, data, p3_log, slow_ms=400)
     procs.append(victim)
@@ -217,7 +227,7 @@ def test_phones_train_digits_and_a_killed_phone_is_a_straggler_then_rejoins(
     victim.kill()
     victim.wait()
     _wait_for_line(gw_log, rf"phone p3: task {first.group(1)} expired", 30)
-    procs.append(_phone(jar, gw_port, 3, data, p3_log))
+    procs.append(_phone(jar, gw_port, 3, data, p3_log, slow_ms=FAST_MS))
 
     assert run.wait(timeout=300) == 0, run_log.read_text()[-3000:]
     if not results.exists():
@@ -244,7 +254,7 @@ def test_phones_train_digits_and_a_killed_phone_is_a_straggler_then_rejoins(
     assert any(m[ROUND_PARTICIPANTS] == PHONES for r, m in train.items() if int(r) > 1)
     # The global model improved: round 0 is an untrained 10-class model.
     accuracy = [r["accuracy"] for r in outcome["rounds"]]
-    assert len(accuracy) == 6
+    assert len(accuracy) == ROUNDS + 1
     assert accuracy[-1] > accuracy[0] + 0.5
 
 
