@@ -1,6 +1,6 @@
 """Clocks: how a strategy waits, whether time is real or simulated.
 
-ARCHITECTURE.md ("Two clocks, one code path"): in deployment a strategy pushes
+docs/architecture.md ("Two clocks, one code path"): in deployment a strategy pushes
 messages and pulls replies on wall time; in simulation the in-process engine keeps a
 virtual clock and releases replies in virtual-time order. A strategy asks
 :func:`clock_of` for the grid's clock and never needs to know which one it has.

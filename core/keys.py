@@ -1,8 +1,8 @@
 """Keys on the wire, in one place (kebab-case, like Flower's own ``num-examples``).
 
 Client -> server keys travel in the reply's ``MetricRecord``; server -> client keys
-travel in the train ``ConfigRecord``. See docs/ARCHITECTURE-level contract in
-README ("Keys on the wire").
+travel in the train ``ConfigRecord``. docs/architecture.md ("Data flow") shows where
+each travels; docs/deploy-boards.md (section 10) lists what a ClientApp reports.
 """
 
 # Client -> server (reply MetricRecord) ---------------------------------------

@@ -1,7 +1,7 @@
 """One training job across several devices: plans, groups, planners, workers.
 
 Flower is the control plane, ``torch.distributed`` (gloo over TCP) the data plane
-(ARCHITECTURE.md, "Jobs that span devices"). A strategy
+(docs/architecture.md, "Jobs that span devices"). A strategy
 (:class:`flowerbed.strategies.span.SpanJobStrategy` and its subclasses) sends each
 member a :class:`MemberPlan` and its weights per segment; the board's ClientApp
 (:mod:`flowerbed.clients.span_app`) runs the plan's mode; members join a fresh

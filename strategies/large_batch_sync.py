@@ -1,6 +1,6 @@
 """LargeBatchSync: large-batch synchronous data parallelism across boards (S1).
 
-Flower is the control plane, DDP over gloo the data plane (ARCHITECTURE.md,
+Flower is the control plane, DDP over gloo the data plane (docs/architecture.md,
 "Jobs that span devices"): the strategy profiles the boards, forms a cohort,
 gives each member its rank, the rendezvous, its share of the global batch and
 the optimiser settings with the weights; members run ``DistributedDataParallel``

@@ -5,7 +5,7 @@ Neural Network Training on Mobile and Edge Clusters", arXiv 2409.09083): the
 feature-map-heavy early layers of one model are split into spatial tiles, one per
 board, fused into groups, and trained exactly (:mod:`flowerbed.parallel.tile_member`);
 the weight-heavy rest runs on one board. Flower is the control plane
-(ARCHITECTURE.md, "Jobs that span devices"): per round this strategy
+(docs/architecture.md, "Jobs that span devices"): per round this strategy
 
 1. (first round, and after a loss) selects co-located boards: the connected
    nodes that answer a ``tiles`` profiling query (their training speed on the
