@@ -8,7 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 from flowerbed import keys
-from flowerbed.strategies import DeadlineFedAvg, FedBuff, RuntimeWeightedFedAvg
+from flowerbed.strategies import (
+    DeadlineFedAvg,
+    FedBuff,
+    LargeBatchRounds,
+    RuntimeWeightedFedAvg,
+)
 from flowerbed.strategies.utils import (
     ROUND_CLOCK_S,
     CheckpointError,
@@ -266,14 +271,16 @@ def test_temporary_files_of_a_killed_write_are_removed(tmp_path: Path) -> None:
     [
         lambda path: RuntimeWeightedFedAvg(checkpoint_path=path),
         lambda path: DeadlineFedAvg(checkpoint_path=path, deadline_s=5.0),
+        lambda path: LargeBatchRounds(checkpoint_path=path, deadline_s=5.0),
     ],
-    ids=["RuntimeWeightedFedAvg", "DeadlineFedAvg"],
+    ids=["RuntimeWeightedFedAvg", "DeadlineFedAvg", "LargeBatchRounds"],
 )
 def test_resume_with_default_options_restores_every_saved_field(
     tmp_path: Path, make
 ) -> None:  # type: ignore[no-untyped-def]
     # Defaults: the influence bound's references, speeds, quarantine and (for
-    # DeadlineFedAvg) durations, pacing and progress come back as they were.
+    # DeadlineFedAvg) durations, pacing and progress come back as they were;
+    # LargeBatchRounds adds its server optimiser's steps and momentum.
     path = tmp_path / "run.ckpt"
     first = make(path)
     first.start(fleet(), weights(), num_rounds=3)
