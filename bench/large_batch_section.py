@@ -34,8 +34,10 @@ Three parts:
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections.abc import Mapping
+from datetime import datetime, timezone
 from typing import Any
 
 from .sections import SectionRun
@@ -99,12 +101,18 @@ def run(ctx: SectionRun) -> dict[str, Any]:
     data.pop("error", None)
     step = ctx.tracker(len(parts))
     for part in parts:
+        measured = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        load = list(os.getloadavg())  # wall-clock columns depend on it
         data[part] = {
-            "scaling": scaling,
-            "sync": sync,
-            "rounds": rounds,
-            "accuracy": accuracy,
-        }[part](ctx.quick)
+            "measured": measured,
+            "load_average": load,
+            **{
+                "scaling": scaling,
+                "sync": sync,
+                "rounds": rounds,
+                "accuracy": accuracy,
+            }[part](ctx.quick),
+        }
         step(part)
     return data
 
@@ -394,16 +402,36 @@ def render(data: Mapping[str, Any]) -> list[str]:
     lines = ["## Large-batch synchronous training (S1)", ""]
     if "error" in data:
         return [*lines, f"The section failed: {data['error']}", ""]
-    if "scaling" in data:
-        lines += _render_scaling(data["scaling"])
-    if "sync" in data:
-        lines += _render_sync(data["sync"])
-    if "rounds" in data:
-        lines += _render_rounds(data["rounds"])
-    if "accuracy" in data:
-        lines += _render_accuracy(data["accuracy"])
+    renderers = {
+        "scaling": _render_scaling,
+        "sync": _render_sync,
+        "rounds": _render_rounds,
+        "accuracy": _render_accuracy,
+    }
+    for part, render_part in renderers.items():
+        if part in data:
+            lines += [_provenance(data[part]), "", *render_part(data[part])]
     lines += [f"GPU reference (not measured here): {S1_REFERENCE}.", ""]
     return lines
+
+
+def _provenance(d: Mapping[str, Any]) -> str:
+    """When a part was measured: the page's top line names the section's last
+    run, which may have rerun other parts only (``--large-batch PART``)."""
+    if "measured" not in d:
+        return (
+            "Measured by an earlier run than the one named at the top of the page "
+            "(that run did not record when each part was measured)."
+        )
+    load = d.get("load_average") or []
+    at_load = (
+        ", load average at the start of the part "
+        + " / ".join(f"{x:.2f}" for x in load)
+        + " (1/5/15 min)"
+        if load
+        else ""
+    )
+    return f"Part measured {d['measured']} (UTC){at_load}."
 
 
 def _render_scaling(d: Mapping[str, Any]) -> list[str]:
@@ -522,4 +550,21 @@ def _render_accuracy(d: Mapping[str, Any]) -> list[str]:
             for r in d["sweep"]
         )
         lines += ["", f"FedAvg sweep (seed {seeds[0]}, final accuracy): {tried}."]
+    finals = {
+        name: statistics.fmean(
+            r["final-accuracy"] for r in d["runs"] if r["strategy"] == name
+        )
+        for name in names
+    }
+    large, *fedavg = names
+    if fedavg:
+        best = max(fedavg, key=lambda n: finals[n])
+        diff = 100 * (finals[large] - finals[best])
+        lines += [
+            "",
+            "Target: large batches cost no more than 1 point of final accuracy "
+            f"against FedAvg over the same samples: {large} {finals[large]:.3f} vs "
+            f"{best} {finals[best]:.3f} (mean over seeds), {diff:+.1f} points "
+            + ("(met)." if diff >= -1.0 else "(**not met**)."),
+        ]
     return [*lines, ""]

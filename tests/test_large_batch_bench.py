@@ -81,6 +81,20 @@ def test_accuracy_rows_show_the_mean_and_spread_over_seeds() -> None:
         "| 5 (reached on 1 of 2 seeds) |" in text
     )
     assert "FedAvg sweep (seed 1, final accuracy): lr 0.1: 0.700." in text
+    # Issue 12's target: large batches lose at most one point against FedAvg.
+    assert "LB 0.925 vs FedAvg 0.760 (mean over seeds), +16.5 points (met)." in text
+    data["accuracy"]["runs"][0]["final-accuracy"] = 0.60  # LB mean 0.775: +1.5
+    assert "+16.5" not in "\n".join(section.render(data))
+    data["accuracy"]["runs"][2]["final-accuracy"] = 0.70  # LB mean 0.650: -11
+    assert "-11.0 points (**not met**)." in "\n".join(section.render(data))
+    # A part from a run that did not record its date says so; a new one its date.
+    assert "Measured by an earlier run than the one named at the top" in text
+    data["accuracy"]["measured"] = "2026-11-27T09:00:00+00:00"
+    data["accuracy"]["load_average"] = [0.5, 0.25, 0.125]
+    assert (
+        "Part measured 2026-11-27T09:00:00+00:00 (UTC), load average at the start "
+        "of the part 0.50 / 0.25 / 0.12 (1/5/15 min)."
+    ) in "\n".join(section.render(data))
 
 
 def test_an_unknown_part_is_named() -> None:
