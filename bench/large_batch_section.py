@@ -260,6 +260,9 @@ def _phones_run(
     from flowerbed.sims.config import Scenario
     from flowerbed.sims.scenario import build_fleet_grid, run_server
 
+    from .suite_section import quiet
+
+    quiet()  # after the imports: importing flwr's logger resets its level
     config = {
         "dataset": "digits",
         "model": "lenet",
