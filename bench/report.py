@@ -172,6 +172,22 @@ def _spread(
     return text
 
 
+def _ceiling_text(ceilings: Mapping[str, float] | None) -> str:
+    """The centralised logistic regression's test accuracy per number of writers
+    (:func:`flowerbed.bench.suite.synthetic_ceilings`), as a sentence."""
+    if not ceilings:
+        return ""
+    (writers, acc), *others = ceilings.items()
+    text = (
+        f" One logistic regression fitted centrally on all the training data "
+        f"reaches {100 * acc:.1f}% on the test set ({writers} writers): the ceiling "
+        "of every configuration here"
+    )
+    for n, other in others:
+        text += f"; with {n} writers, one per device, it would reach {100 * other:.1f}%"
+    return text + "."
+
+
 def _suite_tables(results: Mapping[str, Any]) -> list[str]:
     lines: list[str] = []
     settings = results["settings"]
@@ -213,7 +229,8 @@ def _suite_tables(results: Mapping[str, Any]) -> list[str]:
                 f"{100 * float(f):.0f}% of it = {100 * t:.1f}%"
                 for f, t in targets.items()
             )
-            + ".",
+            + "."
+            + _ceiling_text(settings.get("ceilings", {}).get(name)),
             "",
             f"![accuracy against virtual time on {name}]"
             f"({RESULTS_DIR}/accuracy-{name}.png)",

@@ -257,6 +257,11 @@ def run(ctx: SectionRun) -> dict[str, Any]:
         "settings": {
             **asdict(plan),
             "workload_descriptions": described,
+            "ceilings": {
+                w: suite.synthetic_ceilings(wl.population)
+                for w, wl in workloads.items()
+                if wl.dataset == "synthetic" and wl.model == "logreg" and not plan.quick
+            },
             "resumed_cells": len(done_before),
             "strategy_descriptions": {
                 s: suite.CONFIGS[s].description for s in plan.strategies

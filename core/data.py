@@ -10,7 +10,7 @@ locally, offline and deterministically:
   package's ``make_dataset(get_dataset_args())`` with :data:`MNIST1D_SAMPLES`
   samples instead of its default 5,000 (its ``get_dataset`` would download).
 - ``synthetic``: Synthetic(alpha, beta) of Li et al., "Federated optimization in
-  heterogeneous networks" (FedProx, MLSys 2020, Sec. 5.1), one "writer" (device) per
+  heterogeneous networks" (FedProx, MLSys 2020, Sec. 5.1), one "writer" per
   generated model, see :func:`make_synthetic`.
 
 MNIST and CIFAR-10 are opt-in: they are read from a local folder in their published
@@ -45,11 +45,23 @@ MNIST1D_TEST = 5_000
 package's default is 4,000 / 1,000), generator seed 42 (the package's)."""
 SYNTHETIC_ALPHA = 1.0
 SYNTHETIC_BETA = 1.0
-SYNTHETIC_WRITERS = 1000
-SYNTHETIC_MAX_SAMPLES = 400
+SYNTHETIC_WRITERS = 100
+SYNTHETIC_MAX_SAMPLES = 1000
 SYNTHETIC_SEED = 0
 """``synthetic`` as loaded by name: Synthetic(1, 1) (FedProx's most heterogeneous
-setting), 1,000 writers, at most 400 samples each, generator seed 0."""
+setting), 100 writers, at most 1,000 samples each, generator seed 0: 21,662
+training and 5,415 test samples.
+
+Why 100 writers, not one per device of a 1,000-device population: every writer
+has its own ``W_k`` and an input mean ``v_k`` far from the others' (its inputs
+cluster within ``Sigma``'s small spread around it), so its labels are mostly one
+or two classes, and one global model must map ~W clusters in 60 dimensions to
+their labels. A linear model cannot for 1,000 writers: a centralised multinomial
+logistic regression (scikit-learn, C=100, standardised inputs) reaches 35% test
+accuracy on 1,000 writers (at most 400 samples each, the previous setting), 86% on
+these 100 and 83% on FedProx's 30 (whose test set is 881 samples, below issue 14's
+5,000; tests/test_data.py checks the fit on this one). The ``natural`` partition then
+shares each writer between population // 100 devices."""
 
 
 @dataclass(frozen=True)
@@ -96,7 +108,12 @@ def check_dataset_name(name: str) -> None:
 
 def load_dataset(name: str, data_dir: str | Path = "") -> Dataset:
     """Load a dataset by name (``digits``, ``mnist`` or ``cifar10``), standardised."""
-    raw = _load_raw(name, data_dir)
+    return standardise(_load_raw(name, data_dir))
+
+
+def standardise(raw: Dataset) -> Dataset:
+    """``raw`` with both splits standardised by the training split's mean and
+    standard deviation (one pair per dataset)."""
     mean, std = float(raw.x_train.mean()), float(raw.x_train.std()) or 1.0
     return Dataset(
         raw.name,
@@ -417,8 +434,11 @@ def partition(
     share of class k's samples is proportional to its demand
     ``pi_{g(i)}[k]``, so every sample is used once (where a class's supply differs
     from its demand, a node's realised shares differ from ``pi`` accordingly).
-    ``natural``: the data's own writers (``writers[j]`` is sample j's), writer w
-    going whole to node ``w mod num_partitions``.
+    ``natural``: the data's own writers (``writers[j]`` is sample j's). With at
+    least as many writers as nodes, writer w goes whole to node
+    ``w mod num_partitions``; with W < num_partitions writers, writer w's samples
+    are cut into near-equal consecutive pieces for nodes w, w + W, w + 2W, ...
+    (several devices of one user, or users alike enough to share a model).
     """
     if num_partitions < 1:
         raise ValueError(f"num_partitions must be >= 1, got {num_partitions}")
@@ -531,8 +551,18 @@ def _natural_partition(
             "the natural partition needs the data's writers (one per sample); "
             "this dataset has none: use iid, dirichlet or device"
         )
-    owner = np.asarray(writers, dtype=np.int64) % num_partitions
-    parts = [np.flatnonzero(owner == i) for i in range(num_partitions)]
+    ids, writer_of = np.unique(np.asarray(writers), return_inverse=True)
+    num_writers = len(ids)
+    if num_writers >= num_partitions:
+        owner = writer_of % num_partitions
+        parts = [np.flatnonzero(owner == i) for i in range(num_partitions)]
+    else:
+        parts = [np.empty(0, dtype=np.int64)] * num_partitions
+        for w in range(num_writers):
+            nodes = range(w, num_partitions, num_writers)
+            pieces = np.array_split(np.flatnonzero(writer_of == w), len(nodes))
+            for node, piece in zip(nodes, pieces, strict=True):
+                parts[node] = piece
     short = [i for i, p in enumerate(parts) if len(p) < min_size]
     if short:
         raise ValueError(

@@ -177,6 +177,23 @@ def test_slow_devices_data_weights_their_classes() -> None:
     assert iid == pytest.approx(np.full(30, 1 / 30))
 
 
+def test_slow_devices_data_weights_writers_by_their_slow_devices_share() -> None:
+    from flowerbed.data import Dataset
+    from flowerbed.sims.fleet import assign_devices, speed_groups
+
+    # 2 writers, 4 training samples each, over 4 devices: writer 0 on devices 0
+    # and 2, writer 1 on devices 1 and 3 (two samples each)
+    y = np.zeros(8, dtype=np.int64)
+    writers = np.repeat([0, 1], 4)
+    x = np.zeros((8, 1, 2), dtype=np.float32)
+    data = Dataset("t", x, y, x[:4], y[:4], writers, np.array([0, 0, 1, 1]))
+    s = suite.Scenario(fleet="phones-10x", num_nodes=4, partition="natural")
+    slow = [g == 0 for g in speed_groups(assign_devices("phones-10x", 4, s.seed))]
+    share = [(slow[0] + slow[2]) / 2, (slow[1] + slow[3]) / 2]
+    expected = np.repeat(share, 2) / (2 * sum(share))
+    assert suite.slow_weights(data, s) == pytest.approx(expected)
+
+
 def test_targets_say_met_or_not_from_the_comparisons() -> None:
     dev = {
         "available": True,

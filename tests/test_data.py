@@ -189,6 +189,53 @@ def test_synthetic_inputs_have_the_papers_diagonal_covariance() -> None:
     assert np.allclose(x.var(axis=0), expected, rtol=0.25)
 
 
+def test_synthetic_as_loaded_has_its_writers_shapes_and_seed() -> None:
+    from flowerbed.data import (
+        SYNTHETIC_MAX_SAMPLES,
+        SYNTHETIC_WRITERS,
+        load_dataset,
+        make_synthetic,
+    )
+
+    d = load_dataset("synthetic")
+    assert d.x_train.shape[1:] == d.x_test.shape[1:] == (1, 60)
+    assert d.x_train.dtype == np.float32 and d.num_classes == 10
+    assert len(d.y_test) >= 5_000  # issue 14: a test set of at least 5,000
+    assert d.train_writers is not None and d.test_writers is not None
+    assert set(np.unique(d.train_writers)) == set(range(SYNTHETIC_WRITERS))
+    assert np.bincount(d.train_writers).max() <= SYNTHETIC_MAX_SAMPLES
+    again = make_synthetic(1.0, 1.0, 20, seed=5)
+    assert np.array_equal(again.y_train, make_synthetic(1.0, 1.0, 20, seed=5).y_train)
+    assert not np.array_equal(again.x_train, make_synthetic(1.0, 1.0, 20).x_train)
+
+
+def test_synthetic_writers_hold_different_labels() -> None:
+    from flowerbed.data import load_dataset
+
+    d = load_dataset("synthetic")
+    assert d.train_writers is not None
+    counts = np.zeros((int(d.train_writers.max()) + 1, 10))
+    np.add.at(counts, (d.train_writers, d.y_train), 1)
+    shares = counts / counts.sum(axis=1, keepdims=True)
+    pooled = np.bincount(d.y_train, minlength=10) / len(d.y_train)
+    # each writer's labels are far from the pooled mix (total variation), and
+    # writers do not all favour one class
+    assert np.median(0.5 * np.abs(shares - pooled).sum(axis=1)) > 0.5
+    assert len(set(shares.argmax(axis=1).tolist())) >= 8
+
+
+def test_one_global_linear_model_fits_synthetic_far_above_chance() -> None:
+    from flowerbed.bench.suite import centralised_accuracy
+    from flowerbed.data import load_dataset
+
+    d = load_dataset("synthetic")
+    largest_class = np.bincount(d.y_test).max() / len(d.y_test)
+    assert largest_class < 0.2
+    # one writer per device of 1,000 left this at ~35%: no global model could
+    # then tell strategies apart
+    assert centralised_accuracy(d) > 0.7
+
+
 def test_group_label_shares_by_hand() -> None:
     from flowerbed.data import group_label_shares
 
@@ -232,6 +279,18 @@ def test_natural_partition_keeps_each_writer_whole() -> None:
     assert [p.tolist() for p in parts] == [[0, 1, 4, 5], [2, 3, 6, 7]]
     with pytest.raises(ValueError, match="needs the data's writers"):
         partition(labels, 2, "natural")
+
+
+def test_natural_partition_shares_a_writer_between_nodes_when_writers_are_few() -> None:
+    labels = np.zeros(9, dtype=np.int64)
+    writers = np.array([0, 0, 0, 0, 0, 1, 1, 1, 1])
+    parts = partition(labels, 5, "natural", writers=writers, min_size=1)
+    # writer 0 -> nodes 0, 2, 4; writer 1 -> nodes 1, 3
+    assert [p.tolist() for p in parts] == [[0, 1], [5, 6], [2, 3], [7, 8], [4]]
+    # writer 1's 3 samples over nodes 1 and 3 leave node 3 one
+    few = np.array([0] * 9 + [1] * 3)
+    with pytest.raises(ValueError, match="1 of 5 nodes would hold fewer than 2"):
+        partition(np.zeros(12, dtype=np.int64), 5, "natural", writers=few)
 
 
 def test_one_dimensional_models_count_their_work() -> None:
