@@ -41,7 +41,7 @@ def test_jvm_phones_train_one_large_batch_per_round(tmp_path, procs, superlink):
     app = tmp_path / "app"
     app.mkdir()
     results = tmp_path / "results.json"
-    toml = APP_TOML.format(phones=PHONES, deadline=20.0, results=results)
+    toml = APP_TOML.format(phones=PHONES, deadline=20.0, results=results, rounds=5)
     toml = toml.replace('strategy = "deadline"', 'strategy = "large-batch"')
     toml = toml.replace("min-nodes = 3", f"min-nodes = {PHONES}")
     (app / "pyproject.toml").write_text(toml)
