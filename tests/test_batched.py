@@ -15,6 +15,7 @@ from flowerbed.sims import node
 from flowerbed.sims.batched import NodeJob, batchable, grouped_forward, train_many
 from flowerbed.sims.config import Scenario
 from flowerbed.sims.engine import MIN_TASKS_PER_WORKER
+from flowerbed.sims.grouped_sgd import Rates, grouped_sgd
 from flowerbed.sims.scenario import build_fleet_grid, run_scenario, run_server
 from flowerbed.sims.vclock import NodeDropout
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
@@ -130,6 +131,55 @@ def test_grouped_forward_gives_each_node_its_own_models_output(
         with torch.no_grad():
             expected = _with_onednn(model, x[i])
         assert torch.allclose(got[i], expected, atol=1e-5), i
+
+
+@pytest.mark.parametrize(
+    ("name", "sample"),
+    [("lenet", (1, 8, 8)), ("cnn1d", (1, 40)), ("mlp", (1, 40)), ("logreg", (1, 40))],
+)
+def test_written_out_sgd_step_equals_autograds(
+    name: str, sample: tuple[int, ...]
+) -> None:
+    # Three nodes with their own weights, rates and FedProx terms: one step of
+    # the written-out backward pass against autograd's gradient of each node's
+    # mean cross-entropy plus mu/2 ||w - w0||^2, w -= lr * grad.
+    torch.manual_seed(0)
+    models = [build_model(name, sample[0], sample[-1], 10) for _ in range(3)]
+    names = [key for key, _ in models[0].named_parameters()]
+    start = {
+        key: torch.stack([dict(m.named_parameters())[key].detach() for m in models])
+        for key in names
+    }
+    anchors = {key: w + 0.01 * torch.randn_like(w) for key, w in start.items()}
+    lr, mu = torch.tensor([0.05, 0.1, 0.2]), torch.tensor([0.0, 0.5, 2.0])
+    x, y = torch.randn(3, 5, *sample), torch.randint(0, 10, (3, 5))
+    expected_losses = []
+    expected = {key: [] for key in names}
+    for i, model in enumerate(models):
+        loss = nn.functional.cross_entropy(model(x[i]), y[i])
+        drift = sum(
+            ((p - anchors[key][i]) ** 2).sum() for key, p in model.named_parameters()
+        )
+        grads = torch.autograd.grad(
+            loss + 0.5 * mu[i] * drift, list(model.parameters())
+        )
+        expected_losses.append(loss.item())
+        for key, p, g in zip(names, model.parameters(), grads, strict=True):
+            expected[key].append(p.detach() - lr[i] * g)
+    step = grouped_sgd(grouped_forward(models[0]))
+    assert step is not None
+    params = {key: w.clone() for key, w in start.items()}
+    losses = _with_onednn(step.step, params, x, y, Rates(lr, mu, anchors))
+    assert losses.tolist() == pytest.approx(expected_losses, abs=1e-6)
+    for key in names:
+        assert torch.allclose(params[key], torch.stack(expected[key]), atol=1e-6)
+
+
+def test_models_with_residuals_or_other_layers_keep_autograd() -> None:
+    for name, shape in [("mobilenet", (1, 8)), ("mobilenetv2", (3, 16))]:
+        model = build_model(name, shape[0], shape[1], 10)
+        assert grouped_forward(model) is not None
+        assert grouped_sgd(grouped_forward(model)) is None
 
 
 class _Concat(nn.Module):
