@@ -28,8 +28,8 @@ all nodes directly. For chains of convolutions, linear layers, ReLU, max
 pooling and flatten (LeNet, the 1-D CNN, the MLP, logistic regression) the
 backward pass skips autograd too: :class:`~flowerbed.sims.grouped_sgd.GroupedSGD`
 writes it out and moves each node's weights in place as their gradients come
-(1.4-1.5x fewer CPU-seconds per LeNet node-step, measured here at 10 to 1,000
-nodes). Other models (or layers they do not know) keep autograd, or vmap.
+(1.3-1.5x fewer CPU-seconds per LeNet node-step, measured here at 10 to
+1,000 nodes). Other models (or layers they do not know) keep autograd, or vmap.
 """
 
 from __future__ import annotations
