@@ -68,7 +68,7 @@ class GroupedSGD:
     """
 
     def __init__(self, grouped: GroupedForward) -> None:
-        layers: list[tuple[str, nn.Module]] = []
+        layers: list[_Layer] = []
         previous = None
         for node in grouped.nodes:
             if node.op == "placeholder":
@@ -77,9 +77,8 @@ class GroupedSGD:
                 if node.args != (previous,) or node.kwargs:
                     raise Unsupported(f"{node.target} is not fed by the layer before")
                 module = grouped.modules[str(node.target)]
-                if not isinstance(module, STEP_LAYERS):
-                    raise Unsupported(f"no written-out backward for {module}")
-                layers.append((str(node.target), module))
+                after_weights = bool(layers) and isinstance(layers[-1], _Weighted)
+                layers.append(_layer(module, str(node.target), after_weights))
                 previous = node
             elif node.op == "output":
                 if node.args != (previous,):
@@ -108,17 +107,10 @@ class GroupedSGD:
         n, batch = x.shape[:2]
         with torch.no_grad():
             h, grouped = _grouped_input(x)
-            tape: list[_Taped] = []
-            fresh = False  # h is a layer's output nothing else reads
-            for name, module in self.layers:
-                prefix = f"{name}." if name else ""
-                if fresh and isinstance(module, nn.ReLU):
-                    h = torch.relu_(h)
-                    tape.append(_Taped(prefix, module, h, grouped, h))
-                    continue
-                fresh = isinstance(module, nn.Conv1d | nn.Conv2d | nn.Linear)
-                out, grouped_out, saved = _forward(module, prefix, params, h, grouped)
-                tape.append(_Taped(prefix, module, h, grouped, saved))
+            tape: list[tuple[torch.Tensor, bool, torch.Tensor | None]] = []
+            for layer in self.layers:
+                out, grouped_out, saved = layer.forward(h, grouped, params, n)
+                tape.append((h, grouped, saved))
                 h, grouped = out, grouped_out
             if grouped:
                 if h.dim() != 2:
@@ -135,143 +127,242 @@ class GroupedSGD:
                 grad = grad.transpose(0, 1).reshape(batch, -1)
             for i in range(len(tape) - 1, -1, -1):
                 assert grad is not None
-                grad = _backward(tape[i], params, grad, rates, need_input=i > 0)
+                h_in, grouped_in, saved = tape[i]
+                grad = self.layers[i].backward(
+                    grad, h_in, grouped_in, saved, params, rates, i > 0
+                )
         return losses
 
 
-@dataclass(frozen=True)
-class _Taped:
-    """What a layer's backward pass needs from its forward pass."""
+class _Layer:
+    """One layer of the chain: its forward pass for every node, and its
+    backward pass, which moves its weights (if any) and returns the gradient of
+    its input (``need_input``)."""
 
-    prefix: str
-    module: nn.Module
-    h_in: torch.Tensor
-    grouped_in: bool
-    saved: torch.Tensor | None  # ReLU: its output; max pooling: the indices
+    def forward(
+        self, h: torch.Tensor, grouped: bool, params: dict[str, torch.Tensor], n: int
+    ) -> tuple[torch.Tensor, bool, torch.Tensor | None]:
+        """Output, its layout (``True``: grouped), what backward keeps."""
+        return h, grouped, None
+
+    def backward(
+        self,
+        grad: torch.Tensor,
+        h_in: torch.Tensor,
+        grouped_in: bool,
+        saved: torch.Tensor | None,
+        params: dict[str, torch.Tensor],
+        rates: Rates,
+        need_input: bool,
+    ) -> torch.Tensor | None:
+        return grad
 
 
-def _forward(
-    module: nn.Module,
-    prefix: str,
-    params: dict[str, torch.Tensor],
-    h: torch.Tensor,
-    grouped: bool,
-) -> tuple[torch.Tensor, bool, torch.Tensor | None]:
-    """The layer's output for every node, its layout, and what backward keeps."""
-    n = next(iter(params.values())).shape[0]
-    if isinstance(module, nn.Conv1d | nn.Conv2d):
-        if not grouped:
-            raise Unsupported("a convolution on flat features")
+class _Weighted(_Layer):
+    """A layer with weights (and maybe a bias) under ``prefix``."""
+
+    def __init__(self, name: str, has_bias: bool) -> None:
+        prefix = f"{name}." if name else ""
+        self.weight_key = f"{prefix}weight"
+        self.bias_key = f"{prefix}bias" if has_bias else None
+
+
+class _Conv(_Weighted):
+    def __init__(self, module: nn.Conv1d | nn.Conv2d, name: str) -> None:
         if module.padding_mode != "zeros" or isinstance(module.padding, str):
             raise Unsupported(f"padding {module.padding!r} {module.padding_mode}")
-        bias = params.get(f"{prefix}bias")
+        super().__init__(name, module.bias is not None)
+        self.stride = list(module.stride)
+        self.padding = list(module.padding)  # type: ignore[arg-type]
+        self.dilation = list(module.dilation)
+        self.zeros = [0] * len(self.stride)
+        self.groups = module.groups
+        self.spatial = tuple(range(2, 2 + len(self.stride)))
+
+    def forward(
+        self, h: torch.Tensor, grouped: bool, params: dict[str, torch.Tensor], n: int
+    ) -> tuple[torch.Tensor, bool, torch.Tensor | None]:
+        if not grouped:
+            raise Unsupported("a convolution on flat features")
+        bias = params[self.bias_key].flatten() if self.bias_key else None
         out = torch.convolution(
             h,
-            params[f"{prefix}weight"].flatten(0, 1),
-            bias.flatten() if bias is not None else None,
-            list(module.stride),
-            list(module.padding),
-            list(module.dilation),
+            params[self.weight_key].flatten(0, 1),
+            bias,
+            self.stride,
+            self.padding,
+            self.dilation,
             False,
-            [0] * len(module.stride),
-            module.groups * n,
+            self.zeros,
+            self.groups * n,
         )
         return out, True, None
-    if isinstance(module, nn.Linear):
-        if grouped:
-            raise Unsupported("a linear layer on unflattened features")
-        weight = params[f"{prefix}weight"].transpose(1, 2)
-        bias = params.get(f"{prefix}bias")
-        if bias is None:
-            return torch.bmm(h, weight), False, None
-        return torch.baddbmm(bias.unsqueeze(1), h, weight), False, None
-    if isinstance(module, nn.ReLU):
-        out = torch.relu(h)
-        return out, grouped, out
-    if isinstance(module, nn.MaxPool2d):
-        if not grouped or h.dim() != 4:
-            raise Unsupported("2-D pooling on other than images")
-        out, indices = torch.ops.aten.max_pool2d_with_indices(
-            h,
-            module.kernel_size,
-            module.stride,
-            module.padding,
-            module.dilation,
-            module.ceil_mode,
-        )
-        return out, True, indices
-    if isinstance(module, nn.Flatten):
-        if (module.start_dim, module.end_dim) != (1, -1):
-            raise Unsupported("Flatten other than (1, -1)")
-        if not grouped:
-            return h, False, None
-        return h.reshape(h.shape[0], n, -1).transpose(0, 1), False, None
-    return h, grouped, None  # Identity
 
-
-def _backward(
-    taped: _Taped,
-    params: dict[str, torch.Tensor],
-    grad: torch.Tensor,
-    rates: Rates,
-    need_input: bool,
-) -> torch.Tensor | None:
-    """The gradient of the layer's input (if needed); the layer's weights moved."""
-    prefix, module, h_in = taped.prefix, taped.module, taped.h_in
-    weight_key, bias_key = f"{prefix}weight", f"{prefix}bias"
-    if isinstance(module, nn.Linear):
-        weight = params[weight_key]
-        grad_in = torch.bmm(grad, weight) if need_input else None
-        _proximal(params, rates, weight_key)
-        weight.baddbmm_(grad.transpose(1, 2), h_in, alpha=-1)
-        if bias_key in params:
-            _proximal(params, rates, bias_key)
-            params[bias_key].sub_(grad.sum(dim=1))
-        return grad_in
-    if isinstance(module, nn.Conv1d | nn.Conv2d):
-        weight = params[weight_key]
-        dims = len(module.stride)
+    def backward(
+        self,
+        grad: torch.Tensor,
+        h_in: torch.Tensor,
+        grouped_in: bool,
+        saved: torch.Tensor | None,
+        params: dict[str, torch.Tensor],
+        rates: Rates,
+        need_input: bool,
+    ) -> torch.Tensor | None:
+        weight = params[self.weight_key]
         grad_in, grad_weight, _ = torch.ops.aten.convolution_backward(
             grad,
             h_in,
             weight.flatten(0, 1),
             None,
-            list(module.stride),
-            list(module.padding),
-            list(module.dilation),
+            self.stride,
+            self.padding,
+            self.dilation,
             False,
-            [0] * dims,
-            module.groups * weight.shape[0],
+            self.zeros,
+            self.groups * weight.shape[0],
             [need_input, True, False],
         )
-        _proximal(params, rates, weight_key)
+        _proximal(params, rates, self.weight_key)
         weight.flatten(0, 1).sub_(grad_weight)
-        if bias_key in params:
-            _proximal(params, rates, bias_key)
-            spatial = tuple(range(2, 2 + dims))
-            params[bias_key].flatten().sub_(grad.sum(dim=(0, *spatial)))
+        if self.bias_key:
+            _proximal(params, rates, self.bias_key)
+            params[self.bias_key].flatten().sub_(grad.sum(dim=(0, *self.spatial)))
         return grad_in
-    if isinstance(module, nn.ReLU):
-        assert taped.saved is not None
-        return torch.ops.aten.threshold_backward(grad, taped.saved, 0)
-    if isinstance(module, nn.MaxPool2d):
-        assert taped.saved is not None
-        return torch.ops.aten.max_pool2d_with_indices_backward(
-            grad,
-            h_in,
+
+
+class _Linear(_Weighted):
+    def forward(
+        self, h: torch.Tensor, grouped: bool, params: dict[str, torch.Tensor], n: int
+    ) -> tuple[torch.Tensor, bool, torch.Tensor | None]:
+        if grouped:
+            raise Unsupported("a linear layer on unflattened features")
+        weight = params[self.weight_key].transpose(1, 2)
+        if self.bias_key is None:
+            return torch.bmm(h, weight), False, None
+        return torch.baddbmm(params[self.bias_key].unsqueeze(1), h, weight), False, None
+
+    def backward(
+        self,
+        grad: torch.Tensor,
+        h_in: torch.Tensor,
+        grouped_in: bool,
+        saved: torch.Tensor | None,
+        params: dict[str, torch.Tensor],
+        rates: Rates,
+        need_input: bool,
+    ) -> torch.Tensor | None:
+        weight = params[self.weight_key]
+        grad_in = torch.bmm(grad, weight) if need_input else None
+        _proximal(params, rates, self.weight_key)
+        weight.baddbmm_(grad.transpose(1, 2), h_in, alpha=-1)
+        if self.bias_key:
+            _proximal(params, rates, self.bias_key)
+            params[self.bias_key].sub_(grad.sum(dim=1))
+        return grad_in
+
+
+class _ReLU(_Layer):
+    def __init__(self, in_place: bool) -> None:
+        # in place after a convolution or linear layer: nothing else reads
+        # their output (their backward passes read their inputs)
+        self.in_place = in_place
+
+    def forward(
+        self, h: torch.Tensor, grouped: bool, params: dict[str, torch.Tensor], n: int
+    ) -> tuple[torch.Tensor, bool, torch.Tensor | None]:
+        out = torch.relu_(h) if self.in_place else torch.relu(h)
+        return out, grouped, out
+
+    def backward(
+        self,
+        grad: torch.Tensor,
+        h_in: torch.Tensor,
+        grouped_in: bool,
+        saved: torch.Tensor | None,
+        params: dict[str, torch.Tensor],
+        rates: Rates,
+        need_input: bool,
+    ) -> torch.Tensor | None:
+        assert saved is not None
+        return torch.ops.aten.threshold_backward(grad, saved, 0)
+
+
+class _MaxPool(_Layer):
+    def __init__(self, module: nn.MaxPool2d) -> None:
+        self.args = (
             module.kernel_size,
             module.stride,
             module.padding,
             module.dilation,
             module.ceil_mode,
-            taped.saved,
         )
-    if isinstance(module, nn.Flatten) and taped.grouped_in:
+
+    def forward(
+        self, h: torch.Tensor, grouped: bool, params: dict[str, torch.Tensor], n: int
+    ) -> tuple[torch.Tensor, bool, torch.Tensor | None]:
+        if not grouped or h.dim() != 4:
+            raise Unsupported("2-D pooling on other than images")
+        out, indices = torch.ops.aten.max_pool2d_with_indices(h, *self.args)
+        return out, True, indices
+
+    def backward(
+        self,
+        grad: torch.Tensor,
+        h_in: torch.Tensor,
+        grouped_in: bool,
+        saved: torch.Tensor | None,
+        params: dict[str, torch.Tensor],
+        rates: Rates,
+        need_input: bool,
+    ) -> torch.Tensor | None:
+        return torch.ops.aten.max_pool2d_with_indices_backward(
+            grad, h_in, *self.args, saved
+        )
+
+
+class _Flatten(_Layer):
+    def forward(
+        self, h: torch.Tensor, grouped: bool, params: dict[str, torch.Tensor], n: int
+    ) -> tuple[torch.Tensor, bool, torch.Tensor | None]:
+        if not grouped:
+            return h, False, None  # (nodes, batch, features) is flat already
+        return h.reshape(h.shape[0], n, -1).transpose(0, 1), False, None
+
+    def backward(
+        self,
+        grad: torch.Tensor,
+        h_in: torch.Tensor,
+        grouped_in: bool,
+        saved: torch.Tensor | None,
+        params: dict[str, torch.Tensor],
+        rates: Rates,
+        need_input: bool,
+    ) -> torch.Tensor | None:
+        if not grouped_in:
+            return grad
         out = grad.transpose(0, 1).reshape(h_in.shape)
         if h_in.dim() == 4:  # images: back to the channels-last layout
             return out.contiguous(memory_format=torch.channels_last)
         return out
-    return grad  # Identity, or Flatten of flat features
+
+
+def _layer(module: nn.Module, name: str, after_weights: bool) -> _Layer:
+    """The :class:`_Layer` of a module of the chain; ``Unsupported`` if none."""
+    if not isinstance(module, STEP_LAYERS):
+        raise Unsupported(f"no written-out backward for {module}")
+    if isinstance(module, nn.Conv1d | nn.Conv2d):
+        return _Conv(module, name)
+    if isinstance(module, nn.Linear):
+        return _Linear(name, module.bias is not None)
+    if isinstance(module, nn.ReLU):
+        return _ReLU(in_place=after_weights)
+    if isinstance(module, nn.MaxPool2d):
+        return _MaxPool(module)
+    if isinstance(module, nn.Flatten):
+        if (module.start_dim, module.end_dim) != (1, -1):
+            raise Unsupported("Flatten other than (1, -1)")
+        return _Flatten()
+    return _Layer()  # Identity
 
 
 def _proximal(params: dict[str, torch.Tensor], rates: Rates, name: str) -> None:
