@@ -338,8 +338,9 @@ def _configs() -> list[Config]:
             "deadline",
             "flowerbed",
             'DeadlineFedAvg with the defaults of `strategy = "deadline"` '
-            "(adaptive deadline at the 80th percentile, partial work sized to "
-            "the deadline per device, late updates)",
+            "(adaptive deadline with two speeds: the 80th percentile of recent "
+            "task times while it is at most 5x the 30th, else the 30th; partial "
+            "work sized to the deadline per device; late updates)",
             _flowerbed("deadline"),
         ),
         Config(
@@ -379,8 +380,8 @@ def _configs() -> list[Config]:
         (
             "deadline-p30",
             {"deadline_percentile": 30.0},
-            "deadline_percentile=30 (a fast quantile; faster to accuracy here, "
-            "1-2 points lower at equal rounds on the README's 20-round digits "
+            "deadline_percentile=30 every round, with the pacer (1-2 points lower "
+            "than Flower's FedAvg at equal rounds on the README's 20-round digits "
             "example, tests/test_deadline_sweep.py)",
         ),
         (
@@ -391,8 +392,20 @@ def _configs() -> list[Config]:
         ),
         (
             "deadline-p80",
-            {"min_batch_size": 0},
-            "no work sizing (min_batch_size=0): the default before issue 14's changes",
+            {"deadline_percentile": 80.0, "min_batch_size": 0},
+            "deadline_percentile=80 and no work sizing (min_batch_size=0): the "
+            "default before issue 14's changes",
+        ),
+        (
+            "deadline-p80-sized",
+            {"deadline_percentile": 80.0},
+            "deadline_percentile=80 (with work sizing and the pacer): the default "
+            "before the two speeds",
+        ),
+        (
+            "deadline-two-pacer",
+            {"pacer_step": 0.1},
+            "with the accuracy pacer on (pacer_step=0.1, as with a fixed percentile)",
         ),
     ):
         out.append(

@@ -34,6 +34,7 @@ from .runtime_weighted import (
 )
 from .utils import (
     MAX_NUM_EXAMPLES,
+    ROUND_DEADLINE_PERCENTILE,
     ROUND_DEADLINE_S,
     ROUND_LATE_UPDATES,
     ROUND_PARTICIPANTS,
@@ -50,19 +51,30 @@ PROGRESS_METRICS = ("accuracy", keys.EVAL_ACC)
 """Metrics the pacer looks for (server-side evaluation first, then federated)."""
 EVALUATE_SHARE = 0.25
 """Default evaluation wait as a share of the round's deadline."""
-DEFAULT_DEADLINE_PERCENTILE = 80.0
-"""The adaptive deadline's percentile with partial work. A faster one trains
-sooner but with fewer full updates a round: on `flowerbed bench`'s suite (mnist1d,
-1,000 phones 9x apart, 5 seeds, ``min_batch_size`` 4) p30 reached 95% of the
-converged accuracy in a median 3,050 virtual s (device-correlated labels) and
-6,245 s (IID), p50 in 4,988 s and 8,772 s; but on the README's example
-(digits, phones-10x, 20 rounds, every option on) p30 and p50 ended 1.1-1.9 points
-below Flower's FedAvg at 10-100 nodes, where p80 stays within 0.6 (issue 16's
-guard, tests/test_deadline_sweep.py). So the default stays p80 and
-``deadline_percentile=30`` is the documented choice for time to accuracy."""
-WHOLE_WORK_PERCENTILE = 80.0
-"""The adaptive deadline's percentile without partial work (unchanged: not
-measured better otherwise)."""
+PATIENT_PERCENTILE = 80.0
+"""The patient speed of the two-speed deadline (and the percentile without
+partial work): rounds wait for the full work of 80% of the cohort."""
+FAST_PERCENTILE = 30.0
+"""The fast speed of the two-speed deadline: the round closes at the full-work
+time of the 30th percentile; slower nodes send the work that fits (sized to the
+deadline down to ``min_batch_size``)."""
+DEFAULT_WAIT_RATIO = 5.0
+"""Largest ``P_80 / P_30`` of recent full-work durations at which the two-speed
+deadline still waits for the patient percentile (:func:`two_speed_percentile`,
+which says how 5 was chosen)."""
+DEFAULT_PACER_STEP = 0.1
+"""The pacer's step with a fixed percentile (Oort's pacer, see the class)."""
+TWO_SPEED_PACER_STEP = 0.0
+"""No pacer with two speeds: :func:`two_speed_percentile` already sets how long
+rounds wait, from durations, and the pacer's factor follows differences of
+noisy accuracies. On the mnist1d suite (device-correlated labels, seeds 1-5)
+it wandered (up to 1.8 in seed 1: rounds of ~1.8x the 30th percentile) and the
+two-speed deadline reached 58.7% accuracy in 3,781, 5,603, 3,943, 4,558 and
+3,613 virtual s with it, 3,658, 3,322, 3,440, 3,628 and 4,460 without."""
+WHOLE_WORK_PERCENTILE = PATIENT_PERCENTILE
+"""The adaptive deadline's percentile without partial work: without it the slow
+nodes' full-work durations are never seen, only that they did not finish, so
+there is nothing to weigh the two speeds with."""
 DEFAULT_MIN_BATCH_SIZE = 4
 """Smallest batch a node may shrink its one step to under partial work (the
 ``min-batch-size`` it is sent); 0 turns work sizing off."""
@@ -123,6 +135,51 @@ def censored_percentile(
     return chosen.seconds, chosen.censored
 
 
+def two_speed_percentile(
+    observations: Iterable[Observation],
+    fast: float = FAST_PERCENTILE,
+    patient: float = PATIENT_PERCENTILE,
+    growth: float = 1.5,
+    wait_ratio: float = DEFAULT_WAIT_RATIO,
+) -> float:
+    """The percentile of the next deadline: ``patient`` while waiting is cheap.
+
+    With ``c(p)`` the deadline percentile ``p`` would give (its nearest-rank
+    value, times ``growth`` when censored, as :meth:`DeadlineFedAvg.current_deadline`
+    uses it)::
+
+        p = patient   if c(patient) <= wait_ratio * c(fast)   else fast
+
+    and ``patient`` before any observation. Rationale: a round at the fast
+    percentile folds the full work of the fast part of the cohort and a step
+    sized to the deadline from the rest, so it gains less accuracy per round
+    than one that waits, and more per second only when waiting is expensive.
+    What waiting costs is known from the durations the deadline already
+    records; how much accuracy a round gains is not (the train loss replies
+    report is local and noisy under non-IID data). Measured (issue 14,
+    ``flowerbed bench`` suite and tests/test_deadline_sweep.py): on phones-10x
+    with digits, where a slow phone's transfers alone outlast a fast phone's
+    task, ``c(80) / c(30)`` is ~3.4 and the patient deadline is needed from the
+    first round to end within a point of FedAvg at equal rounds (a first round
+    at p30, then p80, ended 1.1-1.4 points below at 20 and 50 nodes); on the
+    1,000-phone mnist1d suite, charged as MobileNet compute, it is ~8 (fast
+    phones ~35-42 s, low-end ones ~306 s) and p30 reached 58.7% accuracy 2.1x
+    as fast as Flower's best timeout, where p80 never did in the budget.
+    ``wait_ratio`` 5 sits between the two (about their geometric mean); it is a
+    measured threshold, not a published one.
+    """
+    recent = list(observations)
+    slow = censored_percentile(recent, patient)
+    quick = censored_percentile(recent, fast)
+    if slow is None or quick is None:
+        return patient
+
+    def cost(found: tuple[float, bool]) -> float:
+        return found[0] * growth if found[1] else found[0]
+
+    return patient if cost(slow) <= wait_ratio * cost(quick) else fast
+
+
 def _number(metrics: MetricRecord | ConfigRecord, key: str) -> float | None:
     value = metrics.get(key)
     if isinstance(value, bool) or not isinstance(value, int | float):
@@ -157,6 +214,12 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
       ``start()``'s ``timeout``. Without history (round 1, no ``deadline_s``)
       the round closes when ``floor(p% of sampled)`` nodes (at least one)
       replied, that round's ``p``-th percentile.
+    - **Two speeds** (the default with partial work, ``deadline_percentile``
+      None): each round ``p`` is 80 while the 80th percentile of the recent
+      full-work durations is at most ``wait_ratio`` times the 30th, else
+      ``fast_percentile`` (:func:`two_speed_percentile`, which gives the
+      rationale and the measurements): rounds wait for the slow nodes where
+      that is cheap and do not where it is not.
     - **Over-selection** (Bonawitz et al., "Towards Federated Learning at Scale",
       MLSys 2019, Sec. 2.3; FedScale's default 1.3): sample
       ``ceil(K * over_selection)`` nodes and close the round at the first ``K``
@@ -182,7 +245,8 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
       federated evaluation on a round lasts at most ``D + evaluate_timeout_s``.
 
     Each round's train MetricRecord also carries ``participants``,
-    ``late-updates``, ``stragglers`` and ``deadline-s`` (-1 when none).
+    ``late-updates``, ``stragglers``, ``deadline-s`` (-1 when none) and
+    ``deadline-percentile`` (-1 when the deadline is not adaptive).
 
     Parameters
     ----------
@@ -193,15 +257,23 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
     adaptive_deadline : bool (default: False)
         Derive each round's deadline from recent durations (see above).
     deadline_percentile : float, optional (default: None)
-        ``p``, in (0, 100]. None: 80 (:data:`DEFAULT_DEADLINE_PERCENTILE`,
-        which says when 30 is the better choice).
+        ``p``, in (0, 100], the same every round. None: two speeds with
+        ``partial_work`` (above), 80 without.
+    fast_percentile : float (default: 30)
+        The two-speed deadline's fast percentile, in (0, 80].
+    wait_ratio : float (default: 5)
+        Largest ratio of the 80th to the ``fast_percentile``-th percentile of
+        recent full-work durations at which the two-speed deadline waits for
+        the 80th; >= 1.
     deadline_window : int (default: 3)
         ``W``: rounds of durations the percentile looks at.
     deadline_growth : float (default: 1.5)
         Factor by which the deadline grows when fewer than ``p``% of the nodes
         finished in time; > 1.
-    pacer_step : float (default: 0.1)
+    pacer_step : float, optional (default: None)
         Relative change of the pacing factor per adjustment (0 disables pacing).
+        None: 0.1 with a fixed ``deadline_percentile``, 0 with two speeds
+        (:data:`TWO_SPEED_PACER_STEP` says why).
     pacer_window : int (default: 2)
         Rounds per pacing decision.
     pacing_bounds : tuple[float, float] (default: (0.5, 4.0))
@@ -256,9 +328,11 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
         deadline_s: float | None = None,
         adaptive_deadline: bool = False,
         deadline_percentile: float | None = None,
+        fast_percentile: float = FAST_PERCENTILE,
+        wait_ratio: float = DEFAULT_WAIT_RATIO,
         deadline_window: int = 3,
         deadline_growth: float = 1.5,
-        pacer_step: float = 0.1,
+        pacer_step: float | None = None,
         pacer_window: int = 2,
         pacing_bounds: tuple[float, float] = (0.5, 4.0),
         progress_metric: str | None = None,
@@ -322,9 +396,17 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
                 deadline_percentile is None or 0 < deadline_percentile <= 100,
                 "deadline_percentile must be in (0, 100]",
             ),
+            (
+                0 < fast_percentile <= PATIENT_PERCENTILE,
+                f"fast_percentile must be in (0, {PATIENT_PERCENTILE:g}]",
+            ),
+            (wait_ratio >= 1, "wait_ratio must be >= 1"),
             (deadline_window >= 1, "deadline_window must be >= 1"),
             (deadline_growth > 1, "deadline_growth must be > 1"),
-            (0 <= pacer_step < 1, "pacer_step must be in [0, 1)"),
+            (
+                pacer_step is None or 0 <= pacer_step < 1,
+                "pacer_step must be in [0, 1)",
+            ),
             (pacer_window >= 1, "pacer_window must be >= 1"),
             (0 < pacing_bounds[0] <= 1 <= pacing_bounds[1], "pacing_bounds: lo<=1<=hi"),
             (over_selection >= 1, "over_selection must be >= 1"),
@@ -345,14 +427,25 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
                 raise ValueError(message)
         self.deadline_s = deadline_s
         self.adaptive_deadline = adaptive_deadline
-        if deadline_percentile is None:
-            deadline_percentile = (
-                DEFAULT_DEADLINE_PERCENTILE if partial_work else WHOLE_WORK_PERCENTILE
-            )
-        self.deadline_percentile = float(deadline_percentile)
+        if deadline_percentile is None and not partial_work:
+            deadline_percentile = WHOLE_WORK_PERCENTILE
+        self.deadline_percentile = (
+            None if deadline_percentile is None else float(deadline_percentile)
+        )
+        """The fixed percentile; None: two speeds (:func:`two_speed_percentile`)."""
+        self.fast_percentile = float(fast_percentile)
+        self.wait_ratio = float(wait_ratio)
+        self.percentile = self.deadline_percentile or PATIENT_PERCENTILE
+        """The percentile of the current round's deadline."""
         self.deadline_window = deadline_window
         self.deadline_growth = deadline_growth
-        self.pacer_step = pacer_step
+        if pacer_step is None:
+            pacer_step = (
+                TWO_SPEED_PACER_STEP
+                if self.deadline_percentile is None
+                else DEFAULT_PACER_STEP
+            )
+        self.pacer_step = float(pacer_step)
         self.pacer_window = pacer_window
         self.pacing_bounds = pacing_bounds
         self.progress_metric = progress_metric
@@ -387,10 +480,13 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
         log(INFO, "\t├──> Deadline:")
         log(
             INFO,
-            "\t│\t├── Deadline: %s (adaptive %s, p%.0f of %d rounds, growth %.2g)",
+            "\t│\t├── Deadline: %s (adaptive %s, %s of %d rounds, growth %.2g)",
             self.deadline_s,
             self.adaptive_deadline,
-            self.deadline_percentile,
+            f"p{self.deadline_percentile:g}"
+            if self.deadline_percentile is not None
+            else f"p{PATIENT_PERCENTILE:g} or p{self.fast_percentile:g} "
+            f"(wait ratio {self.wait_ratio:g})",
             self.deadline_window,
             self.deadline_growth,
         )
@@ -411,7 +507,10 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
 
     # ----------------------------------------------------------------- deadline
     def current_deadline(self, server_round: int) -> float | None:
-        """The deadline (clock seconds) for ``server_round``; None if unknown."""
+        """The deadline (clock seconds) for ``server_round``; None if unknown.
+
+        Also sets :attr:`percentile`, the one this deadline is taken at.
+        """
         if not self.adaptive_deadline:
             return self.deadline_s
         recent = [
@@ -419,7 +518,18 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
             for o in self.durations
             if o.round > server_round - 1 - self.deadline_window
         ]
-        found = censored_percentile(recent, self.deadline_percentile)
+        self.percentile = (
+            self.deadline_percentile
+            if self.deadline_percentile is not None
+            else two_speed_percentile(
+                recent,
+                self.fast_percentile,
+                PATIENT_PERCENTILE,
+                self.deadline_growth,
+                self.wait_ratio,
+            )
+        )
+        found = censored_percentile(recent, self.percentile)
         if found is None:
             return self.deadline_s
         seconds, censored = found
@@ -448,7 +558,7 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
             for r, s in self.least
             if r > server_round - 1 - self.deadline_window
         ]
-        found = censored_percentile(recent, self.deadline_percentile)
+        found = censored_percentile(recent, self.percentile)
         return None if found is None else found[0]
 
     def _message_ttl(self) -> float:
@@ -510,7 +620,7 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
             self._deadline if self._deadline is not None else self._timeout
         )
         quota = (
-            max(1, math.floor(self._sent * self.deadline_percentile / 100))
+            max(1, math.floor(self._sent * self.percentile / 100))
             if self.adaptive_deadline and self._deadline is None
             else None
         )
@@ -665,6 +775,9 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
             metrics[ROUND_STRAGGLERS] = len(stragglers)
             metrics[ROUND_DEADLINE_S] = (
                 -1.0 if self._deadline is None else self._deadline
+            )
+            metrics[ROUND_DEADLINE_PERCENTILE] = (
+                self.percentile if self.adaptive_deadline else -1.0
             )
         return arrays, metrics
 

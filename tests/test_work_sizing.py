@@ -100,9 +100,8 @@ def test_deadline_fedavg_sends_min_batch_size_with_partial_work_only() -> None:
     assert all(keys.MIN_BATCH_SIZE not in config_of(m) for _, m in grid.pushed)
 
 
-def test_the_default_percentile_is_80_with_or_without_partial_work() -> None:
-    assert DeadlineFedAvg(partial_work=True).deadline_percentile == 80.0
-    assert DeadlineFedAvg().deadline_percentile == 80.0
+def test_work_sizing_is_on_by_default_and_a_set_percentile_is_kept() -> None:
+    # The default percentile (two speeds) is specified in test_deadline_two_speed.
     assert DeadlineFedAvg(partial_work=True).min_batch_size == 4
     assert DeadlineFedAvg(deadline_percentile=55.0).deadline_percentile == 55.0
 
