@@ -555,14 +555,16 @@ def selection(
     truth_rounds: int,
     num_rounds: int = 100,
     confidence_draws: int | None = None,
+    jobs: int = 1,
 ) -> dict[str, Any]:
     """Cluster-selection accuracy over random fleets
     (:func:`flowerbed.bench.selection_eval.evaluate_selection`).
 
     Also the energy and EDP objectives again with power sensors calibrated to
-    :data:`SENSITIVITY_GAIN_ERROR` (``sensitivity``): the calibration error is
-    the one no profiling can shrink. ``confidence_draws`` (default: the
-    strategy's) sets the draws of each confidence estimate.
+    :data:`SENSITIVITY_GAIN_ERROR` (``sensitivity``), on the same fleets and
+    truth: the calibration error is the one no profiling can shrink.
+    ``confidence_draws`` (default: the strategy's) sets the draws of each
+    confidence estimate; ``jobs`` worker processes share the fleets.
     """
     from flowerbed.bench.selection_eval import evaluate_selection
     from flowerbed.strategies.cluster_selection.search import CONFIDENCE_DRAWS
@@ -574,17 +576,11 @@ def selection(
         truth_rounds=truth_rounds,
         num_rounds=num_rounds,
         confidence_draws=draws,
+        also=[(SENSITIVITY_GAIN_ERROR, ("energy", "edp"))],
+        jobs=jobs,
     )
+    (meter,) = result.pop("also")
     out = {"source": "flowerbed.bench.selection_eval.evaluate_selection", **result}
-    meter = evaluate_selection(
-        num_fleets=num_fleets,
-        seed=seed,
-        truth_rounds=truth_rounds,
-        num_rounds=num_rounds,
-        power_gain_error=SENSITIVITY_GAIN_ERROR,
-        objectives=("energy", "edp"),
-        confidence_draws=draws,
-    )
     out["sensitivity"] = {
         "power_gain_error": SENSITIVITY_GAIN_ERROR,
         "objectives": meter["objectives"],

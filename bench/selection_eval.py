@@ -55,6 +55,7 @@ import heapq
 import math
 from collections import Counter
 from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -475,6 +476,8 @@ def evaluate_selection(
     race_share: float = DEFAULT_RACE_SHARE,
     objectives: Sequence[str] = OBJECTIVES,
     confidence_draws: int = CONFIDENCE_DRAWS,
+    also: Sequence[tuple[float, Sequence[str]]] = (),
+    jobs: int = 1,
 ) -> dict[str, Any]:
     """Accuracy of cluster selection over ``num_fleets`` random fleets.
 
@@ -516,6 +519,13 @@ def evaluate_selection(
     figures describe the choice before training. ``profiling`` describes the
     probe shared by the objectives; each objective's ``profiling_*`` and
     ``refinement_mean_batches`` include its own refinement.
+
+    ``also``: further (``power_gain_error``, ``objectives``) settings evaluated on
+    the same fleets, returned under ``"also"`` in that order, each as this
+    result's ``objectives`` and ``profiling``. Every draw comes from a stream of its
+    own (fleet, purpose), and the truth does not depend on the power meters, so
+    each setting's figures equal a separate call's; the truth is simulated once.
+    ``jobs``: worker processes over the fleets (the figures do not depend on it).
     """
     if num_fleets < 1:
         raise ValueError(f"num_fleets must be >= 1, got {num_fleets}")
@@ -529,7 +539,9 @@ def evaluate_selection(
             f"profile_max_tasks must be >= len(profile_steps) = {len(profile_steps)}, "
             f"got {profile_max_tasks}"
         )
-    for name in objectives:
+    settings = [(power_gain_error, tuple(objectives))]
+    settings += [(float(g), tuple(o)) for g, o in also]
+    for name in {o for _, objs in settings for o in objs}:
         if name not in OBJECTIVES:
             raise ValueError(
                 f"unknown objective {name!r}; valid choices: {', '.join(OBJECTIVES)}"
@@ -543,161 +555,45 @@ def evaluate_selection(
         "power_noise": power_noise,
         "unit_spread": unit_spread,
     }
-    factor = cost_factor(model, in_channels, image_size, num_classes)
-    nbytes = model_num_bytes(build_model(model, in_channels, image_size, num_classes))
-    fields = [
-        "best",
-        "near",
-        "regret",
-        "overhead",
-        "chosen",
-        "best_k",
-        "poly_best",
-        "poly_regret",
-        "oracle_best",
-        "oracle_regret",
-        "confidence",
-        "within",
-        "confident",
-        "confident_best",
-        "tasks",
-        "batches",
-        "profile_s",
-        "raced",
-        "job_regret",
-        "before_best",
-        "before_regret",
+    plan = _Plan(
+        seed=seed,
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        unit_spread=unit_spread,
+        mode=mode,
+        batch_size=batch_size,
+        local_steps=local_steps,
+        num_rounds=num_rounds,
+        kappa=kappa,
+        factor=cost_factor(model, in_channels, image_size, num_classes),
+        nbytes=model_num_bytes(
+            build_model(model, in_channels, image_size, num_classes)
+        ),
+        noise=noise,
+        profile_steps=tuple(profile_steps),
+        profile_max_tasks=profile_max_tasks,
+        truth_rounds=truth_rounds,
+        truth_fine_rounds=truth_fine_rounds,
+        target_confidence=target_confidence,
+        profile_budget=profile_budget,
+        indifference=indifference,
+        race_share=race_share,
+        confidence_draws=confidence_draws,
+        settings=tuple(settings),
+    )
+    if jobs > 1 and num_fleets > 1:
+        with ProcessPoolExecutor(min(jobs, num_fleets)) as pool:
+            fleets = list(pool.map(_fleet, [plan] * num_fleets, range(num_fleets)))
+    else:
+        fleets = [_fleet(plan, f) for f in range(num_fleets)]
+    sizes = [fl["size"] for fl in fleets]
+    devices = Counter(name for fl in fleets for name in fl["devices"])
+    nbytes = plan.nbytes
+    summaries = [
+        _summarise([fl["outcomes"][j] for fl in fleets], objs)
+        for j, (_, objs) in enumerate(settings)
     ]
-    per: dict[str, dict[str, list[float]]] = {
-        o: {name: [] for name in fields} for o in objectives
-    }
-    sizes: list[int] = []
-    probe_tasks: list[int] = []
-    slowest_tasks: list[int] = []
-    probe_times: list[float] = []
-    devices: Counter[str] = Counter()
-    for f in range(num_fleets):
-        rng = np.random.default_rng([seed, f])
-        fleet = _draw_fleet(rng, min_nodes, max_nodes, unit_spread)
-        sizes.append(len(fleet))
-        devices.update(d.name for d in fleet)
-        step_s = np.array([vclock.step_seconds(d, batch_size, factor) for d in fleet])
-        down_s = np.array(
-            [vclock.transfer_seconds(nbytes, d.downlink_mbps) for d in fleet]
-        )
-        up_s = np.array([vclock.transfer_seconds(nbytes, d.uplink_mbps) for d in fleet])
-        workload = Workload(
-            mode=mode,
-            steps=local_steps * len(fleet) if mode == "sync" else local_steps,
-            num_rounds=num_rounds,
-            kappa=kappa,
-        )
-        gain = 1 + noise["power_gain_error"] * np.random.default_rng(
-            [seed, f, 3]
-        ).standard_normal(len(fleet))
-        units = _Units(fleet, step_s, down_s, up_s, gain, noise)
-        observed, probe_s = _profile(
-            np.random.default_rng([seed, f, 1]), units, profile_steps, profile_max_tasks
-        )
-        done = [len(o) for o in observed]
-        probe_tasks.extend(done)
-        slowest_tasks.append(min(done))
-        probe_times.append(probe_s)
-        oracle = _oracle_models(units)
-        masks = all_masks(len(fleet))
-        truth = _truth(
-            np.random.default_rng([seed, f, 2]), units, masks, workload, truth_rounds
-        )
-        shortlist = np.unique(
-            np.concatenate(
-                [
-                    np.argsort(truth[o], kind="stable")[:TRUTH_SHORTLIST]
-                    for o in OBJECTIVES
-                ]
-            )
-        )
-        fine = _truth(
-            np.random.default_rng([seed, f, 5]),
-            units,
-            masks[shortlist],
-            workload,
-            truth_fine_rounds,
-        )
-        for o in OBJECTIVES:
-            truth[o][shortlist] = fine[o]
-        perfect = estimate_masks(oracle, masks, workload)
-        for index, objective in enumerate(objectives):
-            models, profile_s, batches, seen = _refine(
-                np.random.default_rng([seed, f, 4, index]),
-                units,
-                observed,
-                probe_s,
-                masks,
-                workload,
-                objective,
-                target_confidence,
-                profile_budget,
-                confidence_draws,
-                indifference,
-            )
-            acc = per[objective]
-            acc["tasks"].append(float(np.mean([m.tasks for m in models])))
-            acc["batches"].append(batches)
-            acc["profile_s"].append(profile_s)
-            estimated = estimate_masks(models, masks, workload)
-            sure = confidence(
-                models,
-                workload,
-                objective,
-                masks,
-                power_gain_error=power_gain_error,
-                draws=confidence_draws,
-                seed=f,
-            )[objective]
-            cost = truth[objective]
-            best = float(cost.min())
-            poly = select(models, workload, objective, search="polynomial")
-            before = int(np.argmin(estimated[objective]))
-            if mode == "sync" and race_share > 0:
-                final, rows, raced = _race(
-                    np.random.default_rng([seed, f, 6, index]),
-                    units,
-                    seen,
-                    masks,
-                    workload,
-                    objective,
-                    target_confidence,
-                    indifference,
-                    confidence_draws,
-                    race_share,
-                )
-            else:
-                final, rows, raced = before, [before], 0
-            acc["raced"].append(raced)
-            acc["job_regret"].append(100 * (float(np.mean(cost[rows])) / best - 1.0))
-            for row, best_key, regret_key in (
-                (final, "best", "regret"),
-                (before, "before_best", "before_regret"),
-                (_row(masks, poly.members), "poly_best", "poly_regret"),
-                (int(np.argmin(perfect[objective])), "oracle_best", "oracle_regret"),
-            ):
-                regret = float(cost[row] / best - 1.0)
-                acc[best_key].append(float(regret <= 1e-12))
-                acc[regret_key].append(100 * regret)
-            row = final
-            regret = float(cost[row] / best - 1.0)
-            acc["near"].append(float(regret <= NEAR_BEST))
-            acc["chosen"].append(int(masks[row].sum()))
-            acc["best_k"].append(int(masks[int(np.argmin(cost))].sum()))
-            job = "time-to-accuracy" if objective == "time-to-accuracy" else "time"
-            job_s = float(truth[job][row])
-            acc["overhead"].append(100 * profile_s / (profile_s + job_s))
-            acc["confidence"].append(sure.probability)
-            acc["within"].append(float(sure.within_uncertainty))
-            acc["confident"].append(float(sure.probability >= 0.95))
-            if sure.probability >= 0.95:
-                acc["confident_best"].append(acc["before_best"][-1])
-    return {
+    out: dict[str, Any] = {
         "num_fleets": num_fleets,
         "seed": seed,
         "mode": mode,
@@ -730,6 +626,218 @@ def evaluate_selection(
         "reports (train-time-s of a few jittered steps, round trip, noisy "
         "energy-j); round time as the expected maximum of the members' task times",
         "paper_best_fraction": PAPER_BEST_FRACTION,
+    }
+    out.update(summaries[0])
+    out["also"] = [
+        {"power_gain_error": g, **summary}
+        for (g, _), summary in zip(settings[1:], summaries[1:], strict=True)
+    ]
+    return out
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What every fleet of :func:`evaluate_selection` needs (sent to workers)."""
+
+    seed: int
+    min_nodes: int
+    max_nodes: int
+    unit_spread: float
+    mode: str
+    batch_size: int
+    local_steps: int
+    num_rounds: int
+    kappa: float
+    factor: float
+    nbytes: int
+    noise: dict[str, float]
+    profile_steps: tuple[int, ...]
+    profile_max_tasks: int
+    truth_rounds: int
+    truth_fine_rounds: int
+    target_confidence: float
+    profile_budget: float
+    indifference: float
+    race_share: float
+    confidence_draws: int
+    settings: tuple[tuple[float, tuple[str, ...]], ...]
+
+
+_FIELDS = (
+    "best",
+    "near",
+    "regret",
+    "overhead",
+    "chosen",
+    "best_k",
+    "poly_best",
+    "poly_regret",
+    "oracle_best",
+    "oracle_regret",
+    "confidence",
+    "within",
+    "confident",
+    "confident_best",
+    "tasks",
+    "batches",
+    "profile_s",
+    "raced",
+    "job_regret",
+    "before_best",
+    "before_regret",
+)
+"""Per-fleet figures :func:`_fleet` collects for each objective."""
+
+
+def _fleet(p: _Plan, f: int) -> dict[str, Any]:
+    """Fleet ``f``: its draw, the truth once, then each setting's profiling,
+    refinement, racing and figures (:data:`_FIELDS` per objective)."""
+    rng = np.random.default_rng([p.seed, f])
+    fleet = _draw_fleet(rng, p.min_nodes, p.max_nodes, p.unit_spread)
+    step_s = np.array([vclock.step_seconds(d, p.batch_size, p.factor) for d in fleet])
+    down_s = np.array(
+        [vclock.transfer_seconds(p.nbytes, d.downlink_mbps) for d in fleet]
+    )
+    up_s = np.array([vclock.transfer_seconds(p.nbytes, d.uplink_mbps) for d in fleet])
+    workload = Workload(
+        mode=p.mode,
+        steps=p.local_steps * len(fleet) if p.mode == "sync" else p.local_steps,
+        num_rounds=p.num_rounds,
+        kappa=p.kappa,
+    )
+    # the truth and the oracle use the true devices, never the meters' gains
+    exact = _Units(fleet, step_s, down_s, up_s, np.ones(len(fleet)), p.noise)
+    masks = all_masks(len(fleet))
+    truth = _truth(
+        np.random.default_rng([p.seed, f, 2]), exact, masks, workload, p.truth_rounds
+    )
+    shortlist = np.unique(
+        np.concatenate(
+            [np.argsort(truth[o], kind="stable")[:TRUTH_SHORTLIST] for o in OBJECTIVES]
+        )
+    )
+    fine = _truth(
+        np.random.default_rng([p.seed, f, 5]),
+        exact,
+        masks[shortlist],
+        workload,
+        p.truth_fine_rounds,
+    )
+    for o in OBJECTIVES:
+        truth[o][shortlist] = fine[o]
+    perfect = estimate_masks(_oracle_models(exact), masks, workload)
+    outcomes = []
+    for gain_error, objectives in p.settings:
+        gain = 1 + gain_error * np.random.default_rng([p.seed, f, 3]).standard_normal(
+            len(fleet)
+        )
+        noise = {**p.noise, "power_gain_error": gain_error}
+        units = _Units(fleet, step_s, down_s, up_s, gain, noise)
+        observed, probe_s = _profile(
+            np.random.default_rng([p.seed, f, 1]),
+            units,
+            p.profile_steps,
+            p.profile_max_tasks,
+        )
+        per: dict[str, dict[str, list[float]]] = {
+            o: {name: [] for name in _FIELDS} for o in objectives
+        }
+        for index, objective in enumerate(objectives):
+            models, profile_s, batches, seen = _refine(
+                np.random.default_rng([p.seed, f, 4, index]),
+                units,
+                observed,
+                probe_s,
+                masks,
+                workload,
+                objective,
+                p.target_confidence,
+                p.profile_budget,
+                p.confidence_draws,
+                p.indifference,
+            )
+            acc = per[objective]
+            acc["tasks"].append(float(np.mean([m.tasks for m in models])))
+            acc["batches"].append(batches)
+            acc["profile_s"].append(profile_s)
+            estimated = estimate_masks(models, masks, workload)
+            sure = confidence(
+                models,
+                workload,
+                objective,
+                masks,
+                power_gain_error=gain_error,
+                draws=p.confidence_draws,
+                seed=f,
+            )[objective]
+            cost = truth[objective]
+            best = float(cost.min())
+            poly = select(models, workload, objective, search="polynomial")
+            before = int(np.argmin(estimated[objective]))
+            if p.mode == "sync" and p.race_share > 0:
+                final, rows, raced = _race(
+                    np.random.default_rng([p.seed, f, 6, index]),
+                    units,
+                    seen,
+                    masks,
+                    workload,
+                    objective,
+                    p.target_confidence,
+                    p.indifference,
+                    p.confidence_draws,
+                    p.race_share,
+                )
+            else:
+                final, rows, raced = before, [before], 0
+            acc["raced"].append(raced)
+            acc["job_regret"].append(100 * (float(np.mean(cost[rows])) / best - 1.0))
+            for row, best_key, regret_key in (
+                (final, "best", "regret"),
+                (before, "before_best", "before_regret"),
+                (_row(masks, poly.members), "poly_best", "poly_regret"),
+                (int(np.argmin(perfect[objective])), "oracle_best", "oracle_regret"),
+            ):
+                regret = float(cost[row] / best - 1.0)
+                acc[best_key].append(float(regret <= 1e-12))
+                acc[regret_key].append(100 * regret)
+            row = final
+            regret = float(cost[row] / best - 1.0)
+            acc["near"].append(float(regret <= NEAR_BEST))
+            acc["chosen"].append(int(masks[row].sum()))
+            acc["best_k"].append(int(masks[int(np.argmin(cost))].sum()))
+            job = "time-to-accuracy" if objective == "time-to-accuracy" else "time"
+            job_s = float(truth[job][row])
+            acc["overhead"].append(100 * profile_s / (profile_s + job_s))
+            acc["confidence"].append(sure.probability)
+            acc["within"].append(float(sure.within_uncertainty))
+            acc["confident"].append(float(sure.probability >= 0.95))
+            if sure.probability >= 0.95:
+                acc["confident_best"].append(acc["before_best"][-1])
+        outcomes.append(
+            {"probe_tasks": [len(o) for o in observed], "probe_s": probe_s, "per": per}
+        )
+    return {
+        "size": len(fleet),
+        "devices": [d.name for d in fleet],
+        "outcomes": outcomes,
+    }
+
+
+def _summarise(
+    outcomes: Sequence[dict[str, Any]], objectives: Sequence[str]
+) -> dict[str, Any]:
+    """One setting's ``profiling`` and ``objectives`` over its fleets' outcomes."""
+    probe_tasks = [t for o in outcomes for t in o["probe_tasks"]]
+    slowest_tasks = [min(o["probe_tasks"]) for o in outcomes]
+    probe_times = [o["probe_s"] for o in outcomes]
+    per = {
+        name: {
+            field: [x for o in outcomes for x in o["per"][name][field]]
+            for field in _FIELDS
+        }
+        for name in objectives
+    }
+    return {
         "profiling": {
             "probe_mean_seconds": float(np.mean(probe_times)),
             "probe_mean_tasks_per_node": float(np.mean(probe_tasks)),

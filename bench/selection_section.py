@@ -6,6 +6,7 @@ against the ground truth of the virtual clock.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,6 +28,7 @@ def run(ctx: SectionRun) -> dict[str, Any]:
         truth_rounds=2 if ctx.quick else 2000,
         num_rounds=10 if ctx.quick else 100,
         confidence_draws=QUICK_DRAWS if ctx.quick else None,
+        jobs=1 if ctx.quick else getattr(ctx.args, "jobs", None) or os.cpu_count() or 1,
     )
     step("selection")
     return out

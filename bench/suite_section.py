@@ -80,7 +80,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--jobs",
         type=int,
-        help="worker processes for the suite (default: CPU count)",
+        help="worker processes for the suite and selection sections (default: "
+        "CPU count)",
     )
     g.add_argument(
         "--resume",

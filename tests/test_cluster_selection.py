@@ -37,7 +37,9 @@ from flowerbed.strategies.cluster_selection import (
     NodeModel,
     Observation,
     Workload,
+    all_masks,
     estimate,
+    estimate_masks,
     fit_node,
     select,
 )
@@ -308,6 +310,33 @@ def test_reselects_when_a_chosen_node_goes_offline() -> None:
     assert outcome.records[-1].participants  # training went on
 
 
+def test_a_batch_of_node_parameters_is_estimated_as_each_alone() -> None:
+    from flowerbed.strategies.cluster_selection.model import estimate_batch
+
+    nodes = [
+        [
+            NodeModel(0, 0.1 * g, 1.0, 5.0, 2.0, step_var=1e-4, overhead_var=0.01),
+            NodeModel(1, 0.3, 0.5 * g, 4.0, None, step_var=4e-4, overhead_var=0.0),
+            NodeModel(2, 0.2, 2.0, 6.0 * g, 3.0, step_var=0.0, overhead_var=0.04),
+        ]
+        for g in (1.0, 1.5)
+    ]
+    masks = all_masks(3)
+    for mode in ("sync", "async"):
+        work = Workload(mode=mode, steps=30, num_rounds=10)
+        params = [
+            np.array([[getattr(n, f) or np.nan for n in row] for row in nodes])
+            for f in ("step_s", "overhead_s", "busy_w", "idle_w")
+        ]
+        v = np.array([n.step_var for n in nodes[0]])
+        u = np.array([n.overhead_var for n in nodes[0]])
+        batch = estimate_batch(*params, v, u, masks, work)
+        for d, row in enumerate(nodes):
+            alone = estimate_masks(row, masks, work)
+            for name, values in alone.items():
+                assert np.array_equal(batch[name][d], values, equal_nan=True)
+
+
 # --- the bench's evaluation -----------------------------------------------------------
 
 
@@ -327,6 +356,22 @@ def test_evaluate_selection_returns_the_benchs_structure() -> None:
         assert figures["max_regret_pct"] >= figures["mean_regret_pct"] >= 0
         assert 0 < figures["profiling_overhead_pct"] < 100
     assert result["paper_best_fraction"] == 0.7667
+
+
+def test_evaluation_shares_fleets_between_settings_and_workers() -> None:
+    common = dict(num_fleets=3, seed=1, truth_rounds=5, confidence_draws=10)
+    together = evaluate_selection(**common, also=[(0.01, ("energy", "edp"))], jobs=2)
+    alone = evaluate_selection(**common)
+    meters = evaluate_selection(
+        **common, power_gain_error=0.01, objectives=("energy", "edp")
+    )
+    (also,) = together.pop("also")
+    # a second setting on the same fleets, and worker processes, change no figure
+    assert alone.pop("also") == []
+    assert together == alone
+    assert also["power_gain_error"] == 0.01
+    assert also["objectives"] == meters["objectives"]
+    assert also["profiling"] == meters["profiling"]
 
 
 def test_evaluation_rejects_bad_input() -> None:

@@ -508,19 +508,31 @@ def expected_max(mu: np.ndarray, sd: np.ndarray, masks: np.ndarray) -> np.ndarra
     Hand checks: two identical members give ``mu + sd / sqrt(pi)``, three give
     ``mu + 1.5 sd / sqrt(pi)`` (the expected largest of 2 and 3 standard
     normals, 0.5642 and 0.8463).
+    ``mu`` and ``sd`` may carry a leading batch axis (draws x nodes); the result
+    is then draws x configurations.
     """
     from scipy import special  # here: importing scipy costs more than the strategies
 
     masks = np.asarray(masks, dtype=bool)
     mu = np.asarray(mu, dtype=float)
-    sd = np.maximum(np.asarray(sd, dtype=float), 1e-6 * np.abs(mu) + 1e-300)
-    q = np.linspace(-6.0, 6.0, 37)
-    x = np.unique((mu[:, None] + sd[:, None] * q[None, :]).ravel())
+    batched = mu.ndim == 2
+    mu = np.atleast_2d(mu)
+    sd = np.broadcast_to(np.asarray(sd, dtype=float), mu.shape)
+    sd = np.maximum(sd, 1e-6 * np.abs(mu) + 1e-300)
+    x = np.sort((mu[:, :, None] + sd[:, :, None] * _GRID).reshape(len(mu), -1))
     used = masks.any(axis=0)
-    z = (x[None, :] - mu[used, None]) / sd[used, None]
+    z = (x[:, None, :] - mu[:, used, None]) / sd[:, used, None]
     log_cdf = np.maximum(special.log_ndtr(z), -1e4)
     below = 1.0 - np.exp(masks[:, used].astype(float) @ log_cdf)
-    return x[0] + np.trapezoid(below, x, axis=1)
+    # trapezoidal rule on each draw's own points (repeated points add nothing)
+    area = (np.diff(x)[:, None, :] * (below[:, :, 1:] + below[:, :, :-1])).sum(axis=2)
+    out = x[:, :1] + area / 2.0
+    return out if batched else out[0]
+
+
+_GRID = np.linspace(-6.0, 6.0, 37)
+"""Standard deviations from the mean at which :func:`expected_max` resolves each
+node's CDF."""
 
 
 def estimate_masks(
@@ -532,33 +544,55 @@ def estimate_masks(
     ``round_s``, ``time``, ``energy``, ``edp``, ``time-to-accuracy`` (energy is NaN
     when a member's power is unknown).
     """
-    masks = np.asarray(masks, dtype=bool)
     s, c, pb, pi = _arrays(nodes)
+    v, u = _variances(nodes)
+    batch = estimate_batch(s[None], c[None], pb[None], pi[None], v, u, masks, workload)
+    return {name: values[0] for name, values in batch.items()}
+
+
+def estimate_batch(
+    s: np.ndarray,
+    c: np.ndarray,
+    pb: np.ndarray,
+    pi: np.ndarray,
+    v: np.ndarray,
+    u: np.ndarray,
+    masks: np.ndarray,
+    workload: Workload,
+) -> dict[str, np.ndarray]:
+    """:func:`estimate_masks` for a batch of node parameters at once.
+
+    ``s``, ``c``, ``pb``, ``pi`` are draws x nodes (``s_i``, ``c_i``, ``Pb_i``,
+    ``Pi_i``; NaN power: unknown), ``v`` and ``u`` the nodes' step and overhead
+    variances; every result is draws x configurations.
+    """
+    masks = np.asarray(masks, dtype=bool)
     k = masks.sum(axis=1)
     if np.any(k == 0):
         raise ValueError("a configuration needs at least one node")
     w = workload
     if w.mode == "sync":
-        v, u = _variances(nodes)
-        steps = np.ceil(w.steps / k)[:, None]
-        compute = steps * s[None, :]
-        round_s = np.zeros(len(masks))
+        steps = np.ceil(w.steps / k)[None, :, None]
+        compute = steps * s[:, None, :]
+        round_s = np.zeros((len(s), len(masks)))
         for size in np.unique(k):
             rows = k == size
             n = w.member_steps(int(size))
-            round_s[rows] = expected_max(c + n * s, np.sqrt(u + n * v), masks[rows])
-        per_node = pb * compute + pi * (round_s[:, None] - compute)
-        energy_round = np.where(masks, per_node, 0.0).sum(axis=1)
+            round_s[:, rows] = expected_max(c + n * s, np.sqrt(u + n * v), masks[rows])
+        per_node = pb[:, None, :] * compute + pi[:, None, :] * (
+            round_s[:, :, None] - compute
+        )
+        energy_round = np.where(masks, per_node, 0.0).sum(axis=2)
         time = w.num_rounds * round_s
         energy = w.num_rounds * energy_round
     else:
         t = c + w.steps * s
-        rate = np.where(masks, 1.0 / t, 0.0).sum(axis=1)
+        rate = np.where(masks, 1.0 / t[:, None, :], 0.0).sum(axis=2)
         round_s = 1.0 / rate
         buffer = w.buffer_size if w.buffer_size else np.maximum(1, k // 2)
         time = w.num_rounds * buffer * round_s
         power = (pb * w.steps * s + pi * c) / t
-        energy = time * np.where(masks, power, 0.0).sum(axis=1)
+        energy = time * np.where(masks, power[:, None, :], 0.0).sum(axis=2)
     return {
         "round_s": round_s,
         "time": time,

@@ -34,6 +34,7 @@ from .model import (
     _pick,
     _variances,
     check_objective,
+    estimate_batch,
     estimate_masks,
 )
 
@@ -191,33 +192,43 @@ class Confidence:
         return self.runner_up is not None and self.gap < 2 * self.gap_sd
 
 
-def _draw_nodes(
-    nodes: Sequence[NodeModel], rng: np.random.Generator, power_gain_error: float
-) -> list[NodeModel]:
-    out = []
-    for m in nodes:
-        z_s, z_c, z_p, z_b, z_i = rng.standard_normal(5)
-        gain = max(0.0, 1.0 + power_gain_error * z_p)
-        busy, idle = m.busy_w, m.idle_w
-        var_b, cov, var_i = m.power_cov
-        if busy is not None and idle is not None and var_b > 0:
-            # (z_b, z_i) -> correlated (busy, idle) errors by Cholesky factors
-            sd_b = math.sqrt(var_b)
-            rest = max(var_i - cov**2 / var_b, 0.0)
-            busy = max(busy + sd_b * z_b, 0.0)
-            idle = max(idle + cov / sd_b * z_b + math.sqrt(rest) * z_i, 0.0)
-        out.append(
-            NodeModel(
-                m.node_id,
-                max(m.step_s + m.step_se * z_s, 1e-12),
-                max(m.overhead_s + m.overhead_se * z_c, 0.0),
-                None if busy is None else busy * gain,
-                None if idle is None else idle * gain,
-                step_var=m.step_var,
-                overhead_var=m.overhead_var,
-            )
-        )
-    return out
+def _draw_arrays(
+    nodes: Sequence[NodeModel],
+    rng: np.random.Generator,
+    power_gain_error: float,
+    draws: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``draws`` x nodes arrays of ``s_i``, ``c_i``, ``Pb_i``, ``Pi_i`` as
+    :func:`confidence` draws them (NaN power: unknown). Five standard normals per
+    node and draw, in node order within a draw: (step, overhead, gain, busy, idle).
+    """
+    z = rng.standard_normal((draws, len(nodes), 5))
+    step = np.array([m.step_s for m in nodes])
+    step_se = np.array([m.step_se for m in nodes])
+    over = np.array([m.overhead_s for m in nodes])
+    over_se = np.array([m.overhead_se for m in nodes])
+    nan = float("nan")
+    busy = np.array([nan if m.busy_w is None else m.busy_w for m in nodes])
+    idle = np.array([nan if m.idle_w is None else m.idle_w for m in nodes])
+    var_b, cov, var_i = np.array([m.power_cov for m in nodes]).reshape(-1, 3).T
+    gain = np.maximum(0.0, 1.0 + power_gain_error * z[:, :, 2])
+    # (z_b, z_i) -> correlated (busy, idle) errors by Cholesky factors, where the
+    # node has both powers and a busy-power variance
+    spread = ~np.isnan(busy) & ~np.isnan(idle) & (var_b > 0)
+    sd_b = np.sqrt(np.where(spread, var_b, 1.0))
+    rest = np.sqrt(np.maximum(var_i - cov**2 / sd_b**2, 0.0))
+    busy_d = np.where(spread, np.maximum(busy + sd_b * z[:, :, 3], 0.0), busy)
+    idle_d = np.where(
+        spread,
+        np.maximum(idle + cov / sd_b * z[:, :, 3] + rest * z[:, :, 4], 0.0),
+        idle,
+    )
+    return (
+        np.maximum(step + step_se * z[:, :, 0], 1e-12),
+        np.maximum(over + over_se * z[:, :, 1], 0.0),
+        busy_d * gain,
+        idle_d * gain,
+    )
 
 
 def confidence(
@@ -264,10 +275,15 @@ def confidence(
     rows = np.unique(np.concatenate(list(orders.values())))
     lead = masks[rows]
     rng = np.random.default_rng(seed)
-    drawn = [
-        estimate_masks(_draw_nodes(nodes, rng, power_gain_error), lead, workload)
-        for _ in range(draws)
-    ]
+    step_var = np.array([n.step_var for n in nodes])
+    overhead_var = np.array([n.overhead_var for n in nodes])
+    drawn = estimate_batch(
+        *_draw_arrays(nodes, rng, power_gain_error, draws),
+        step_var,
+        overhead_var,
+        lead,
+        workload,
+    )
     out = {}
     for o, order in orders.items():
         members = [
@@ -278,7 +294,7 @@ def confidence(
             out[o] = Confidence(1.0, None, math.inf, 0.0, (), 1, chosen=members[0])
             continue
         cols = np.searchsorted(rows, order)
-        values = np.array([d[o][cols] for d in drawn])
+        values = drawn[o][:, cols]
         wins = np.bincount(values.argmin(axis=1), minlength=len(order)) / draws
         gaps = values[:, 1] / values[:, 0] - 1.0
         out[o] = Confidence(
