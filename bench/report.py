@@ -772,6 +772,52 @@ def _provenance(name: str, title: str, entry: Mapping[str, Any]) -> str:
     )
 
 
+FULL_BENCH_TARGET_MIN = 60.0
+"""Issue 14: the full benchmark fits in 60 minutes on this 2-core machine."""
+
+
+def full_run_minutes(results: Mapping[str, Any]) -> dict[str, float]:
+    """Each section's minutes in a full ``flowerbed bench``: its module's
+    ``full_run_seconds(data, wall_s)`` where it has one (sections rerun in part
+    or resumed), else the wall time of its last run."""
+    from .sections import SECTIONS, section_module
+
+    out = {}
+    for name in SECTIONS:
+        entry = results["sections"].get(name)
+        if entry is None:
+            continue
+        estimate = getattr(section_module(name), "full_run_seconds", None)
+        wall = float(entry["wall_s"])
+        seconds = wall
+        if estimate is not None and "error" not in entry["data"]:
+            seconds = estimate(entry["data"], wall)
+        out[name] = seconds / 60
+    return out
+
+
+def cost_line(results: Mapping[str, Any]) -> str:
+    """The full benchmark's estimated minutes against issue 14's target."""
+    from .sections import SECTIONS
+
+    minutes = full_run_minutes(results)
+    total = sum(minutes.values())
+    missing = [s for s in SECTIONS if s not in minutes]
+    verdict = "met" if total <= FULL_BENCH_TARGET_MIN and not missing else "not met"
+    text = (
+        f"Full `flowerbed bench` on this machine: about {total:.0f} minutes ("
+        + ", ".join(f"{s} {m:.1f}" for s, m in minutes.items())
+        + f"); issue 14's target is {FULL_BENCH_TARGET_MIN:.0f} minutes: {verdict}. "
+        "Each section counts as its last run above, under the load given there, "
+        "except the suite (its default configurations' cells at their own run "
+        "times over its worker processes; resumed cells included) and machinery "
+        "(the sum of its parts' own times), which are rerun in part."
+    )
+    if missing:
+        text += f" Not run yet: {', '.join(missing)}."
+    return text
+
+
 def render(results: Mapping[str, Any]) -> str:
     """BENCHMARKS.md for ``results`` (format 2): every section present, in the
     order of :data:`flowerbed.bench.sections.SECTIONS`."""
@@ -796,6 +842,7 @@ def render(results: Mapping[str, Any]) -> str:
     for s in SECTIONS:
         if s not in present:
             lines.append(f"- `{s}`: not run yet")
+    lines += ["", cost_line(results)]
     for s in unknown:
         lines.append(f"- `{s}`: in results.json but not a registered section")
     lines.append("")

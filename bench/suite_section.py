@@ -219,6 +219,24 @@ def run_suite(
     return cells
 
 
+def full_run_seconds(data: Mapping[str, Any], wall_s: float) -> float:
+    """What a full ``flowerbed bench`` would spend on the suite: its default
+    configurations' cells (variants are opt-in), each at its own recorded run
+    time (resumed cells too), spread over the run's worker processes (at most
+    the machine's cores)."""
+    cells = [
+        c
+        for c in data.get("cells", [])
+        if "run_wall_s" in c and c.get("family") != "variant"
+    ]
+    if not cells:
+        return wall_s
+    jobs = data.get("settings", {}).get("jobs") or os.cpu_count() or 1
+    return sum(float(c["run_wall_s"]) for c in cells) / min(
+        int(jobs), os.cpu_count() or 1
+    )
+
+
 def run(ctx: SectionRun) -> dict[str, Any]:
     from flowerbed.bench import suite
     from flowerbed.bench.report import plot_workload

@@ -5,6 +5,7 @@ Structure only: no test looks at how fast anything ran.
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -192,6 +193,42 @@ def test_slow_devices_data_weights_writers_by_their_slow_devices_share() -> None
     share = [(slow[0] + slow[2]) / 2, (slow[1] + slow[3]) / 2]
     expected = np.repeat(share, 2) / (2 * sum(share))
     assert suite.slow_weights(data, s) == pytest.approx(expected)
+
+
+def test_the_page_sums_a_full_runs_minutes_against_the_60_minute_target() -> None:
+    from flowerbed.bench import report
+
+    def entry(wall_s: float, data: dict[str, Any]) -> dict[str, Any]:
+        return {"wall_s": wall_s, "data": data}
+
+    cells = [  # suite: default cells' own times over 2 workers; variants left out
+        {"run_wall_s": 600.0, "family": "flower"},
+        {"run_wall_s": 600.0, "family": "flowerbed"},
+        {"run_wall_s": 999.0, "family": "variant"},
+    ]
+    results = {
+        "sections": {
+            "suite": entry(60.0, {"cells": cells, "settings": {"jobs": 2}}),
+            "machinery": entry(
+                60.0, {"a": {"part_wall_s": 120.0}, "b": {"part_wall_s": 60.0}}
+            ),
+            "selection": entry(300.0, {}),
+            "large-batch": entry(240.0, {}),
+            "tiles": entry(600.0, {}),
+            "pipeline": entry(600.0, {}),
+        }
+    }
+    minutes = report.full_run_minutes(results)
+    assert minutes["machinery"] == 3.0 and minutes["selection"] == 5.0
+    if (os.cpu_count() or 1) >= 2:
+        assert minutes["suite"] == 10.0
+    line = report.cost_line(results)
+    assert f"about {sum(minutes.values()):.0f} minutes" in line
+    assert line.count(": met.") == (sum(minutes.values()) <= 60)
+    results["sections"]["tiles"]["wall_s"] = 3600.0
+    assert "60 minutes: not met" in report.cost_line(results)
+    del results["sections"]["pipeline"]
+    assert "Not run yet: pipeline" in report.cost_line(results)
 
 
 def test_targets_say_met_or_not_from_the_comparisons() -> None:
