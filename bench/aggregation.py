@@ -121,23 +121,31 @@ def _streaming(
     return folding + time.process_time() - t0
 
 
-def kernel_first_use() -> dict[str, Any]:
+def kernel_first_use(group: int = 1) -> dict[str, Any]:
     """Which fold kernel this process uses, and the wall seconds of its first use
-    (a fold of a tiny update read in place, as the strategies read replies)."""
+    (folds of a tiny update read in place, as the strategies read replies, one
+    at a time and, for ``group`` > 1, in each group size the kernel compiles
+    for: powers of two up to ``fold_kernel.MOST``)."""
     from flowerbed.strategies import fold_kernel
-    from flowerbed.strategies.utils import UpdateAccumulator, array_view
+    from flowerbed.strategies.utils import Update, UpdateAccumulator, array_view
     from flwr.app import Array
 
     small = np.ones(8, np.float32)
+    base = {"w": small * 0}
     t0 = time.perf_counter()
-    UpdateAccumulator().add({"w": array_view(Array(small))}, {"w": small * 0}, 1.0)
+    UpdateAccumulator().add({"w": array_view(Array(small))}, base, 1.0)
+    count = 2
+    while count <= min(group, fold_kernel.MOST):
+        updates = [Update({"w": array_view(Array(small))}, base, 1.0)] * count
+        UpdateAccumulator().add_many(updates)
+        count *= 2
     seconds = time.perf_counter() - t0
     kernel = "numba" if fold_kernel.kernel() is not None else "numpy"
     return {"kernel": kernel, "kernel_first_use_s": seconds}
 
 
 def measure_streaming(nodes: int, floats: int, group: int = 1) -> dict[str, Any]:
-    first = kernel_first_use()
+    first = kernel_first_use(group)
     base = _base(floats)
     _streaming(base, min(2, nodes), group)  # warm-up (see the module docstring)
     before = measure_bandwidth(floats)

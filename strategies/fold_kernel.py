@@ -35,7 +35,10 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from logging import WARNING
+from types import ModuleType
+from typing import Any
 
+import numpy as np
 from flwr.supercore import log
 
 BLOCK = 1 << 16
@@ -43,21 +46,40 @@ BLOCK = 1 << 16
 block costs to take back; measured 14.1 GB/s against 12.2 GB/s with 4,096
 (the per-block call and the sum's conversion)."""
 
-Kernel = Callable[..., tuple[float, int]]
-_built: list[Kernel | None] = []
+MOST = 4
+"""Values the kernel folds together, element by element, at most: a call
+takes a tuple of up to this many (it compiles once for each count)."""
+
+Kernel = Callable[..., tuple[np.ndarray, np.ndarray]]
+Finisher = Callable[[np.ndarray, np.ndarray, Any], None]
+_built: list[ModuleType | None] = []
 
 
 def kernel() -> Kernel | None:
-    """``fold(x, b, s, f, zero) -> (sum of squares, -1 or where it stopped)``,
-    or ``None`` without numba. ``x``, ``b``, ``s`` are 1-D, C-contiguous and of
-    one float dtype; ``f`` and ``zero`` are scalars of that dtype. Where it
-    stopped, nothing of that block is left in ``s``; before it, all is."""
+    """``fold(xs, b, s, fs, zero, fresh) -> (sums of squares, where each
+    stopped or -1)``, or ``None`` without numba. ``xs`` is a tuple of at most
+    :data:`MOST` values; they, ``b`` and ``s`` are 1-D, C-contiguous and of one
+    float dtype; ``fs`` holds the values' factors in that dtype, ``zero`` is a
+    scalar of it; ``fresh`` says ``s`` is not written yet. Where a value
+    stopped, nothing of its block is left in ``s``; before it, all is."""
+    module = _module()
+    return module.fold_values if module is not None else None
+
+
+def finisher() -> Finisher | None:
+    """``finish(s, x, factor)``: ``s = factor s + x`` in place, in one pass,
+    rounded as NumPy rounds it; ``None`` without numba."""
+    module = _module()
+    return module.finish if module is not None else None
+
+
+def _module() -> ModuleType | None:
     if not _built:
         _built.append(_build() if os.environ.get("FLOWERBED_NUMBA") != "0" else None)
     return _built[0]
 
 
-def _build() -> Kernel | None:
+def _build() -> ModuleType | None:
     try:
         from . import _fold_numba
     except ImportError:  # numba is not installed: the NumPy fallback
@@ -65,4 +87,4 @@ def _build() -> Kernel | None:
     except Exception as err:  # e.g. numba finds no writable cache directory
         log(WARNING, "fold kernel unavailable, folding with NumPy: %s", err)
         return None
-    return _fold_numba.fold
+    return _fold_numba

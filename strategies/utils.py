@@ -7,7 +7,6 @@ the clock-driven push/pull loop, and atomic checkpoints.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import io
 import json
@@ -521,6 +520,13 @@ def _sum_dtype(dtype: np.dtype) -> np.dtype:
     return np.dtype(np.float64)
 
 
+def _read_only(array: np.ndarray) -> np.ndarray:
+    """A read-only view of ``array`` (the array itself stays writable)."""
+    view = array.view()
+    view.flags.writeable = False
+    return view
+
+
 @dataclass(frozen=True)
 class Update:
     """One reply for :meth:`UpdateAccumulator.add_many` (``add``'s arguments)."""
@@ -602,6 +608,14 @@ class UpdateAccumulator:
         self.total_weight = 0.0
         self.weighted_steps = 0.0
         self.count = 0
+        self._spent = False
+
+    def _check_open(self) -> None:
+        if self._spent:
+            raise RuntimeError(
+                "UpdateAccumulator.result() was taken (in the sum's memory): "
+                "fold further updates into a new accumulator"
+            )
 
     def add(
         self,
@@ -655,6 +669,7 @@ class UpdateAccumulator:
             bound = update.max_norm
             if bound is not None and not (bound > 0 and math.isfinite(bound)):
                 raise ValueError(f"max_norm must be finite and > 0, got {bound}")
+        self._check_open()
         groups: dict[tuple[object, ...], list[int]] = {}
         for i, update in enumerate(updates):
             names = tuple(update.arrays)
@@ -739,47 +754,79 @@ class UpdateAccumulator:
         ]  # C order, as the base: a copy only if Fortran
         base = np.ravel(base)
         dtype = _sum_dtype(base.dtype)
+        compiled = fold_kernel.kernel() if base.dtype == dtype else None
+        if compiled is not None and all(v.dtype == dtype for v in flat):
+            fresh = name not in self._sum
+            if fresh:  # the kernel writes it: no zeros to write first
+                self._sum[name] = np.empty(base.size, dtype)
+            total = self._sum[name]
+            return self._fold_compiled(
+                compiled, name, flat, base, total, factors, fresh
+            )
         if name not in self._sum:
             self._sum[name] = np.zeros(base.size, dtype)
         total = self._sum[name]
-        compiled = fold_kernel.kernel() if base.dtype == dtype else None
         scalars = [dtype.type(f) for f in factors]  # as NumPy rounds a Python float
-        zero = dtype.type(0)
-        # A lone value needs no chunks when compiled: the kernel blocks itself.
-        step = base.size if compiled is not None and len(flat) == 1 else FOLD_CHUNK
         squares = [0.0] * len(flat)
         failed: dict[int, tuple[ReplyRejected, int]] = {}
         live = list(range(len(flat)))
-        numpy_used = compiled is None or any(v.dtype != dtype for v in flat)
-        quiet = np.errstate(over="ignore", invalid="ignore")  # NumPy's only
-        with quiet if numpy_used else contextlib.nullcontext():
-            for start in range(0, base.size, max(step, 1)):
-                stop = min(start + step, base.size)
+        with np.errstate(over="ignore", invalid="ignore"):
+            for start in range(0, base.size, FOLD_CHUNK):
+                stop = min(start + FOLD_CHUNK, base.size)
                 part = base[start:stop]
                 into = total[start:stop]
                 for k in live:
-                    value = flat[k][start:stop]
-                    if compiled is not None and value.dtype == dtype:
-                        chunk, stopped = compiled(value, part, into, scalars[k], zero)
-                        if stopped >= 0:
-                            block = slice(stopped, stopped + fold_kernel.BLOCK)
-                            failed[k] = (
-                                _rejection(name, value[block] - part[block]),
-                                start + stopped,
-                            )
-                            continue
-                    else:
-                        delta = self._buffer(dtype)[: stop - start]
-                        np.subtract(value, part, out=delta, casting="unsafe")
-                        chunk = float(np.dot(delta, delta))
-                        if not math.isfinite(chunk):
-                            failed[k] = (_rejection(name, delta), start)
-                            continue
-                        delta *= scalars[k]
-                        into += delta
+                    delta = self._buffer(dtype)[: stop - start]
+                    np.subtract(flat[k][start:stop], part, out=delta, casting="unsafe")
+                    chunk = float(np.dot(delta, delta))
+                    if not math.isfinite(chunk):
+                        failed[k] = (_rejection(name, delta), start)
+                        continue
+                    delta *= scalars[k]
+                    into += delta
                     squares[k] += chunk
                 if failed and len(failed) > len(flat) - len(live):
                     live = [k for k in live if k not in failed]
+        if base.dtype.kind != "f":
+            squares = [0.0] * len(flat)
+        return squares, failed
+
+    @staticmethod
+    def _fold_compiled(
+        compiled: fold_kernel.Kernel,
+        name: str,
+        flat: Sequence[np.ndarray],
+        base: np.ndarray,
+        total: np.ndarray,
+        factors: Sequence[float],
+        fresh: bool,
+    ) -> tuple[list[float], dict[int, tuple[ReplyRejected, int]]]:
+        """:meth:`_fold` by the compiled kernel: one call for all the values
+        (``fresh``: ``total`` is not written yet)."""
+        dtype = total.dtype
+        # The kernel compiles once per tuple type: the values as read-only
+        # views, in tuples of fold_kernel.MOST and one of the rest.
+        flat = [v if not v.flags.writeable else _read_only(v) for v in flat]
+        scalars = np.array(factors, dtype)  # as NumPy rounds a Python float
+        squares: list[float] = []
+        stopped: list[int] = []
+        for first in range(0, len(flat), fold_kernel.MOST):
+            count = min(fold_kernel.MOST, len(flat) - first)
+            found, where = compiled(
+                tuple(flat[first : first + count]),
+                base,
+                total,
+                scalars[first : first + count],
+                dtype.type(0),
+                fresh and first == 0,
+            )
+            squares += found.tolist()
+            stopped += where.tolist()
+        failed: dict[int, tuple[ReplyRejected, int]] = {}
+        for k, start in enumerate(stopped):
+            if start >= 0:
+                block = slice(start, start + fold_kernel.BLOCK)
+                failed[k] = (_rejection(name, flat[k][block] - base[block]), start)
         if base.dtype.kind != "f":
             squares = [0.0] * len(flat)
         return squares, failed
@@ -794,25 +841,34 @@ class UpdateAccumulator:
         """Return ``current + eta m S / W`` in each array's own dtype.
 
         ``eta = step_size`` is a server learning rate (FedBuff's ``eta_g``).
-        Float arrays with a sum of their own dtype are made chunk by chunk
-        (one pass over the sum and the model, while the chunk is in cache).
+        Float arrays with a sum of their own dtype are made in the sum's own
+        memory, chunk by chunk (one pass over the sum and the model, while the
+        chunk is in cache): no new model-sized allocation, whose first touch
+        costs the kernel about as much as folding an update. The sum is then
+        spent: the accumulator takes no more updates, and a second call raises.
         """
         if self.count == 0:
             raise ValueError("no updates to aggregate")
+        self._check_open()
+        self._spent = True
         m = self.weighted_steps / self.total_weight if normalise_steps else 1.0
         m *= step_size
         factor = m / self.total_weight
+        finish = fold_kernel.finisher()
         out: dict[str, np.ndarray] = {}
         for name, value in current.items():
             total = self._sum[name]
             value = np.asarray(value)
             if value.dtype == total.dtype:
                 flat = np.ravel(value)
-                new = np.empty(total.size, total.dtype)
-                for start in range(0, total.size, FOLD_CHUNK):
-                    part = new[start : start + FOLD_CHUNK]
-                    np.multiply(total[start : start + FOLD_CHUNK], factor, out=part)
-                    part += flat[start : start + FOLD_CHUNK]
+                new = total
+                if finish is not None:
+                    finish(new, flat, total.dtype.type(factor))
+                else:
+                    for start in range(0, total.size, FOLD_CHUNK):
+                        part = new[start : start + FOLD_CHUNK]
+                        np.multiply(part, factor, out=part)
+                        part += flat[start : start + FOLD_CHUNK]
                 new = new.reshape(value.shape)
             else:
                 new = np.multiply(total, factor, dtype=total.dtype).reshape(value.shape)

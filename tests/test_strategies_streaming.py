@@ -137,7 +137,9 @@ def test_add_many_is_the_same_sum_bit_for_bit_as_adding_one_by_one() -> None:
             for i, (r, w) in enumerate(zip(replies, weights, strict=True))
         ]
     )
-    assert got == norms  # each update's own norm, in order
+    # each update's own norm, in order (to float32 summation order: the
+    # kernel sums four values' squares together in other vector lanes)
+    assert got == pytest.approx(norms, rel=1e-6)
     assert (together.count, together.total_weight, together.weighted_steps) == (
         5,
         sum(weights),
@@ -367,3 +369,86 @@ def test_array_view_reuses_a_parsed_header_but_reads_each_payload() -> None:
     assert not view.flags.writeable and not view.flags.owndata
     fortran = np.asfortranarray(np.arange(6, dtype=np.float64).reshape(2, 3))
     assert array_view(Array(fortran)).tolist() == fortran.tolist()
+
+
+def test_a_rejected_first_update_leaves_no_trace_in_a_sum_never_zeroed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The compiled fold writes a new sum with its first update instead of
+    # zeroing it first: when that update (or one in a group) is rejected, the
+    # blocks it had not written must still read zero. New memory is made dirty
+    # here, as reused memory can be.
+    empty = np.empty
+
+    def dirty(*args: object, **kwargs: object) -> np.ndarray:
+        out = empty(*args, **kwargs)  # type: ignore[call-overload]
+        out.fill(7)
+        return out  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(np, "empty", dirty)
+    size = 3 * fold_kernel.BLOCK + 5
+    base = {"w": np.zeros(size, np.float32)}
+    poisoned = np.full(size, 5.0, np.float32)
+    poisoned[fold_kernel.BLOCK + 1] = np.nan  # one block written before it
+    acc = UpdateAccumulator()
+    with pytest.raises(ReplyRejected, match="NaN or Inf"):
+        acc.add({"w": poisoned}, base, 1.0)
+    acc.add({"w": np.full(size, 2.0, np.float32)}, base, 1.0)
+    assert np.array_equal(acc.result(base)["w"], np.full(size, 2.0))
+    group = UpdateAccumulator()
+    outcomes = group.add_many(
+        [
+            Update({"w": poisoned}, base, 1.0),
+            Update({"w": np.ones(size, np.float32)}, base, 1.0),
+        ]
+    )
+    assert isinstance(outcomes[0], ReplyRejected)
+    assert np.array_equal(group.result(base)["w"], np.ones(size))
+    four = UpdateAccumulator()  # folded together, element by element
+    outcomes = four.add_many(
+        [Update({"w": poisoned}, base, 1.0)]
+        + [Update({"w": np.full(size, v, np.float32)}, base, 1.0) for v in (1, 2, 3)]
+    )
+    assert [isinstance(o, ReplyRejected) for o in outcomes] == [True] + [False] * 3
+    assert np.array_equal(four.result(base)["w"], np.full(size, 2.0))
+    for rejected in (
+        [Update({"w": poisoned}, base, 1.0)],
+        [Update({"w": poisoned}, base, 1.0)] * 4,
+    ):
+        nothing = UpdateAccumulator()
+        nothing.add_many(rejected)
+        assert nothing.count == 0 and np.array_equal(nothing._sum["w"], np.zeros(size))
+
+
+def test_result_is_made_in_the_sums_memory_and_spends_the_accumulator() -> None:
+    base = {"w": np.zeros(4, np.float32)}
+    acc = UpdateAccumulator()
+    acc.add({"w": np.full(4, 2.0, np.float32)}, base, 1.0)
+    sum_memory = acc._sum["w"]
+    out = acc.result(base)
+    assert np.shares_memory(out["w"], sum_memory) and out["w"].tolist() == [2.0] * 4
+    with pytest.raises(RuntimeError, match="new accumulator"):
+        acc.add({"w": np.ones(4, np.float32)}, base, 1.0)
+    with pytest.raises(RuntimeError, match="new accumulator"):
+        acc.result(base)
+
+
+def test_compiled_result_equals_the_numpy_result_bit_for_bit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    if fold_kernel.finisher() is None:
+        pytest.skip("numba is not installed (or FLOWERBED_NUMBA=0)")
+    rng = np.random.default_rng(5)
+    size = FOLD_CHUNK + 11
+    base = {"w": rng.standard_normal(size).astype(np.float32)}
+    replies = _replies(size, 3, seed=6)
+
+    def result() -> np.ndarray:
+        acc = UpdateAccumulator()
+        for i, r in enumerate(replies):
+            acc.add({"w": r["w"]}, base, 1.0 + i / 3)
+        return acc.result(base, step_size=0.7)["w"]
+
+    compiled = result()
+    monkeypatch.setattr(fold_kernel, "_built", [None])
+    assert np.array_equal(compiled, result())
