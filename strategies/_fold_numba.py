@@ -20,7 +20,7 @@ def _fold_block(x: Any, b: Any, s: Any, f: Any, zero: Any) -> Any:
         d = x[i] - b[i]
         square = d * d
         part += square
-        s[i] += f * (d if square - square == 0 else zero)
+        s[i] = s[i] + f * d if square < np.inf else s[i]
     return part
 
 
@@ -33,7 +33,7 @@ def _start_block(x: Any, b: Any, s: Any, f: Any, zero: Any) -> Any:
         d = x[i] - b[i]
         square = d * d
         part += square
-        s[i] = zero + f * (d if square - square == 0 else zero)
+        s[i] = zero + f * d if square < np.inf else zero
     return part
 
 
@@ -43,7 +43,7 @@ def _unfold_block(x: Any, b: Any, s: Any, f: Any, zero: Any) -> None:
     for i in range(x.size):
         d = x[i] - b[i]
         square = d * d
-        s[i] -= f * (d if square - square == 0 else zero)
+        s[i] = s[i] - f * d if square < np.inf else s[i]
 
 
 @numba.njit(nogil=True, cache=True)
@@ -67,19 +67,19 @@ def _fold4_block(xs: Any, b: Any, s: Any, fs: Any, zero: Any, fresh: bool) -> An
         d = x0[i] - base
         square = d * d
         p0 += square
-        t = _plus(t, f0 * (d if square - square == 0 else zero))
+        t = _plus(t, f0 * d) if square < np.inf else t
         d = x1[i] - base
         square = d * d
         p1 += square
-        t = _plus(t, f1 * (d if square - square == 0 else zero))
+        t = _plus(t, f1 * d) if square < np.inf else t
         d = x2[i] - base
         square = d * d
         p2 += square
-        t = _plus(t, f2 * (d if square - square == 0 else zero))
+        t = _plus(t, f2 * d) if square < np.inf else t
         d = x3[i] - base
         square = d * d
         p3 += square
-        s[i] = _plus(t, f3 * (d if square - square == 0 else zero))
+        s[i] = _plus(t, f3 * d) if square < np.inf else t
     return p0, p1, p2, p3
 
 
