@@ -2,7 +2,9 @@
 
 Run as ``python -m flowerbed.bench.aggregation METHOD NODES FLOATS``; prints one
 JSON line. Each measurement runs in a fresh process so that its peak resident set
-size (``ru_maxrss``) is that method's alone.
+size is that method's alone: the peak (Linux's ``VmHWM``, else ``ru_maxrss``) is
+counted afresh just before the aggregation, without the bandwidth measurement's
+arrays.
 
 - ``streaming``: replies arrive one at a time and are folded into
   :class:`flowerbed.strategies.utils.UpdateAccumulator` (float32 running sum of the
@@ -41,7 +43,11 @@ core. Throughput is ``nodes x FLOATS x 4`` bytes of updates per CPU second of
 aggregation (reply creation is not timed). A warm-up aggregation of two replies
 runs first, as a server has done in every round but its first: a fresh
 process's first model-sized allocation costs ~0.2 s of the kernel's huge-page
-assembly here, which a long-running server does not pay each round. Replies are
+assembly here, which a long-running server does not pay each round; and the
+timed aggregation makes its sums in the warm-up's result, as
+``RuntimeWeightedFedAvg`` makes each round's in the last round's result once
+it has encoded it (fresh memory would cost the kernel ~13 ms of page faults
+per 102 MB, about half a fold, each round). Replies are
 ``base + i x 1e-3`` over a seeded normal base: as large as real updates and
 cheap to make.
 """
@@ -68,7 +74,27 @@ NUM_ARRAYS = 16
 
 
 def _peak_rss_bytes() -> int:
+    """The process's peak resident set size since :func:`_reset_peak` (Linux's
+    ``VmHWM``), or since it started where that cannot be read."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def _reset_peak() -> None:
+    """Start the peak resident set size afresh from what the process holds now
+    (Linux: ``5`` to ``/proc/self/clear_refs``), so that the peak reported is
+    the aggregation's, not that of the bandwidth measurement's two arrays."""
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+    except OSError:
+        pass
 
 
 def _split(floats: int) -> list[int]:
@@ -94,15 +120,20 @@ def _reply(base: dict[str, np.ndarray], i: int) -> Any:
 
 
 def _streaming(
-    base: dict[str, np.ndarray], nodes: int, group: int, first: int = 0
-) -> float:
-    """CPU seconds to fold ``nodes`` replies, ``group`` per pass, and the result."""
+    base: dict[str, np.ndarray],
+    nodes: int,
+    group: int,
+    memory: dict[str, np.ndarray] | None = None,
+) -> tuple[float, dict[str, np.ndarray]]:
+    """CPU seconds to fold ``nodes`` replies, ``group`` per pass, and make the
+    result (in ``memory``, as a strategy makes it in its last result's), and
+    the result."""
     from flowerbed import keys
     from flowerbed.strategies.utils import Update, UpdateAccumulator, array_view
 
-    acc = UpdateAccumulator()
+    acc = UpdateAccumulator(memory)
     folding = 0.0
-    for start in range(first, first + nodes, group):
+    for start in range(0, nodes, group):
         replies = [_reply(base, i) for i in range(start, min(start + group, nodes))]
         t0 = time.process_time()
         updates = []
@@ -118,8 +149,8 @@ def _streaming(
         folding += time.process_time() - t0
         del replies, updates
     t0 = time.process_time()
-    acc.result(base)
-    return folding + time.process_time() - t0
+    result = acc.result(base)
+    return folding + time.process_time() - t0, result
 
 
 def kernel_first_use(group: int = 1) -> dict[str, Any]:
@@ -148,10 +179,17 @@ def kernel_first_use(group: int = 1) -> dict[str, Any]:
 def measure_streaming(nodes: int, floats: int, group: int = 1) -> dict[str, Any]:
     first = kernel_first_use(group)
     base = _base(floats)
-    _streaming(base, min(2, nodes), group)  # warm-up (see the module docstring)
+    _, memory = _streaming(base, min(2, nodes), group)  # warm-up (module docstring)
     before = measure_bandwidth(floats)
-    seconds = _streaming(base, nodes, group)
-    return {"seconds": seconds, **first, **_limits(before, measure_bandwidth(floats))}
+    _reset_peak()
+    seconds, _ = _streaming(base, nodes, group, memory)
+    peak = _peak_rss_bytes()
+    return {
+        "seconds": seconds,
+        "peak_rss_bytes": peak,
+        **first,
+        **_limits(before, measure_bandwidth(floats)),
+    }
 
 
 def measure_flower(nodes: int, floats: int) -> dict[str, Any]:
@@ -162,10 +200,17 @@ def measure_flower(nodes: int, floats: int) -> dict[str, Any]:
     aggregate_arrayrecords([_reply(base, i) for i in range(2)], keys.NUM_EXAMPLES)
     replies = [_reply(base, i) for i in range(nodes)]
     before = measure_bandwidth(floats)
+    _reset_peak()  # from the replies held, as Flower holds them
     t0 = time.process_time()
     aggregate_arrayrecords(replies, keys.NUM_EXAMPLES)
     seconds = time.process_time() - t0
-    return {"seconds": seconds, **_limits(before, measure_bandwidth(floats))}
+    peak = _peak_rss_bytes()
+    del replies
+    return {
+        "seconds": seconds,
+        "peak_rss_bytes": peak,
+        **_limits(before, measure_bandwidth(floats)),
+    }
 
 
 def _limits(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
@@ -218,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.nodes < 1 or args.floats < NUM_ARRAYS:
         parser.error(f"need nodes >= 1 and floats >= {NUM_ARRAYS}")
     if args.method == "bandwidth":
-        out = measure_bandwidth(args.floats)
+        out = {**measure_bandwidth(args.floats), "peak_rss_bytes": _peak_rss_bytes()}
     else:
         if args.method == "flower":
             out = measure_flower(args.nodes, args.floats)
@@ -232,7 +277,6 @@ def main(argv: list[str] | None = None) -> int:
         method=args.method,
         nodes=args.nodes,
         floats=args.floats,
-        peak_rss_bytes=_peak_rss_bytes(),
     )
     print(json.dumps(out))
     return 0

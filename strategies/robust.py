@@ -133,7 +133,8 @@ class BoundedSum:
 
     ``weights`` and ``norms`` are the strategy's references, kept across rounds;
     ``weight_cap``/``clip_factor`` None turn a bound off. ``capped`` and
-    ``clipped`` count the replies each bound changed.
+    ``clipped`` count the replies each bound changed. ``memory``: where the
+    sums are made (:class:`UpdateAccumulator`).
     """
 
     def __init__(
@@ -142,8 +143,9 @@ class BoundedSum:
         clip_factor: float | None,
         weights: Reference,
         norms: Reference,
+        memory: Mapping[str, np.ndarray] | None = None,
     ) -> None:
-        self.sum = UpdateAccumulator()
+        self.sum = UpdateAccumulator(memory)
         self.weight_cap = weight_cap
         self.clip_factor = clip_factor
         self.weights = weights

@@ -266,6 +266,9 @@ class RuntimeWeightedFedAvg(RoundLoop):
         self.speeds: dict[int, float] = {}
         """Smoothed speed of each node, in optimiser steps per second."""
         self._fallbacks_logged: set[str] = set()
+        self._sum_memory: dict[str, np.ndarray] = {}
+        """The last aggregation's result once encoded: where the next one makes
+        its sums (no fresh pages to fault in each round; see UpdateAccumulator)."""
         self._init_loop(checkpoint_path)
 
     # ------------------------------------------------------------------ summary
@@ -654,11 +657,13 @@ class RuntimeWeightedFedAvg(RoundLoop):
         """What one aggregation folds updates into (``aggregation``, the bounds)."""
         if self.aggregation != "mean":
             return CoordinateRobust(self.aggregation, self.trim_fraction)
+        memory, self._sum_memory = self._sum_memory, {}
         return BoundedSum(
             self.weight_cap,
             self.clip_factor if clip else None,
             self.recent_weights,
             self.recent_norms,
+            memory,
         )
 
     def _server_step_size(self) -> float:
@@ -725,7 +730,14 @@ class RuntimeWeightedFedAvg(RoundLoop):
         reference = self.recent_weights.median(minimum=1)
         if self.weight_cap is not None and reference is not None:
             fold.metrics.cap(self.weight_cap * reference)  # metrics as the model
-        return to_arrayrecord(new), fold.metrics.result(self.train_metrics_aggr_fn)
+        record = to_arrayrecord(new)  # a copy: ``new`` is free from here on
+        current = fold.zeros if fold.zeros is not None else self._global_np
+        self._sum_memory = {
+            name: value
+            for name, value in new.items()
+            if not np.may_share_memory(value, current[name])
+        }
+        return record, fold.metrics.result(self.train_metrics_aggr_fn)
 
     def aggregate_evaluate(
         self, server_round: int, replies: Iterable[Message]

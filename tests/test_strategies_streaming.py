@@ -452,3 +452,27 @@ def test_compiled_result_equals_the_numpy_result_bit_for_bit(
     compiled = result()
     monkeypatch.setattr(fold_kernel, "_built", [None])
     assert np.array_equal(compiled, result())
+
+
+def test_the_strategy_makes_each_rounds_sums_in_the_last_results_memory() -> None:
+    model = to_arrayrecord({"w": np.zeros(8, np.float32)})
+    grid = FakeGrid({1: node(1.0, seconds=1.0)})
+    strategy = RuntimeWeightedFedAvg(weighting="examples", min_train_nodes=1)
+    (template,) = strategy.configure_train(1, model, _config(), grid)
+    first, _ = strategy.aggregate_train(
+        1, [reply(template, {"w": np.full(8, 2.0, np.float32)}, num_examples=1)]
+    )
+    memory = strategy._sum_memory["w"]
+    second, _ = strategy.aggregate_train(
+        1, [reply(template, {"w": np.full(8, 4.0, np.float32)}, num_examples=1)]
+    )
+    assert first is not None and second is not None
+    assert np.shares_memory(strategy._sum_memory["w"], memory)  # made there again
+    # each round's record is a copy, untouched by the next round's sums
+    assert first["w"].numpy().tolist() == [2.0] * 8
+    assert second["w"].numpy().tolist() == [4.0] * 8
+    given = {"w": np.full(8, 9.0, np.float32)}  # dirty memory: written, not added to
+    acc = UpdateAccumulator(given)
+    acc.add({"w": np.ones(8, np.float32)}, {"w": np.zeros(8, np.float32)}, 1.0)
+    assert np.shares_memory(acc._sum["w"], given["w"])
+    assert acc.result({"w": np.zeros(8, np.float32)})["w"].tolist() == [1.0] * 8
