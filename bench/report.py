@@ -322,7 +322,8 @@ def _aggregation_lines(agg: Mapping[str, Any]) -> list[str]:
     seconds = "CPU s" if per_point else "s"
     lines = [
         f"Update: {agg['floats']:,} float32 ({agg['update_bytes'] / 1e6:.1f} MB) per "
-        f"node. Memory bandwidth (`a += b`, bytes read + written, best of 5): "
+        f"node. Memory bandwidth (`a += b` on fresh huge-page memory, bytes read + "
+        f"written, best of 5): "
         f"**{agg['bandwidth_gbps']:.1f} GB/s** measured alone at the start; a fold "
         f"reads the update and reads and writes the running sum, so one fold takes "
         f"in at most a third of that: the limit, "
@@ -331,7 +332,9 @@ def _aggregation_lines(agg: Mapping[str, Any]) -> list[str]:
             f" ({min(limits):.1f}-{max(limits):.1f} GB/s as each measuring process "
             "found it around its aggregation: each row's ratio is to its own). "
             "Throughput in update bytes per CPU second of aggregation (result "
-            "included, after a warm-up aggregation; `flowerbed.bench.aggregation`)"
+            "included, after a warm-up aggregation whose result's memory holds "
+            "the sums, as the strategies keep it between rounds; peak RSS from "
+            "just before the aggregation; `flowerbed.bench.aggregation`)"
             if per_point and limits
             else ""
         )
@@ -372,7 +375,8 @@ def _aggregation_lines(agg: Mapping[str, Any]) -> list[str]:
             )
             + ". A fold of *updates* (`x - base`, whose norm and NaN/Inf check "
             "it returns) also reads the base, so a lone fold can reach at most "
-            "3/4 of the limit; a group of 4 reads the base and the sum once. "
+            "3/4 of the limit; a group of 4, folded together element by "
+            "element, reads the base and the sum once for the four. "
             + _kernel_text(ours)
             + "flowerbed's strategies fold one reply at a time (`add`: the "
             "rows so named); `add_many` is for callers that hold several "
