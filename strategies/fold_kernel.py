@@ -1,33 +1,43 @@
 """The compiled fold step of :class:`flowerbed.strategies.utils.UpdateAccumulator`.
 
-One call folds ``s += f (x - b)`` over an array and returns the sum of squares
-of ``d = x - b``, in one pass: each element of ``x``, ``b`` and ``s`` is read
-once and ``s`` written once, with no temporaries (the NumPy fallback makes
-four passes over a cache-resident chunk of ``d``). Per element it adds ``d**2``
-to the block's sum and ``f d`` to ``s`` -- or nothing where ``d**2`` is not
-finite (NaN, Inf, or ``|d|`` over ~1.8e19 in float32), so ``s`` never takes in
-a non-finite value. At the end of each block of :data:`BLOCK` elements the
-block's sum of squares is the NaN/Inf check (finite exactly when every
-difference is, and below the dtype's range); a non-finite block is taken back
-at once (``s -= f d`` over its finite elements: the sum is as it was to within
-one rounding per element) and the call returns where that block starts, so the
-caller takes back the blocks before it, as for the NumPy fallback.
+One call folds ``s += f_j (x_j - b)`` for up to :data:`MOST` values ``x_j`` of
+one array and returns each one's sum of squares of ``d_j = x_j - b``, in one
+pass: each element of ``x_j``, ``b`` and ``s`` is read once and ``s`` written
+once, with no temporaries (the NumPy fallback makes four passes over a
+cache-resident chunk of ``d``). Four values are folded together element by
+element, so the base and the sum are read once for the four (a fold of one
+moves four arrays per update, a fold of four 7/4); fewer go one after the
+other, block by block, while the block's base and sum are in cache. Per
+element it adds ``d**2`` to the block's sum and ``f d`` to ``s`` -- or, where
+``d**2`` is not finite (NaN, Inf, or ``|d|`` over ~1.8e19 in float32), leaves
+``s`` as it is (a masked add), so ``s`` never takes in a non-finite value. At
+the end of each block of :data:`BLOCK` elements the block's sum of squares is
+the NaN/Inf check (finite exactly when every difference is, and below the
+dtype's range); a value with a non-finite block is taken back from it at once
+(``s -= f d`` over its finite elements: the sum is as it was to within one
+rounding per element), not folded further, and the call says where that block
+starts, so the caller takes back the blocks before it, as for the NumPy
+fallback. A sum not written yet (``fresh``) is written by the first value, not
+read: no zeros to write first.
 
 The arithmetic per element is NumPy's (``d = x - b``, ``f * d``, ``s + f d``,
-each rounded to the sum's dtype, no fused multiply-add), so the sum equals the
-NumPy fallback's bit for bit when nothing is taken back; only the order in
-which a block's squares are added differs (``fastmath`` reassociation, which
-lets the compiler vectorise that sum; NaN and Inf still propagate: no
-``nnan``/``ninf`` flags). Measured on this project's 2-core AMD EPYC: one
-25.6 M-float update folds at ~14 GB/s against ~9 GB/s with NumPy chunks
-(``flowerbed bench``, machinery section, gives the published figures).
+each rounded to the sum's dtype, no fused multiply-add, and the four values'
+additions in their order), so the sum equals the NumPy fallback's, and adding
+the values one call at a time, bit for bit when nothing is taken back; only
+the order in which a block's squares are added differs (``fastmath``
+reassociation, which lets the compiler vectorise that sum; NaN and Inf still
+propagate: no ``nnan``/``ninf`` flags; the sum's additions are compiled
+without it). :func:`finisher` gives the result's one pass, ``s = c s + x``.
+Measured (``flowerbed bench``, machinery section, gives the published
+figures): one value at a time ~0.5, four at a time ~0.85-1.0 of the
+``a += b`` limit on this project's 2-core Intel Xeon, in-process.
 
-numba compiles the kernel at its first use in a process, for each dtype and
-writability of the arrays (~0.4 s each), and caches the machine code on disk
-(``cache=True``), so later processes load it in milliseconds. Importing this
-module does not import numba: :func:`kernel` does, once, and returns ``None``
-when numba is not installed (or ``FLOWERBED_NUMBA=0``); UpdateAccumulator then
-folds with NumPy (the same sums, slower).
+numba compiles each kernel at its first use in a process, for each dtype,
+writability and number of values (~0.4 s each), and caches the machine code on
+disk (``cache=True``), so later processes load it in milliseconds. Importing
+this module does not import numba: :func:`kernel` does, once, and returns
+``None`` when numba is not installed (or ``FLOWERBED_NUMBA=0``);
+UpdateAccumulator then folds with NumPy (the same sums, slower).
 """
 
 from __future__ import annotations
