@@ -52,7 +52,8 @@ def planned_bytes(method: str, nodes: int, floats: int) -> int:
     """Memory a measurement is expected to need, from its algorithm.
 
     Streaming holds the base, one reply (its array and serialised bytes), the
-    float32 sum, the result and the two bandwidth arrays (7 x 4 bytes per float);
+    float32 sum (the result is made in it) and the two bandwidth arrays (6 x 4
+    bytes per float; planned as 7, from when the result was an array more);
     grouped holds :data:`flowerbed.bench.aggregation.GROUP` replies instead of
     one; Flower's list holds every reply plus the float32 result, a temporary and
     the bandwidth arrays (4 x (nodes + 4)).
