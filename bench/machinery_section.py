@@ -31,6 +31,11 @@ THROUGHPUT_NODES = (10, 100, 1000)
 """Fleet sizes (all sampled each round) for the throughput part; 10 is the
 default scenario."""
 THROUGHPUT_ROUNDS = 2
+THROUGHPUT_RAY_NODES = (10, 100)
+"""Fleet sizes run on Flower's simulation engine (``flwr run``, Ray) each time.
+Not 1000: that one run took 339 of the part's 780 s (2026-11-27), more than the
+rest of the part; its last measurement is carried over with its date
+(:func:`carry_ray_points`)."""
 QUICK_THROUGHPUT_NODES = (10,)
 QUICK_THROUGHPUT_MODES = ("legacy", "per-node", "batched")
 """--quick leaves out the workers (10 nodes are too few to split over them)."""
@@ -92,7 +97,7 @@ def run_part(part: str, quick: bool, app_dir: Path) -> dict[str, Any]:
                 )
                 if quick
                 else m.node_throughput(
-                    THROUGHPUT_NODES, THROUGHPUT_ROUNDS, app_dir, THROUGHPUT_NODES
+                    THROUGHPUT_NODES, THROUGHPUT_ROUNDS, app_dir, THROUGHPUT_RAY_NODES
                 )
             )
         elif part == "startup":
@@ -130,8 +135,32 @@ def run(ctx: SectionRun) -> dict[str, Any]:
             "load_average": load,
             **run_part(part, ctx.quick, app_root()),
         }
+        if part == "throughput" and not ctx.quick:
+            carry_ray_points(out[part], previous.get(part))
         step(part)
     return {p: out[p] for p in PARTS if p in out}
+
+
+def carry_ray_points(new: dict[str, Any], old: Mapping[str, Any] | None) -> None:
+    """Put into ``new`` (a throughput part) the previous part's Flower (Ray)
+    points at sizes ``new`` did not run on Ray, each marked ``carried_from``
+    with the date it was measured, after ``new``'s points of the same size."""
+    if not old or "points" not in new:
+        return
+    ran = {p["cohort"] for p in new["points"] if p["mode"] == "ray"}
+    for point in old.get("points", []):
+        if point["mode"] != "ray" or point["cohort"] in ran or "error" in point:
+            continue
+        carried = {**point, "carried_from": point.get("carried_from", old["measured"])}
+        at = max(
+            (
+                i + 1
+                for i, p in enumerate(new["points"])
+                if p["cohort"] == point["cohort"]
+            ),
+            default=len(new["points"]),
+        )
+        new["points"].insert(at, carried)
 
 
 def full_run_seconds(data: Mapping[str, Any], wall_s: float) -> float:

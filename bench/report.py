@@ -443,7 +443,9 @@ def _throughput_lines(t: Mapping[str, Any]) -> list[str]:
         "`flowerbed sim` runs. CPU seconds: the measuring process and its workers "
         "after a warm-up run; in-process points are the median of runs with the "
         "modes interleaved; for Ray, the SuperLink and everything it started, "
-        "start-up included.",
+        'start-up included. A row marked "measured DATE" was not rerun with '
+        "this part (Ray at 1,000 nodes: one run costs more than the rest of the "
+        "part) and carries its own date.",
         "",
         "| nodes per round | engine | rounds | node-tasks per CPU-second (runs) "
         "| wall s per round | CPU s | final accuracy (%) |",
@@ -455,6 +457,8 @@ def _throughput_lines(t: Mapping[str, Any]) -> list[str]:
             lines.append(f"| {p['cohort']} | {name} || failed: {p['error'][:200]} ||||")
             continue
         workers = f" ({p['workers']})" if p["mode"] == "workers" else ""
+        if "carried_from" in p:
+            workers += f", measured {p['carried_from']}"
         lines.append(
             f"| {p['cohort']} | {name}{workers} | {p.get('rounds', t['rounds'])} "
             f"| {p['tasks_per_cpu_s']:.0f}{_run_spread(p)} "

@@ -231,6 +231,40 @@ def test_the_page_sums_a_full_runs_minutes_against_the_60_minute_target() -> Non
     assert "Not run yet: pipeline" in report.cost_line(results)
 
 
+def test_ray_points_not_rerun_are_carried_over_with_their_date() -> None:
+    from flowerbed.bench.machinery_section import carry_ray_points
+
+    def point(mode: str, cohort: int, **more: Any) -> dict[str, Any]:
+        return {"mode": mode, "cohort": cohort, **more}
+
+    old = {
+        "measured": "2026-11-27T09:20:06+00:00",
+        "points": [point("ray", 100, rate=1), point("ray", 1000, rate=2)],
+    }
+    new = {
+        "measured": "2026-11-28T00:00:00+00:00",
+        "points": [
+            point("batched", 100),
+            point("ray", 100, rate=3),
+            point("batched", 1000),
+            point("batched", 2000),
+        ],
+    }
+    carry_ray_points(new, old)
+    assert [(p["mode"], p["cohort"]) for p in new["points"]] == [
+        ("batched", 100),
+        ("ray", 100),
+        ("batched", 1000),
+        ("ray", 1000),
+        ("batched", 2000),
+    ]
+    assert new["points"][1] == point("ray", 100, rate=3)  # rerun: the new one
+    assert new["points"][3]["carried_from"] == old["measured"]
+    again = {"measured": "2026-11-29T00:00:00+00:00", "points": [point("ray", 5)]}
+    carry_ray_points(again, new)  # a carried point keeps its first date
+    assert again["points"][-1]["carried_from"] == old["measured"]
+
+
 def test_targets_say_met_or_not_from_the_comparisons() -> None:
     dev = {
         "available": True,
