@@ -71,6 +71,22 @@ def test_speed_ups_limits_and_memory_ratios_follow_from_the_runs() -> None:
     assert six["halo"] == pytest.approx(0.5)
 
 
+def test_one_core_is_the_board_run_with_its_compute_four_times_as_long() -> None:
+    board = {
+        **fake_run("1 board", 1, 20.5, 40 * 2**20),
+        "compute-s": [20.0],
+        "gflops": 0.54,
+        "predicted-step-s": 20.0,
+    }
+    core = section.one_core(board, 4)
+    assert core["step-s"] == pytest.approx(80.5)  # 4 x 20 s + the 0.5 s outside
+    assert core["predicted-step-s"] == 80.0 and core["gflops"] == 0.135
+    assert core["activation-bytes"] == board["activation-bytes"]
+    assert core["name"] == "1 core" and core["derived-from"] == "1 board"
+    rows = section.summary({**data(), "runs": [core, board]})["rows"]
+    assert rows[0]["name"] == "1 core (from the 1 board run)"
+
+
 def test_the_page_states_the_targets_and_the_paper() -> None:
     text = "\n".join(section.render(data()))
     assert text.startswith("## Fused-tile training (S2)")
