@@ -806,7 +806,7 @@ def full_run_minutes(results: Mapping[str, Any]) -> dict[str, float]:
 
 def cost_line(results: Mapping[str, Any]) -> str:
     """The full benchmark's estimated minutes against issue 14's target."""
-    from .sections import SECTIONS
+    from .sections import SECTIONS, section_module
 
     minutes = full_run_minutes(results)
     total = sum(minutes.values())
@@ -823,6 +823,14 @@ def cost_line(results: Mapping[str, Any]) -> str:
     )
     if missing:
         text += f" Not run yet: {', '.join(missing)}."
+    suite = results["sections"].get("suite")
+    if suite and "error" not in suite["data"]:
+        extra = section_module("suite").opt_in_seconds(suite["data"]) / 60
+        if extra >= 0.05:
+            text += (
+                f" The suite's variant rows on this page are opt-in (`--strategies`) "
+                f"and add about {extra:.0f} minutes."
+            )
     return text
 
 

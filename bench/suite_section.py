@@ -224,15 +224,20 @@ def full_run_seconds(data: Mapping[str, Any], wall_s: float) -> float:
     configurations' cells (variants are opt-in), each at its own recorded run
     time (resumed cells too), spread over the run's worker processes (at most
     the machine's cores)."""
-    cells = [
-        c
-        for c in data.get("cells", [])
-        if "run_wall_s" in c and c.get("family") != "variant"
-    ]
-    if not cells:
-        return wall_s
+    cells = [c for c in data.get("cells", []) if c.get("family") != "variant"]
+    return _cells_seconds(data, cells) if cells else wall_s
+
+
+def opt_in_seconds(data: Mapping[str, Any]) -> float:
+    """What the variant rows this page holds (``--strategies``) add, as
+    :func:`full_run_seconds` counts them."""
+    cells = [c for c in data.get("cells", []) if c.get("family") == "variant"]
+    return _cells_seconds(data, cells)
+
+
+def _cells_seconds(data: Mapping[str, Any], cells: list[Mapping[str, Any]]) -> float:
     jobs = data.get("settings", {}).get("jobs") or os.cpu_count() or 1
-    return sum(float(c["run_wall_s"]) for c in cells) / min(
+    return sum(float(c.get("run_wall_s", 0.0)) for c in cells) / min(
         int(jobs), os.cpu_count() or 1
     )
 

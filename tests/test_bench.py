@@ -225,6 +225,9 @@ def test_the_page_sums_a_full_runs_minutes_against_the_60_minute_target() -> Non
     line = report.cost_line(results)
     assert f"about {sum(minutes.values()):.0f} minutes" in line
     assert line.count(": met.") == (sum(minutes.values()) <= 60)
+    if (os.cpu_count() or 1) >= 2:  # the variant's 999 s over 2 workers
+        assert "variant rows on this page are opt-in" in line
+        assert "add about 8 minutes" in line
     results["sections"]["tiles"]["wall_s"] = 3600.0
     assert "60 minutes: not met" in report.cost_line(results)
     del results["sections"]["pipeline"]
