@@ -6,12 +6,13 @@ Every flowerbed node (simulated, board, phone gateway) trains through
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch import nn
+from torch import fx, nn
 
 
 @dataclass(frozen=True)
@@ -108,11 +109,82 @@ def _sgd_step(params: Sequence[torch.Tensor], lr: float) -> None:
 
 
 def evaluate(model: nn.Module, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
-    """Mean cross-entropy loss and accuracy of ``model`` on (x, y)."""
+    """Mean cross-entropy loss and accuracy of ``model`` on (x, y).
+
+    The forward pass is the model's, with 2x2 max pooling as
+    :func:`max_pool_2x2` (:func:`inference_pass`): the same values.
+    """
     model.eval()
     with torch.no_grad():
-        logits = model(torch.from_numpy(np.ascontiguousarray(x)))
+        logits = inference_pass(model)(torch.from_numpy(np.ascontiguousarray(x)))
         target = torch.from_numpy(np.ascontiguousarray(y))
         loss = nn.functional.cross_entropy(logits, target).item()
         acc = (logits.argmax(dim=1) == target).float().mean().item()
     return float(loss), float(acc)
+
+
+def max_pool_2x2(x: torch.Tensor) -> torch.Tensor:
+    """``max_pool2d(x, 2)``: the maximum of each 2x2 window, as two elementwise
+    maxima (of row pairs, then of column pairs) over strided views.
+
+    The same values (a maximum is exact; NaN propagates as in ``max_pool2d``);
+    a trailing odd row or column is dropped, as ``max_pool2d`` drops it. PyTorch's
+    CPU kernel without indices (what inference runs) walks each channel's plane
+    on its own and is slow on small planes: measured here on digits' 360 test
+    images, LeNet's two poolings 0.73 and 0.47 ms that way, 0.08 and 0.07 ms here.
+    """
+    height, width = x.shape[-2] // 2 * 2, x.shape[-1] // 2 * 2
+    rows = torch.maximum(x[..., 0:height:2, :width], x[..., 1:height:2, :width])
+    return torch.maximum(rows[..., 0::2], rows[..., 1::2])
+
+
+_INFERENCE: weakref.WeakKeyDictionary[nn.Module, Callable[..., torch.Tensor]] = (
+    weakref.WeakKeyDictionary()
+)
+"""Inference passes by model (see :func:`inference_pass`)."""
+
+
+def inference_pass(model: nn.Module) -> Callable[..., torch.Tensor]:
+    """``model``'s forward pass with its 2x2 max pooling as :func:`max_pool_2x2`.
+
+    Traced once per model with ``torch.fx`` (cached); it shares the model's
+    modules, so later weights (``load_state_dict``) are used. Without autograd
+    only: ``max_pool_2x2``'s gradient would differ from ``max_pool2d``'s on ties.
+    The model itself when it has no such pooling or ``torch.fx`` cannot trace it.
+    """
+    if model not in _INFERENCE:
+        _INFERENCE[model] = _with_max_pool_2x2(model)
+    return _INFERENCE[model]
+
+
+def _pools_2x2(module: nn.Module) -> bool:
+    """A plain ``nn.MaxPool2d`` over 2x2 windows of stride 2."""
+    return (
+        type(module) is nn.MaxPool2d
+        and module.kernel_size in (2, (2, 2))
+        and module.stride in (2, (2, 2))
+        and module.padding in (0, (0, 0))
+        and module.dilation in (1, (1, 1))
+        and not module.ceil_mode
+        and not module.return_indices
+    )
+
+
+def _with_max_pool_2x2(model: nn.Module) -> Callable[..., torch.Tensor]:
+    if not any(_pools_2x2(m) for m in model.modules()):
+        return model
+    try:
+        traced = fx.symbolic_trace(model)
+    except Exception:  # data-dependent control flow, custom tracing
+        return model
+    graph = traced.graph
+    for node in list(graph.nodes):
+        if node.op == "call_module" and _pools_2x2(
+            traced.get_submodule(str(node.target))
+        ):
+            with graph.inserting_before(node):
+                pooled = graph.call_function(max_pool_2x2, node.args)
+            node.replace_all_uses_with(pooled)
+            graph.erase_node(node)
+    traced.recompile()
+    return traced
