@@ -13,11 +13,20 @@ arrays made here know where their elements start and skip it.
 from __future__ import annotations
 
 import functools
+import io
+from collections import OrderedDict
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
 from flwr.app import Array, ArrayRecord
 from flwr.common.constant import SType
+
+if TYPE_CHECKING:
+    import torch
+
+NPY_MAGIC = b"\x93NUMPY"
+"""How a ``.npy`` file starts (then its major and minor version bytes)."""
 
 
 def encode_array(value: np.ndarray) -> Array:
@@ -128,3 +137,52 @@ def _npy_header(dtype: np.dtype, shape: tuple[int, ...]) -> tuple[str, bytes]:
     sample = np.zeros(shape, dtype)
     data = Array(sample).data
     return str(dtype), data[: len(data) - sample.nbytes]
+
+
+def decode_array(array: Array) -> np.ndarray:
+    """``array.numpy()``, the same fresh writable copy, made faster.
+
+    ``Array.numpy()`` parses the ``.npy`` header with ``np.load`` on every call
+    (~30-50 us an array here); an ``Array`` made by Flower's ``Array(ndarray)``
+    (the strategies' new global models) has one of a few headers, so each
+    distinct header is parsed once (``numpy.lib.format``) and the elements are
+    copied from past it. Arrays in another form (not ``.npy``, object dtypes,
+    format versions other than 1 and 2) go through ``array.numpy()``.
+    """
+    if isinstance(array, EncodedArray) or array.stype != SType.NUMPY:
+        return array.numpy()
+    data = array.data
+    if data[:6] != NPY_MAGIC or data[6] not in (1, 2):
+        return array.numpy()
+    size = 2 if data[6] == 1 else 4  # the header length's bytes (format 1, 2)
+    start = 8 + size + int.from_bytes(data[8 : 8 + size], "little")
+    layout = _npy_layout(bytes(data[:start]))
+    if layout is None:
+        return array.numpy()
+    dtype, fortran, shape = layout
+    count = int(np.prod(shape))
+    flat = np.frombuffer(data, dtype, count=count, offset=start)
+    return flat.reshape(shape, order="F" if fortran else "C").copy(order="K")
+
+
+def torch_state_dict(record: ArrayRecord) -> OrderedDict[str, torch.Tensor]:
+    """``record.to_torch_state_dict()``, each array decoded by :func:`decode_array`."""
+    import torch
+
+    return OrderedDict(
+        (name, torch.from_numpy(decode_array(array))) for name, array in record.items()
+    )
+
+
+@functools.lru_cache(maxsize=1024)
+def _npy_layout(header: bytes) -> tuple[np.dtype, bool, tuple[int, ...]] | None:
+    """(dtype, Fortran order, shape) of a ``.npy`` header; None for object dtypes."""
+    stream = io.BytesIO(header)
+    version = np.lib.format.read_magic(stream)
+    if version == (1, 0):
+        shape, fortran, dtype = np.lib.format.read_array_header_1_0(stream)
+    else:
+        shape, fortran, dtype = np.lib.format.read_array_header_2_0(stream)
+    if dtype.hasobject:
+        return None
+    return dtype, bool(fortran), tuple(shape)

@@ -15,7 +15,7 @@ from logging import INFO
 import numpy as np
 import torch
 from flowerbed import keys
-from flowerbed.arrays import encode_record
+from flowerbed.arrays import encode_record, torch_state_dict
 from flowerbed.clients.training import TrainStats, evaluate, train_steps
 from flowerbed.data import Dataset, load_dataset, partition
 from flowerbed.models import build_model, charged_costs, cost_factor, model_num_bytes
@@ -201,9 +201,7 @@ def _model_of(scenario: Scenario) -> nn.Module:
 
 def _model_from(message: Message, scenario: Scenario) -> nn.Module:
     model = _model_of(scenario)
-    model.load_state_dict(
-        message.content.array_records[keys.ARRAYS].to_torch_state_dict()
-    )
+    model.load_state_dict(torch_state_dict(message.content.array_records[keys.ARRAYS]))
     return model
 
 
@@ -358,7 +356,7 @@ def train(message: Message, context: Context) -> Message:
     plan = plan_train(message, context)
     if plan.steps == 0:
         return no_step_reply(message, plan)
-    weights = message.content.array_records[keys.ARRAYS].to_torch_state_dict()
+    weights = torch_state_dict(message.content.array_records[keys.ARRAYS])
     trained, stats = _train_alone(plan, weights)
     return train_reply(message, plan, stats, trained)
 
@@ -400,7 +398,7 @@ def train_batch(tasks: Sequence[tuple[Message, Context]]) -> list[Message | Exce
             if not isinstance(record, ArrayRecord):
                 raise TypeError(f"{keys.ARRAYS!r} is not an ArrayRecord")
             if id(record) not in decoded:  # a round's arrays: decoded once
-                decoded[id(record)] = record.to_torch_state_dict()
+                decoded[id(record)] = torch_state_dict(record)
             weights[i] = decoded[id(record)]
             plans[i] = plan
         except Exception as err:

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from flowerbed import keys
+from flowerbed.arrays import torch_state_dict
 from flowerbed.clients.training import evaluate
 from flowerbed.data import Dataset
 from flowerbed.grid import GridWrapper
@@ -153,7 +154,7 @@ class RunRecorder:
             self._model = build_model(
                 self.model_name, d.in_channels, d.image_size, d.num_classes
             )
-        self._model.load_state_dict(arrays.to_torch_state_dict())
+        self._model.load_state_dict(torch_state_dict(arrays))
         loss, acc = evaluate(self._model, d.x_test, d.y_test)
         if server_round == 0:
             self.initial_accuracy = acc

@@ -7,7 +7,13 @@ import pickle
 
 import numpy as np
 import pytest
-from flowerbed.arrays import EncodedArray, encode_array, encode_record
+from flowerbed.arrays import (
+    EncodedArray,
+    decode_array,
+    encode_array,
+    encode_record,
+    torch_state_dict,
+)
 from flwr.app import Array, ArrayRecord
 from flwr.supercore.inflatable.inflatable_object import (
     get_object_type_from_object_content,
@@ -81,3 +87,50 @@ def test_encode_record_keeps_the_arrays_and_their_order() -> None:
     assert [a.data for a in record.values()] == [Array(v).data for v in arrays.values()]
     # ArrayRecord(dict) would have rebuilt them as plain Arrays
     assert type(ArrayRecord(dict(record))["w"]) is Array
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        np.zeros((), np.float32),
+        np.arange(6, dtype=np.int64).reshape(2, 3),
+        np.ones((0, 4), np.float16),
+        np.array([True, False]),
+        np.arange(12, dtype=np.float64).reshape(3, 4).T,  # Fortran order
+        np.arange(5, dtype=">i4"),  # big-endian
+    ],
+)
+def test_decode_array_reads_flowers_arrays_as_numpy_does(
+    value: np.ndarray, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    array = Array(value)
+    expected = array.numpy()
+    monkeypatch.setattr(np, "load", _no_np_load)
+    got = decode_array(array)
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    assert np.array_equal(got, expected)
+    assert got.flags.c_contiguous == expected.flags.c_contiguous
+    got[...] = 1  # a fresh, writable copy: the message keeps its bytes
+    assert np.array_equal(decode_array(array), expected)
+
+
+def test_decode_array_leaves_other_forms_to_flower() -> None:
+    odd = Array(dtype="float32", shape=(2,), stype="other", data=b"12345678")
+    with pytest.raises(TypeError, match="Unsupported serialization type"):
+        decode_array(odd)
+
+
+def test_torch_state_dict_is_flowers_in_order() -> None:
+    record = ArrayRecord()
+    record["b"] = Array(np.arange(3, dtype=np.float32))
+    record["a"] = encode_array(np.ones((2, 2), np.float32))
+    expected = record.to_torch_state_dict()
+    got = torch_state_dict(record)
+    assert list(got) == ["b", "a"]
+    for name in expected:
+        assert got[name].dtype == expected[name].dtype
+        assert got[name].tolist() == expected[name].tolist()
+
+
+def _no_np_load(*args: object, **kwargs: object) -> None:
+    raise AssertionError("np.load called")
