@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from flowerbed.clients.training import TrainStats, minibatches
-from flowerbed.sims.grouped import grouped_forward
+from flowerbed.sims.grouped import grouped_forward, grouped_inputs
 from flowerbed.sims.grouped_sgd import Rates, grouped_sgd
 from torch import nn
 from torch.func import functional_call, vmap
@@ -167,13 +167,20 @@ def _train_group(
     model: nn.Module, jobs: Sequence[NodeJob], batch: int
 ) -> list[tuple[dict[str, torch.Tensor], TrainStats]]:
     names = [name for name, _ in model.named_parameters()]
-    stacked = {
-        name: torch.stack([job.weights[name].detach().float() for job in jobs])
-        for name in names
-    }
+    n = len(jobs)
+    if all(job.weights is jobs[0].weights for job in jobs):  # a round's arrays
+        shared = {name: jobs[0].weights[name].detach().float() for name in names}
+        stacked = {  # copies (moved in place), one per node
+            name: w.expand(n, *w.shape).clone(memory_format=torch.contiguous_format)
+            for name, w in shared.items()
+        }
+    else:
+        stacked = {
+            name: torch.stack([job.weights[name].detach().float() for job in jobs])
+            for name in names
+        }
     proximal = any(job.proximal_mu for job in jobs)
     anchors = {name: t.clone() for name, t in stacked.items()} if proximal else {}
-    n = len(jobs)
     steps = [job.steps for job in jobs]
     # Every node's minibatches for all its steps, as rows of one sample table:
     # a step gathers all nodes' samples with one index.
@@ -185,11 +192,17 @@ def _train_group(
         order = minibatches(len(job.x), batch, job.seed)
         for step in range(job.steps):
             picks[step, i] = next(order) + offsets[i]
+    every_step = torch.from_numpy(picks)
+    x_steps = xs[every_step]  # (steps, nodes, batch, *sample shape)
+    y_steps = ys[every_step]
     lr = torch.tensor([job.lr for job in jobs], dtype=torch.float32)
     mu = torch.tensor([job.proximal_mu for job in jobs], dtype=torch.float32)
     loss_sums = torch.zeros(n, dtype=torch.float64)
+    full_losses: list[torch.Tensor] = []  # of the steps all nodes take
     grouped = grouped_forward(model)
     written = grouped_sgd(grouped)
+    # the steps all nodes take, laid out for the written-out step with one copy
+    packed = grouped_inputs(x_steps[: min(steps)]) if written is not None else []
     forward: Callable[[dict[str, torch.Tensor], torch.Tensor], torch.Tensor]
     if grouped is not None:
         forward = grouped
@@ -206,9 +219,8 @@ def _train_group(
     for step in range(max(steps, default=0)):
         active = [i for i in range(n) if step < steps[i]]
         rows = None if len(active) == n else torch.tensor(active)
-        index = torch.from_numpy(picks[step, active].reshape(-1))
-        x = xs[index].view(len(active), batch, *xs.shape[1:])
-        y = ys[index].view(len(active), batch)
+        x = x_steps[step] if rows is None else x_steps[step, rows]
+        y = y_steps[step] if rows is None else y_steps[step, rows]
         params = stacked if rows is None else _rows(stacked, rows)
         rates = Rates(
             lr if rows is None else lr[rows],
@@ -216,20 +228,24 @@ def _train_group(
             anchors if rows is None else _rows(anchors, rows),
         )
         if written is not None:
-            losses = written.step(params, x, y, rates)
+            x_in = packed[step] if rows is None else grouped_inputs(x[None])[0]
+            losses = written.step(params, x_in, y, rates)
         else:
             losses = _autograd_step(forward, params, x, y, rates)
         if rows is None:
-            loss_sums += losses.double()
+            full_losses.append(losses)
         else:  # the active nodes' rows were copies: put them back
             for name, t in stacked.items():
                 t.index_copy_(0, rows, params[name])
             loss_sums.index_add_(0, rows, losses.double())
+    if full_losses:
+        loss_sums += torch.stack(full_losses).double().sum(dim=0)
     out = []
     sums = loss_sums.tolist()
+    rows_of = {name: stacked[name].unbind(0) for name in names}  # views, no copy
     for i in range(n):
         done = steps[i]
-        weights = {name: stacked[name][i] for name in names}  # row views, no copy
+        weights = {name: rows_of[name][i] for name in names}
         stats = TrainStats(done, done * batch, sums[i] / done if done else float("nan"))
         out.append((weights, stats))
     return out

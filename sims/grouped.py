@@ -210,6 +210,20 @@ def _grouped_input(x: torch.Tensor) -> Grouped:
     raise Unsupported(f"inputs of {x.dim() - 2} dimensions per sample")
 
 
+def grouped_inputs(x: torch.Tensor) -> list[Grouped]:
+    """Each step's inputs, ``(steps, nodes, batch, C, *spatial)``, laid out as
+    :func:`_grouped_input` lays out one step's: images with one copy for all
+    steps instead of one per step."""
+    if x.dim() == 6:  # images
+        _, n, batch, c, height, width = x.shape
+        packed = x.permute(0, 2, 4, 5, 1, 3).contiguous()
+        return [
+            (p.view(batch, height, width, n * c).permute(0, 3, 1, 2), True)
+            for p in packed.unbind(0)
+        ]
+    return [_grouped_input(step) for step in x.unbind(0)]
+
+
 def _per_node(value: Grouped, n: int, batch: int) -> torch.Tensor:
     """The model's output as ``(nodes, batch, *out)``."""
     h, grouped = value

@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from flowerbed.sims.grouped import GroupedForward, Unsupported, _grouped_input
+from flowerbed.sims.grouped import Grouped, GroupedForward, Unsupported
 from torch import nn
 
 STEP_LAYERS = (
@@ -92,21 +92,21 @@ class GroupedSGD:
     def step(
         self,
         params: dict[str, torch.Tensor],
-        x: torch.Tensor,
+        x: Grouped,
         y: torch.Tensor,
         rates: Rates,
     ) -> torch.Tensor:
         """One SGD step of every node on its minibatch; returns each one's mean loss.
 
         ``params`` (``name -> (nodes, *shape)``, contiguous) are updated in place;
-        ``x`` is ``(nodes, batch, *sample shape)``, ``y`` ``(nodes, batch)`` class
-        indices.
+        ``x`` is the nodes' inputs as :func:`~flowerbed.sims.grouped.grouped_inputs`
+        lays them out, ``y`` ``(nodes, batch)`` class indices.
         """
         if not all(p.is_contiguous() for p in params.values()):
             raise ValueError("stacked parameters must be contiguous to move in place")
-        n, batch = x.shape[:2]
+        n, batch = y.shape
         with torch.no_grad():
-            h, grouped = _grouped_input(x)
+            h, grouped = x
             tape: list[tuple[torch.Tensor, bool, torch.Tensor | None]] = []
             for layer in self.layers:
                 out, grouped_out, saved = layer.forward(h, grouped, params, n)
@@ -117,11 +117,12 @@ class GroupedSGD:
                     raise Unsupported("an output with spatial dimensions")
                 h = h.reshape(batch, n, -1).transpose(0, 1)
             log_p = torch.log_softmax(h, dim=-1)
-            losses = -log_p.gather(2, y.unsqueeze(2)).squeeze(2).mean(dim=1)
+            target = y.unsqueeze(2)
+            losses = log_p.gather(2, target).mean(dim=(1, 2)).neg_()
             # d(mean cross-entropy)/d(logits) = (softmax - onehot) / batch, times lr
             grad: torch.Tensor | None = log_p.exp_()
             assert grad is not None
-            grad.scatter_add_(2, y.unsqueeze(2), grad.new_full((n, batch, 1), -1.0))
+            grad.scatter_add_(2, target, grad.new_full((n, batch, 1), -1.0))
             grad.mul_((rates.lr / batch).view(n, 1, 1))
             if grouped:
                 grad = grad.transpose(0, 1).reshape(batch, -1)
@@ -340,10 +341,15 @@ class _Flatten(_Layer):
     ) -> torch.Tensor | None:
         if not grouped_in:
             return grad
-        out = grad.transpose(0, 1).reshape(h_in.shape)
-        if h_in.dim() == 4:  # images: back to the channels-last layout
-            return out.contiguous(memory_format=torch.channels_last)
-        return out
+        if h_in.dim() == 4:  # images: one copy, straight into channels-last
+            batch, _, height, width = h_in.shape
+            n = grad.shape[0]
+            out = torch.empty_like(h_in, memory_format=torch.channels_last)
+            out.permute(0, 2, 3, 1).view(batch, height, width, n, -1).copy_(
+                grad.view(n, batch, -1, height, width).permute(1, 3, 4, 0, 2)
+            )
+            return out
+        return grad.transpose(0, 1).reshape(h_in.shape)
 
 
 def _layer(module: nn.Module, name: str, after_weights: bool) -> _Layer:

@@ -15,6 +15,7 @@ from flowerbed.sims import node
 from flowerbed.sims.batched import NodeJob, batchable, grouped_forward, train_many
 from flowerbed.sims.config import Scenario
 from flowerbed.sims.engine import MIN_TASKS_PER_WORKER
+from flowerbed.sims.grouped import grouped_inputs
 from flowerbed.sims.grouped_sgd import Rates, grouped_sgd
 from flowerbed.sims.scenario import build_fleet_grid, run_scenario, run_server
 from flowerbed.sims.vclock import NodeDropout
@@ -169,7 +170,8 @@ def test_written_out_sgd_step_equals_autograds(
     step = grouped_sgd(grouped_forward(models[0]))
     assert step is not None
     params = {key: w.clone() for key, w in start.items()}
-    losses = _with_onednn(step.step, params, x, y, Rates(lr, mu, anchors))
+    packed = grouped_inputs(x[None])[0]
+    losses = _with_onednn(step.step, params, packed, y, Rates(lr, mu, anchors))
     assert losses.tolist() == pytest.approx(expected_losses, abs=1e-6)
     for key in names:
         assert torch.allclose(params[key], torch.stack(expected[key]), atol=1e-6)
