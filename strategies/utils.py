@@ -24,17 +24,16 @@ from typing import Any, TypeVar
 
 import numpy as np
 from flowerbed import keys
-from flowerbed.arrays import encode_record
+from flowerbed.arrays import array_view, encode_record
 from flowerbed.clock import Clock
 from flwr.app import (
-    Array,
     ArrayRecord,
     ConfigRecord,
     Message,
     MetricRecord,
     RecordDict,
 )
-from flwr.common.constant import ErrorCode, SType
+from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 from flwr.supercore import log
 
@@ -417,77 +416,6 @@ def check_evaluate_reply(
 # ---------------------------------------------------------------------------------
 # Streaming aggregation
 # ---------------------------------------------------------------------------------
-
-
-def array_view(array: Array) -> np.ndarray:
-    """A read-only NumPy view of ``array``'s bytes, without copying them.
-
-    Flower serialises an ``Array`` built from NumPy or torch with ``np.save``
-    (``stype`` ``"numpy.ndarray"``): an ``.npy`` header, then the raw elements.
-    The view points into ``array.data`` past that header; ``Array.numpy()``
-    instead copies the elements through ``np.load``. Other serialisations, and
-    anything the header does not describe exactly, go through ``Array.numpy()``.
-
-    Raises
-    ------
-    ValueError
-        When the bytes are not a valid ``.npy`` payload of the declared shape.
-    """
-    if array.stype != SType.NUMPY:
-        return array.numpy()
-    data = array.data
-    header = _npy_header(data) if isinstance(data, bytes) else None
-    parsed = _NPY_HEADERS.get(header) if header is not None else None
-    if parsed is None:
-        parsed = _parse_npy_header(data)
-        if parsed is None:
-            return array.numpy()
-        if header is not None and len(_NPY_HEADERS) < _NPY_HEADERS_KEPT:
-            _NPY_HEADERS[header] = parsed
-    shape, fortran, dtype, offset = parsed
-    count = math.prod(shape)
-    view = np.frombuffer(data, dtype=dtype, count=count, offset=offset)
-    return view.reshape(shape, order="F" if fortran else "C")
-
-
-_NpyHeader = tuple[tuple[int, ...], bool, np.dtype, int]
-_NPY_HEADERS: dict[bytes, _NpyHeader] = {}
-"""Parsed ``.npy`` headers by their bytes: a model's arrays have the same few
-headers round after round, and parsing one (``ast.literal_eval``) costs ~20 us,
-as much as folding 100,000 floats; a reply of a 320-array model spent more
-time there than in folding."""
-_NPY_HEADERS_KEPT = 4096
-
-
-def _npy_header(data: bytes) -> bytes | None:
-    """The bytes of a ``.npy`` payload's magic and header (version 1 or 2)."""
-    if data[:6] != b"\x93NUMPY":
-        return None
-    if data[6:7] == b"\x01":
-        end = 10 + int.from_bytes(data[8:10], "little")
-    elif data[6:7] == b"\x02":
-        end = 12 + int.from_bytes(data[8:12], "little")
-    else:
-        return None
-    return data[:end] if end <= len(data) else None
-
-
-def _parse_npy_header(data: bytes) -> _NpyHeader | None:
-    """Shape, Fortran order, dtype and data offset; None for another version."""
-    stream = io.BytesIO(data)
-    try:
-        version = np.lib.format.read_magic(stream)
-        if version == (1, 0):
-            shape, fortran, dtype = np.lib.format.read_array_header_1_0(stream)
-        elif version == (2, 0):
-            shape, fortran, dtype = np.lib.format.read_array_header_2_0(stream)
-        else:
-            return None
-    except ValueError as err:
-        raise ValueError(f"not a .npy payload: {err}") from err
-    if dtype.hasobject:
-        raise ValueError(f"object arrays are not allowed (dtype {dtype})")
-    return tuple(shape), bool(fortran), dtype, stream.tell()
 
 
 def to_numpy(record: ArrayRecord) -> dict[str, np.ndarray]:
