@@ -135,6 +135,19 @@ def censored_percentile(
     return chosen.seconds, chosen.censored
 
 
+def deadline_seconds(
+    observations: Iterable[Observation], percentile: float, growth: float
+) -> float | None:
+    """The seconds a deadline at ``percentile`` starts from: the nearest-rank
+    value of :func:`censored_percentile`, times ``growth`` when it is censored
+    (the percentile is only known to exceed it). None if there are none."""
+    found = censored_percentile(observations, percentile)
+    if found is None:
+        return None
+    seconds, censored = found
+    return seconds * growth if censored else seconds
+
+
 def two_speed_percentile(
     observations: Iterable[Observation],
     fast: float = FAST_PERCENTILE,
@@ -144,9 +157,9 @@ def two_speed_percentile(
 ) -> float:
     """The percentile of the next deadline: ``patient`` while waiting is cheap.
 
-    With ``c(p)`` the deadline percentile ``p`` would give (its nearest-rank
-    value, times ``growth`` when censored, as :meth:`DeadlineFedAvg.current_deadline`
-    uses it)::
+    With ``c(p)`` the seconds a deadline at percentile ``p`` starts from
+    (:func:`deadline_seconds`, as :meth:`DeadlineFedAvg.current_deadline` uses
+    it)::
 
         p = patient   if c(patient) <= wait_ratio * c(fast)   else fast
 
@@ -169,15 +182,11 @@ def two_speed_percentile(
     measured threshold, not a published one.
     """
     recent = list(observations)
-    slow = censored_percentile(recent, patient)
-    quick = censored_percentile(recent, fast)
+    slow = deadline_seconds(recent, patient, growth)
+    quick = deadline_seconds(recent, fast, growth)
     if slow is None or quick is None:
         return patient
-
-    def cost(found: tuple[float, bool]) -> float:
-        return found[0] * growth if found[1] else found[0]
-
-    return patient if cost(slow) <= wait_ratio * cost(quick) else fast
+    return patient if slow <= wait_ratio * quick else fast
 
 
 def _number(metrics: MetricRecord | ConfigRecord, key: str) -> float | None:
@@ -529,11 +538,9 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
                 self.wait_ratio,
             )
         )
-        found = censored_percentile(recent, self.percentile)
-        if found is None:
+        base = deadline_seconds(recent, self.percentile, self.deadline_growth)
+        if base is None:
             return self.deadline_s
-        seconds, censored = found
-        base = seconds * self.deadline_growth if censored else seconds
         deadline = self.pacing * base
         if self.partial_work:
             least = self._least_seconds(server_round)
