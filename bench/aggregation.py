@@ -21,6 +21,16 @@ arrays.
   that returns several, or Flower's list, hands them over) and are folded by
   ``UpdateAccumulator.add_many`` in one pass: the base and the sum are read once
   per group instead of once per reply. Holds ``GROUP`` replies at a time.
+- ``strategy``: what a flowerbed strategy does with a round's replies:
+  ``RuntimeWeightedFedAvg.aggregate_train`` (FedAvg's weights, ``weighting=
+  "examples"``, with the default influence bound: weight cap and clipping) over
+  Flower ``Message`` replies as they arrive, validated, folded
+  :data:`flowerbed.strategies.runtime_weighted.FOLD_GROUP` at a time through a
+  scratch sum (``BoundedSum.add_many``), and the result encoded as the
+  ``ArrayRecord`` the strategy returns; after a warm-up round that gives the
+  bound its reference and the strategy the memory it keeps between rounds.
+  Making the replies is not timed (each is made when the strategy asks for
+  it, its CPU time taken off).
 - ``flower``: all replies are held in a list, then
   ``flwr.serverapp.strategy.strategy_utils.aggregate_arrayrecords`` averages them, as
   Flower's ``FedAvg.aggregate_train`` does (O(nodes x model) memory).
@@ -48,8 +58,9 @@ timed aggregation makes its sums in the warm-up's result, as
 ``RuntimeWeightedFedAvg`` makes each round's in the last round's result once
 it has encoded it (fresh memory would cost the kernel ~13 ms of page faults
 per 102 MB, about half a fold, each round). Replies are
-``base + i x 1e-3`` over a seeded normal base: as large as real updates and
-cheap to make.
+``base + (1 + (i mod 4) / 4) x 1e-3`` over a seeded normal base: as large as
+real updates, within the spread the influence bound leaves alone (the
+``strategy`` method clips updates over 3x the median norm), and cheap to make.
 """
 
 from __future__ import annotations
@@ -60,11 +71,12 @@ import mmap
 import resource
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
-METHODS = ("streaming", "grouped", "flower", "bandwidth")
+METHODS = ("streaming", "grouped", "strategy", "flower", "bandwidth")
 GROUP = 4
 """Replies folded per pass by the ``grouped`` method."""
 RESNET50_FLOATS = 25_557_032
@@ -114,7 +126,8 @@ def _reply(base: dict[str, np.ndarray], i: int) -> Any:
     from flowerbed import keys
     from flwr.app import Array, ArrayRecord, MetricRecord, RecordDict
 
-    arrays = ArrayRecord({k: Array(v + np.float32(1e-3 * i)) for k, v in base.items()})
+    step = np.float32(1e-3 * (1 + (i % 4) / 4))
+    arrays = ArrayRecord({k: Array(v + step) for k, v in base.items()})
     metrics = MetricRecord({keys.NUM_EXAMPLES: 100 + i})
     return RecordDict({keys.ARRAYS: arrays, keys.METRICS: metrics})
 
@@ -187,6 +200,63 @@ def measure_streaming(nodes: int, floats: int, group: int = 1) -> dict[str, Any]
     return {
         "seconds": seconds,
         "peak_rss_bytes": peak,
+        **first,
+        **_limits(before, measure_bandwidth(floats)),
+    }
+
+
+def _messages(
+    base: dict[str, np.ndarray], first: int, count: int, made: list[float]
+) -> Iterator[Any]:
+    """Train replies ``first .. first + count - 1`` as Flower messages, each made
+    when asked for; the CPU seconds spent making them are added to ``made[0]``."""
+    from flwr.app import Message, RecordDict
+
+    for i in range(first, first + count):
+        t0 = time.process_time()
+        sent = Message(RecordDict(), 1 + i, "train")
+        reply = Message(_reply(base, i), reply_to=sent)
+        del sent
+        made[0] += time.process_time() - t0
+        yield reply
+
+
+def _strategy_round(
+    strategy: Any, base: dict[str, np.ndarray], server_round: int, nodes: int
+) -> float:
+    """CPU seconds of one ``aggregate_train`` over ``nodes`` replies."""
+    made = [0.0]
+    t0 = time.process_time()
+    arrays, _ = strategy.aggregate_train(server_round, _messages(base, 0, nodes, made))
+    seconds = time.process_time() - t0 - made[0]
+    if arrays is None:
+        raise RuntimeError("the strategy accepted no reply")
+    return seconds
+
+
+def measure_strategy(nodes: int, floats: int) -> dict[str, Any]:
+    from flowerbed.strategies import RuntimeWeightedFedAvg
+    from flowerbed.strategies.robust import MIN_REFERENCE
+    from flowerbed.strategies.runtime_weighted import FOLD_GROUP
+    from flowerbed.strategies.utils import to_arrayrecord
+    from flwr.common.constant import SUPERLINK_NODE_ID
+    from flwr.supercore.task_identity import TaskIdentity
+
+    TaskIdentity.run_id, TaskIdentity.node_id = 1, SUPERLINK_NODE_ID
+    TaskIdentity.task_id = 0
+    first = kernel_first_use(GROUP)
+    base = _base(floats)
+    strategy = RuntimeWeightedFedAvg(weighting="examples")
+    strategy._set_global(to_arrayrecord(base))  # the model the replies trained from
+    _strategy_round(strategy, base, 1, MIN_REFERENCE + 1)  # warm-up (docstring)
+    before = measure_bandwidth(floats)
+    _reset_peak()
+    seconds = _strategy_round(strategy, base, 2, nodes)
+    peak = _peak_rss_bytes()
+    return {
+        "seconds": seconds,
+        "peak_rss_bytes": peak,
+        "group": FOLD_GROUP,
         **first,
         **_limits(before, measure_bandwidth(floats)),
     }
@@ -267,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         if args.method == "flower":
             out = measure_flower(args.nodes, args.floats)
+        elif args.method == "strategy":
+            out = measure_strategy(args.nodes, args.floats)
         else:
             group = GROUP if args.method == "grouped" else 1
             out = measure_streaming(args.nodes, args.floats, group)

@@ -55,14 +55,17 @@ def planned_bytes(method: str, nodes: int, floats: int) -> int:
     float32 sum (the result is made in it) and the two bandwidth arrays (6 x 4
     bytes per float; planned as 7, from when the result was an array more);
     grouped holds :data:`flowerbed.bench.aggregation.GROUP` replies instead of
-    one; Flower's list holds every reply plus the float32 result, a temporary and
-    the bandwidth arrays (4 x (nodes + 4)).
+    one; the strategy also holds the sum's other memory (a pass is written
+    beside the sum), the encoded result and the one held for the next round
+    (3 x 4 more); Flower's list holds every reply plus the float32 result, a
+    temporary and the bandwidth arrays (4 x (nodes + 4)).
     """
     from flowerbed.bench.aggregation import GROUP
 
     per_float = {
         "streaming": 28,
         "grouped": 20 + 8 * GROUP,
+        "strategy": 32 + 8 * GROUP,
     }.get(method, 4 * (nodes + 4))
     return PROCESS_OVERHEAD_BYTES + per_float * floats
 
@@ -80,7 +83,7 @@ def _run_json(args: Sequence[str], timeout: float) -> dict[str, Any]:
     return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
 
 
-AGGREGATION_METHODS = ("streaming", "grouped", "flower")
+AGGREGATION_METHODS = ("streaming", "grouped", "strategy", "flower")
 """Aggregation paths measured (:mod:`flowerbed.bench.aggregation`)."""
 
 

@@ -306,8 +306,9 @@ THROUGHPUT_TARGET = 5.0
 path before batching."""
 
 AGGREGATION_NAMES = {
-    "streaming": "flowerbed streaming, one reply at a time",
+    "streaming": "flowerbed streaming, one reply at a time (`add`)",
     "grouped": "flowerbed streaming, 4 replies per pass (`add_many`)",
+    "strategy": "flowerbed strategy (`RuntimeWeightedFedAvg.aggregate_train`)",
     "flower": "Flower aggregate_arrayrecords",
 }
 
@@ -378,9 +379,15 @@ def _aggregation_lines(agg: Mapping[str, Any]) -> list[str]:
             "3/4 of the limit; a group of 4, folded together element by "
             "element, reads the base and the sum once for the four. "
             + _kernel_text(ours)
-            + "flowerbed's strategies fold one reply at a time (`add`: the "
-            "rows so named); `add_many` is for callers that hold several "
-            "replies trained from the same model. The sum is float32 for "
+            + "flowerbed's strategies fold four replies per pass (the rows "
+            "named after `aggregate_train`: Flower messages validated as they "
+            "arrive, FedAvg's weights with the default influence bound — each "
+            "group's pass written beside the sum and kept once the bound's "
+            "decisions, replayed in order with the norms the pass took, match "
+            "what it folded —, and the result encoded as the ArrayRecord the "
+            "strategy returns, which the other rows do not do); one at a time "
+            "(`add`) is what a subclass overriding `fold_train_reply` gets. "
+            "The sum is float32 for "
             "float32 models (its error stays within one float32 rounding of "
             "the result: tests/test_strategies_streaming.py measures it "
             "against float64) and float64 only for float64 models and integer "

@@ -43,6 +43,7 @@ from .utils import (
     Arrival,
     StalenessFn,
     Ticket,
+    enough_usable,
     polynomial_staleness,
     resolve_staleness_fn,
 )
@@ -638,7 +639,7 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
         def done() -> bool:
             arrivals = fresh()
             return (
-                sum(a.usable for a in arrivals) >= self._wanted
+                enough_usable(arrivals, self._wanted)
                 or not inflight.outstanding(lambda t: t.server_round == server_round)
                 or (quota is not None and len(arrivals) >= quota)
             )

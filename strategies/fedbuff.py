@@ -35,6 +35,7 @@ from .utils import (
     ReplyStream,
     StalenessFn,
     Ticket,
+    enough_usable,
     polynomial_staleness,
     resolve_staleness_fn,
 )
@@ -297,9 +298,14 @@ class FedBuff(RuntimeWeightedFedAvg):
         progress_at = self._clock.now()
 
         def full() -> bool:
-            return sum(a.usable for a in self._handed) >= buffer_size
+            return enough_usable(self._handed, buffer_size)
 
         while not full():
+            # the last usable reply (replies are folded, and known usable, a
+            # few at a time: see RuntimeWeightedFedAvg.aggregate_train)
+            progress_at = max(
+                [progress_at] + [a.arrived for a in self._handed if a.usable]
+            )
             for reply, ticket, arrived in inflight.replies(
                 progress_at + self._timeout, done=full
             ):
@@ -324,8 +330,6 @@ class FedBuff(RuntimeWeightedFedAvg):
                         staleness=staleness,
                         update_scale=self.staleness_fn(staleness),
                     )
-                    if self._handed[-1].usable:
-                        progress_at = arrived
                 if not full():  # else: new work waits for the new version
                     self._dispatch(grid, config)
                 self._prune_versions()

@@ -66,12 +66,15 @@ _built: list[ModuleType | None] = []
 
 
 def kernel() -> Kernel | None:
-    """``fold(xs, b, s, fs, zero, fresh) -> (sums of squares, where each
-    stopped or -1)``, or ``None`` without numba. ``xs`` is a tuple of at most
-    :data:`MOST` values; they, ``b`` and ``s`` are 1-D, C-contiguous and of one
-    float dtype; ``fs`` holds the values' factors in that dtype, ``zero`` is a
-    scalar of it; ``fresh`` says ``s`` is not written yet. Where a value
-    stopped, nothing of its block is left in ``s``; before it, all is."""
+    """``fold(xs, b, s, fs, zero, fresh, src=None) -> (sums of squares, where
+    each stopped or -1)``, or ``None`` without numba. ``xs`` is a tuple of at
+    most :data:`MOST` values; they, ``b`` and ``s`` are 1-D, C-contiguous and
+    of one float dtype; ``fs`` holds the values' factors in that dtype,
+    ``zero`` is a scalar of it; ``fresh`` says ``s`` is not written yet;
+    ``src`` (not with ``fresh``): the sum so far is read from it and ``s``,
+    not written yet, is written with it plus the values (out of place, the
+    same memory traffic as in place). Where a value stopped, nothing of its
+    block is left in ``s``; before it, all is."""
     module = _module()
     return module.fold_values if module is not None else None
 

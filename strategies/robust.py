@@ -41,7 +41,7 @@ from typing import Protocol
 
 import numpy as np
 
-from .utils import ReplyRejected, UpdateAccumulator
+from .utils import ReplyRejected, Update, UpdateAccumulator
 
 HISTORY = 64
 """Accepted replies whose weights and update norms form the reference."""
@@ -75,6 +75,11 @@ class UpdateSum(Protocol):
         steps: float = 1.0,
     ) -> object:
         """Fold one update in (raises ReplyRejected for NaN/Inf)."""
+        ...
+
+    def add_many(self, updates: Sequence[Update]) -> list[float | ReplyRejected]:
+        """:meth:`add` on each in order (in one pass where it can); each one's
+        outcome instead of raising: a number, or the ReplyRejected."""
         ...
 
     def result(
@@ -134,7 +139,8 @@ class BoundedSum:
     ``weights`` and ``norms`` are the strategy's references, kept across rounds;
     ``weight_cap``/``clip_factor`` None turn a bound off. ``capped`` and
     ``clipped`` count the replies each bound changed. ``memory``: where the
-    sums are made (:class:`UpdateAccumulator`).
+    sums are made and ``spare`` more of it (:class:`UpdateAccumulator`:
+    :meth:`add_many` writes each group's pass to memory other than the sum).
     """
 
     def __init__(
@@ -144,8 +150,9 @@ class BoundedSum:
         weights: Reference,
         norms: Reference,
         memory: Mapping[str, np.ndarray] | None = None,
+        spare: Mapping[str, np.ndarray] | None = None,
     ) -> None:
-        self.sum = UpdateAccumulator(memory)
+        self.sum = UpdateAccumulator(memory, spare)
         self.weight_cap = weight_cap
         self.clip_factor = clip_factor
         self.weights = weights
@@ -182,19 +189,141 @@ class BoundedSum:
         scale: float = 1.0,
         steps: float = 1.0,
     ) -> None:
-        """Fold one update in, bounded; hold it while there is no reference."""
-        references = self._references(MIN_REFERENCE)
-        if references is None:
-            norm = scale * update_norm(arrays, base)  # rejects NaN/Inf first
-            self.held.append(_Held(arrays, base, weight, scale, steps))
-            self.weights.add(weight)
-            self.norms.add(norm)
-            if self._references(MIN_REFERENCE) is not None:
-                self._release(MIN_REFERENCE)
-            return
-        norm = self._fold(_Held(arrays, base, weight, scale, steps), *references)
-        self.weights.add(weight)
+        """Fold one update in, bounded; hold it while there is no reference.
+
+        Raises
+        ------
+        ReplyRejected
+            When the update holds NaN or Inf (nothing of it counts).
+        """
+        (outcome,) = self.add_many([Update(arrays, base, weight, scale, steps)])
+        if isinstance(outcome, ReplyRejected):
+            raise outcome
+
+    def add_many(self, updates: Sequence[Update]) -> list[float | ReplyRejected]:
+        """Fold several updates in, bounded, in one pass where the references exist.
+
+        The same decisions as :meth:`add` on each in order, and the same sum to
+        within float32 rounding. The weights are capped in order before the
+        pass, as if every update were accepted; the pass (one for the group,
+        :meth:`UpdateAccumulator.add_many`) takes each update's norm and
+        NaN/Inf check; then each update's decisions are replayed in order
+        against the references as they stand after the updates before it.
+        When they match what was folded (no update clipped, no rejection that
+        moves a later cap), the pass is kept (``keep``); otherwise the sum is
+        left as it was and the group folded again one update at a time with
+        the replayed decisions, so that an unbounded outlier never enters the
+        float32 sum (taking it back out would cancel away the other updates'
+        digits).
+        Returns each update's norm as it counts (``||c_i d_i||``), or why it
+        was rejected; a rejected update counts nowhere, references included.
+        """
+        outcomes: list[float | ReplyRejected] = []
+        first = 0
+        while first < len(updates) and self._references(MIN_REFERENCE) is None:
+            outcomes.append(self._hold(updates[first]))
+            first += 1
+        rest = list(updates[first:])
+        if not rest:
+            return outcomes
+        if self.weight_cap is None and self.clip_factor is None:  # nothing to decide
+            for update, outcome in zip(rest, self.sum.add_many(rest), strict=True):
+                if not isinstance(outcome, ReplyRejected):
+                    outcome *= update.scale
+                    self.weights.add(update.weight)
+                    self.norms.add(outcome)
+                outcomes.append(outcome)
+            return outcomes
+        planned = self._planned_weights(rest)
+        decisions: list[tuple[float, float | None] | None] = []
+
+        def replay(folded: list[float | ReplyRejected]) -> bool:
+            """Each update's decisions in order; whether the pass folded them."""
+            spoiled = False
+            for update, weight_folded, outcome in zip(
+                rest, planned, folded, strict=True
+            ):
+                if isinstance(outcome, ReplyRejected):
+                    decisions.append(None)
+                    outcomes.append(outcome)
+                    continue
+                references = self._references(MIN_REFERENCE)
+                assert references is not None  # they exist once, and stay
+                cap, bound = references
+                weight = update.weight
+                if cap is not None and weight > cap:
+                    weight = cap
+                    self.capped += 1
+                max_norm = bound / update.scale if bound and update.scale > 0 else None
+                if max_norm is not None and outcome > max_norm:
+                    self.clipped += 1
+                    spoiled = True
+                spoiled = spoiled or weight != weight_folded
+                decisions.append((weight, max_norm))
+                norm = outcome * update.scale
+                self.weights.add(update.weight)
+                self.norms.add(norm)
+                outcomes.append(norm)
+            return not spoiled
+
+        kept = True
+
+        def keep(folded: list[float | ReplyRejected]) -> bool:
+            nonlocal kept
+            kept = replay(folded)
+            return kept
+
+        self.sum.add_many(
+            [
+                Update(u.arrays, u.base, w, u.scale, u.steps)
+                for u, w in zip(rest, planned, strict=True)
+            ],
+            keep=keep,
+        )
+        if kept:
+            return outcomes
+        for update, decision in zip(rest, decisions, strict=True):
+            if decision is not None:
+                weight, max_norm = decision
+                self.sum.add(
+                    update.arrays,
+                    update.base,
+                    weight,
+                    scale=update.scale,
+                    steps=update.steps,
+                    max_norm=max_norm,
+                )
+        return outcomes
+
+    def _planned_weights(self, updates: Sequence[Update]) -> list[float]:
+        """Each update's weight, capped as :meth:`add` would cap it in order if
+        every update before it were accepted."""
+        if self.weight_cap is None:
+            return [u.weight for u in updates]
+        weights = Reference(self.weights.values)
+        planned = []
+        for update in updates:
+            median = weights.median(minimum=MIN_REFERENCE)
+            assert median is not None  # the references exist (add_many)
+            planned.append(min(update.weight, self.weight_cap * median))
+            weights.add(update.weight)
+        return planned
+
+    def _hold(self, update: Update) -> float | ReplyRejected:
+        """Hold an update while there is no reference; release the held ones
+        once there is. Returns its norm as it counts, or why it was rejected."""
+        try:
+            norm = update.scale * update_norm(update.arrays, update.base)
+        except ReplyRejected as rejection:  # NaN/Inf: checked before holding
+            return rejection
+        self.held.append(
+            _Held(update.arrays, update.base, update.weight, update.scale, update.steps)
+        )
+        self.weights.add(update.weight)
         self.norms.add(norm)
+        if self._references(MIN_REFERENCE) is not None:
+            self._release(MIN_REFERENCE)
+        return norm
 
     def _fold(self, update: _Held, cap: float | None, bound: float | None) -> float:
         """Fold one update, bounded; return the norm of its contribution.
@@ -291,6 +420,19 @@ class CoordinateRobust:
         self.updates.append(update)
         self.total_weight += weight
         self.weighted_steps += weight * steps
+
+    def add_many(self, updates: Sequence[Update]) -> list[float | ReplyRejected]:
+        """:meth:`add` on each in order (all are held anyway); each one's
+        outcome: 0.0 (no norm is taken) or why it was rejected."""
+        outcomes: list[float | ReplyRejected] = []
+        for u in updates:
+            try:
+                self.add(u.arrays, u.base, u.weight, scale=u.scale, steps=u.steps)
+            except ReplyRejected as rejection:
+                outcomes.append(rejection)
+            else:
+                outcomes.append(0.0)
+        return outcomes
 
     def result(
         self,

@@ -23,6 +23,7 @@ from flwr.app import (
 from flwr.serverapp import Grid
 from flwr.supercore import log
 
+from . import fold_kernel
 from .robust import (
     AGGREGATIONS,
     DEFAULT_CLIP_FACTOR,
@@ -41,6 +42,7 @@ from .utils import (
     Quarantine,
     ReplyRejected,
     Ticket,
+    Update,
     UpdateAccumulator,
     check_evaluate_reply,
     check_train_reply,
@@ -78,6 +80,55 @@ class TrainFold:
             self.reference = spec_of(arrays)
             self.zeros = {k: np.zeros(v.shape, v.dtype) for k, v in arrays.items()}
         return self.zeros
+
+
+FOLD_GROUP = fold_kernel.MOST
+"""Replies ``aggregate_train`` folds per pass (:meth:`UpdateAccumulator.add_many`:
+the model they trained from and the sum are read once for the group); at most
+this many replies are held at a time."""
+
+
+@dataclass
+class _Staged:
+    """A validated train reply waiting for its group's pass."""
+
+    reply: Message
+    node: int
+    arrival: Arrival | None
+    ticket: Ticket | None
+    arrived: float | None
+    metrics: MetricRecord
+    n: float
+    update: Update
+
+
+class _Group:
+    """Train replies staged for one pass: folded when :data:`FOLD_GROUP` are
+    staged, at the end of ``aggregate_train``, or when the round loop asks
+    whether one of them is usable (``Arrival.settle``)."""
+
+    def __init__(
+        self, strategy: RuntimeWeightedFedAvg, server_round: int, fold: TrainFold
+    ) -> None:
+        self.strategy = strategy
+        self.server_round = server_round
+        self.train_fold = fold
+        self.staged: list[_Staged] = []
+
+    def add(self, item: _Staged) -> None:
+        self.staged.append(item)
+        if item.arrival is not None:
+            item.arrival.settle = self.fold
+        if len(self.staged) >= FOLD_GROUP:
+            self.fold()
+
+    def fold(self) -> None:
+        staged, self.staged = self.staged, []
+        for item in staged:
+            if item.arrival is not None:
+                item.arrival.settle = None
+        if staged:
+            self.strategy._fold_staged(staged, self.server_round, self.train_fold)
 
 
 class RuntimeWeightedFedAvg(RoundLoop):
@@ -269,6 +320,9 @@ class RuntimeWeightedFedAvg(RoundLoop):
         self._sum_memory: dict[str, np.ndarray] = {}
         """The last aggregation's result once encoded: where the next one makes
         its sums (no fresh pages to fault in each round; see UpdateAccumulator)."""
+        self._spare_memory: dict[str, np.ndarray] = {}
+        """The last aggregation's other sum memory (BoundedSum.add_many writes
+        each group's pass beside the sum), kept likewise."""
         self._init_loop(checkpoint_path)
 
     # ------------------------------------------------------------------ summary
@@ -595,7 +649,22 @@ class RuntimeWeightedFedAvg(RoundLoop):
         accepted reply and averaged as it is. A rejected reply is logged with its
         node id and reason, and counted towards quarantine when it is the node's
         fault.
+
+        ``aggregate_train`` folds replies :data:`FOLD_GROUP` at a time through
+        the same steps (:meth:`_stage_train_reply`, one pass for the group,
+        :meth:`_settle_train_reply`); a subclass that overrides this method has
+        it called for every reply instead.
         """
+        staged = self._stage_train_reply(reply, server_round, fold)
+        if staged is None:
+            return False
+        return self._fold_staged([staged], server_round, fold)[0]
+
+    def _stage_train_reply(
+        self, reply: Message, server_round: int, fold: TrainFold
+    ) -> _Staged | None:
+        """Validate one train reply and work out its weight: what folding it
+        needs, or None when it was rejected (logged, counted)."""
         arrival = self._arrivals.get(reply.metadata.reply_to_message_id)
         ticket = arrival.ticket if arrival is not None else None
         arrived = arrival.arrived if arrival is not None else None
@@ -619,23 +688,77 @@ class RuntimeWeightedFedAvg(RoundLoop):
             weight, scale, steps = self.reply_weight(metrics, n, ticket, arrived)
             if not base:  # no model known: average the arrays as they are
                 base, scale = fold.zeros_like(arrays), 1.0
-            fold.updates.add(
-                arrays, base, weight * discount, scale=scale * update_scale, steps=steps
+            update = Update(
+                arrays, base, weight * discount, scale * update_scale, steps
             )
+            if not (update.weight > 0 and math.isfinite(update.weight)):
+                # as the sum would refuse it: an unusable reply, before its group
+                raise ValueError(f"weight must be finite and > 0, got {update.weight}")
         except ReplyRejected as rejection:
-            self._reject(reply, server_round, node, rejection)
-            if arrival is not None:
-                arrival.accepted, arrival.reason = False, rejection.reason
-                arrival.fault = rejection.fault
-            return False
+            self._settle_rejected(reply, server_round, node, arrival, rejection)
+            return None
         except Exception as err:  # whatever a reply holds, the run goes on
-            return self._reject_unusable(reply, server_round, node, err, arrival)
-        if arrival is not None:
-            arrival.accepted = True
-        self.quarantine.record_success(node)
-        self._update_speed(node, metrics, ticket, arrived)
-        fold.metrics.add(metrics, n)
+            self._reject_unusable(reply, server_round, node, err, arrival)
+            return None
+        return _Staged(reply, node, arrival, ticket, arrived, metrics, n, update)
+
+    def _fold_staged(
+        self, group: list[_Staged], server_round: int, fold: TrainFold
+    ) -> list[bool]:
+        """Fold staged replies in one pass (the sum decides each one's bounds in
+        order); settle each: accepted, or rejected with its reason."""
+        try:
+            outcomes = fold.updates.add_many([s.update for s in group])
+        except Exception as err:  # a fault of the sum, not of one reply
+            log(
+                WARNING,
+                "round %d: folding %d replies together failed (%s: %s)",
+                server_round,
+                len(group),
+                type(err).__name__,
+                err,
+            )
+            return [
+                self._reject_unusable(s.reply, server_round, s.node, err, s.arrival)
+                for s in group
+            ]
+        return [
+            self._settle_train_reply(staged, outcome, server_round, fold)
+            for staged, outcome in zip(group, outcomes, strict=True)
+        ]
+
+    def _settle_train_reply(
+        self,
+        staged: _Staged,
+        outcome: float | ReplyRejected,
+        server_round: int,
+        fold: TrainFold,
+    ) -> bool:
+        """After the fold: count a staged reply as accepted, or reject it."""
+        if isinstance(outcome, ReplyRejected):
+            self._settle_rejected(
+                staged.reply, server_round, staged.node, staged.arrival, outcome
+            )
+            return False
+        if staged.arrival is not None:
+            staged.arrival.accepted = True
+        self.quarantine.record_success(staged.node)
+        self._update_speed(staged.node, staged.metrics, staged.ticket, staged.arrived)
+        fold.metrics.add(staged.metrics, staged.n)
         return True
+
+    def _settle_rejected(
+        self,
+        reply: Message,
+        server_round: int,
+        node: int,
+        arrival: Arrival | None,
+        rejection: ReplyRejected,
+    ) -> None:
+        self._reject(reply, server_round, node, rejection)
+        if arrival is not None:
+            arrival.accepted, arrival.reason = False, rejection.reason
+            arrival.fault = rejection.fault
 
     def _reject_unusable(
         self,
@@ -658,12 +781,14 @@ class RuntimeWeightedFedAvg(RoundLoop):
         if self.aggregation != "mean":
             return CoordinateRobust(self.aggregation, self.trim_fraction)
         memory, self._sum_memory = self._sum_memory, {}
+        spare, self._spare_memory = self._spare_memory, {}
         return BoundedSum(
             self.weight_cap,
             self.clip_factor if clip else None,
             self.recent_weights,
             self.recent_norms,
             memory,
+            spare,
         )
 
     def _server_step_size(self) -> float:
@@ -688,8 +813,16 @@ class RuntimeWeightedFedAvg(RoundLoop):
             MetricsAccumulator(self.weighted_by_key),
             self._new_sum(clip=bool(self._global_np)),
         )
-        for reply in replies:
-            self.fold_train_reply(reply, server_round, fold)
+        if type(self).fold_train_reply is RuntimeWeightedFedAvg.fold_train_reply:
+            group = _Group(self, server_round, fold)
+            for reply in replies:
+                item = self._stage_train_reply(reply, server_round, fold)
+                if item is not None:
+                    group.add(item)
+            group.fold()
+        else:  # a subclass's own fold_train_reply: one reply at a time
+            for reply in replies:
+                self.fold_train_reply(reply, server_round, fold)
         log(
             INFO,
             "aggregate_train: Received %s results and %s failures",
@@ -737,6 +870,8 @@ class RuntimeWeightedFedAvg(RoundLoop):
             for name, value in new.items()
             if not np.may_share_memory(value, current[name])
         }
+        if isinstance(fold.updates, BoundedSum):
+            self._spare_memory = fold.updates.sum.leftover()
         return record, fold.metrics.result(self.train_metrics_aggr_fn)
 
     def aggregate_evaluate(

@@ -538,9 +538,17 @@ class UpdateAccumulator:
     cost nothing extra.
     """
 
-    def __init__(self, memory: Mapping[str, np.ndarray] | None = None) -> None:
+    def __init__(
+        self,
+        memory: Mapping[str, np.ndarray] | None = None,
+        spare: Mapping[str, np.ndarray] | None = None,
+    ) -> None:
         self._sum: dict[str, np.ndarray] = {}
-        self._memory = dict(memory or {})
+        self._pool: dict[str, list[np.ndarray]] = {}
+        for given in (spare or {}, memory or {}):  # memory first (popped last)
+            for name, array in given.items():
+                self._pool.setdefault(name, []).append(array)
+        self._staged: dict[str, np.ndarray] | None = None
         self._buffers: dict[np.dtype, np.ndarray] = {}
         self.total_weight = 0.0
         self.weighted_steps = 0.0
@@ -585,7 +593,12 @@ class UpdateAccumulator:
             raise outcome
         return outcome
 
-    def add_many(self, updates: Sequence[Update]) -> list[float | ReplyRejected]:
+    def add_many(
+        self,
+        updates: Sequence[Update],
+        *,
+        keep: Callable[[list[float | ReplyRejected]], bool] | None = None,
+    ) -> list[float | ReplyRejected]:
         """Fold several updates in one pass; each one's norm, or why it was rejected.
 
         Equal to calling :meth:`add` on each in order (the same sum, bit for
@@ -593,6 +606,18 @@ class UpdateAccumulator:
         same objects) are folded together, chunk by chunk (see the class). A
         rejected update (NaN/Inf) is returned as its :class:`ReplyRejected` and
         leaves the sum as it was; the others still count.
+
+        ``keep``: the updates count only if ``keep(outcomes)`` says so, once
+        their norms are known; otherwise the sum is as it was, exactly. The
+        pass then writes the sum plus the updates to other memory (the same
+        memory traffic: the sum is read and a sum written either way) and
+        keeps it or drops it, each array's other sum going back to memory
+        for the next time (:meth:`leftover`). This lets a caller decide what
+        an update may count for (a bound needing its norm) after one pass for
+        the group, and fold it again with that decision when the decision
+        differs from what was folded (:class:`flowerbed.strategies.robust.
+        BoundedSum`): an unbounded update is never taken back out of the sum,
+        which would cancel the other updates' digits in float32.
 
         Raises
         ------
@@ -613,11 +638,28 @@ class UpdateAccumulator:
             key = (names, *(id(update.base.get(name)) for name in names))
             groups.setdefault(key, []).append(i)
         outcomes: list[float | ReplyRejected] = [0.0] * len(updates)
-        for members in groups.values():
-            for i, outcome in zip(
-                members, self._fold_group([updates[i] for i in members]), strict=True
-            ):
-                outcomes[i] = outcome
+        if keep is not None:
+            self._staged = {}
+        try:
+            for members in groups.values():
+                for i, outcome in zip(
+                    members,
+                    self._fold_group([updates[i] for i in members]),
+                    strict=True,
+                ):
+                    outcomes[i] = outcome
+        finally:
+            staged, self._staged = self._staged, None
+        if staged is not None:
+            kept = keep is not None and keep(outcomes)
+            for name, array in staged.items():
+                free: np.ndarray | None = array
+                if kept:  # the sum so far becomes free memory
+                    free, self._sum[name] = self._sum.get(name), array
+                if free is not None:
+                    self._pool.setdefault(name, []).append(free)
+            if not kept:
+                return outcomes
         for update, outcome in zip(updates, outcomes, strict=True):
             if not isinstance(outcome, ReplyRejected):
                 self.total_weight += update.weight
@@ -667,10 +709,17 @@ class UpdateAccumulator:
             outcomes.append(norm)
         return outcomes
 
+    def leftover(self) -> dict[str, np.ndarray]:
+        """Memory given (``memory``, ``spare``) or freed (a sum a staged group
+        replaced) and not used: worth keeping for the next accumulator's
+        ``spare``."""
+        return {name: arrays[-1] for name, arrays in self._pool.items() if arrays}
+
     def _new_sum(self, name: str, size: int, dtype: np.dtype) -> np.ndarray:
         """Memory for the sum of ``name`` (not written): the array of the same
         name, size and dtype given as ``memory``, else new memory."""
-        given = self._memory.pop(name, None)
+        arrays = self._pool.get(name)
+        given = arrays.pop() if arrays else None
         if (
             isinstance(given, np.ndarray)
             and given.size == size
@@ -706,18 +755,32 @@ class UpdateAccumulator:
         base = np.ravel(base)
         dtype = _sum_dtype(base.dtype)
         compiled = fold_kernel.kernel() if base.dtype == dtype else None
+        sums = self._sum if self._staged is None else self._staged
+        # Staged (add_many's ``keep``): the sum so far stays as it is, and the
+        # first fold of each array writes it plus the values to new memory.
+        source = self._sum.get(name) if sums is not self._sum else None
         if compiled is not None and all(v.dtype == dtype for v in flat):
-            fresh = name not in self._sum
+            fresh = name not in sums
             if fresh:  # the kernel writes it: no zeros to write first
-                self._sum[name] = self._new_sum(name, base.size, dtype)
-            total = self._sum[name]
+                sums[name] = self._new_sum(name, base.size, dtype)
+            total = sums[name]
             return self._fold_compiled(
-                compiled, name, flat, base, total, factors, fresh
+                compiled,
+                name,
+                flat,
+                base,
+                total,
+                factors,
+                fresh and source is None,
+                source if fresh else None,
             )
-        if name not in self._sum:
-            self._sum[name] = self._new_sum(name, base.size, dtype)
-            self._sum[name].fill(0)
-        total = self._sum[name]
+        if name not in sums:
+            sums[name] = self._new_sum(name, base.size, dtype)
+            if source is None:
+                sums[name].fill(0)
+            else:
+                np.copyto(sums[name], source)
+        total = sums[name]
         scalars = [dtype.type(f) for f in factors]  # as NumPy rounds a Python float
         squares = [0.0] * len(flat)
         failed: dict[int, tuple[ReplyRejected, int]] = {}
@@ -752,9 +815,11 @@ class UpdateAccumulator:
         total: np.ndarray,
         factors: Sequence[float],
         fresh: bool,
+        source: np.ndarray | None = None,
     ) -> tuple[list[float], dict[int, tuple[ReplyRejected, int]]]:
         """:meth:`_fold` by the compiled kernel: one call for all the values
-        (``fresh``: ``total`` is not written yet)."""
+        (``fresh``: ``total`` is not written yet; ``source``: the sum so far,
+        which ``total``, not written yet, is to replace)."""
         dtype = total.dtype
         # The kernel compiles once per tuple type: the values as read-only
         # views, in tuples of fold_kernel.MOST and one of the rest.
@@ -771,6 +836,7 @@ class UpdateAccumulator:
                 scalars[first : first + count],
                 dtype.type(0),
                 fresh and first == 0,
+                source if first == 0 else None,
             )
             squares += found.tolist()
             stopped += where.tolist()
@@ -1131,7 +1197,10 @@ class Arrival:
     on the last global model. ``discount`` multiplies the reply's weight and
     ``update_scale`` its update (staleness); ``accepted`` is set once the reply
     has been validated (None: not looked at, e.g. by an overriding
-    ``aggregate_train`` that does its own averaging).
+    ``aggregate_train`` that does its own averaging). ``settle``, while set,
+    folds the reply's group now (``aggregate_train`` folds replies a few at a
+    time, so a reply validated but not yet folded is not yet known to be
+    usable: its NaN/Inf check is in the fold); :attr:`usable` calls it.
     """
 
     ticket: Ticket
@@ -1144,13 +1213,32 @@ class Arrival:
     accepted: bool | None = None
     fault: bool = False
     reason: str = ""
+    settle: Callable[[], object] | None = None
 
     @property
     def usable(self) -> bool:
         """Accepted, or (when nobody validated it) at least not an error reply."""
+        if self.settle is not None:
+            self.settle()
         if self.accepted is None:
             return self.error_code is None
         return self.accepted
+
+
+def enough_usable(arrivals: Iterable[Arrival], wanted: int) -> bool:
+    """Whether at least ``wanted`` of ``arrivals`` are usable, folding replies
+    that wait for their group (:attr:`Arrival.settle`) only when their outcome
+    decides it."""
+    settled = 0
+    waiting: list[Arrival] = []
+    for arrival in arrivals:
+        if arrival.settle is not None:
+            waiting.append(arrival)
+        else:
+            settled += arrival.usable
+    if settled >= wanted or settled + len(waiting) < wanted:
+        return settled >= wanted
+    return settled + sum(a.usable for a in waiting) >= wanted
 
 
 class ReplyStream:

@@ -58,7 +58,12 @@ def test_quick_bench_writes_page_results_and_one_plot_per_workload(
     machinery = results["sections"]["machinery"]["data"]
     assert list(machinery) == list(PARTS)
     agg = machinery["aggregation"]
-    assert {p["method"] for p in agg["points"]} == {"streaming", "grouped", "flower"}
+    assert {p["method"] for p in agg["points"]} == {
+        "streaming",
+        "grouped",
+        "strategy",
+        "flower",
+    }
     assert all(p["of_limit"] > 0 and p["limit_gbps"] > 0 for p in agg["points"])
     [(size, speedup)] = machinery["throughput"]["speedup"].items()
     assert size == "10" and speedup > 0
@@ -296,6 +301,8 @@ def test_planned_memory_follows_each_algorithm() -> None:
     # bandwidth arrays = 28 bytes per float; grouped: 4 replies of 8 bytes instead.
     assert bench_machinery.planned_bytes("streaming", 200, 1000) == overhead + 28_000
     assert bench_machinery.planned_bytes("grouped", 200, 1000) == overhead + 52_000
+    # The strategy: the sum's other memory, the encoded and the kept result.
+    assert bench_machinery.planned_bytes("strategy", 200, 1000) == overhead + 64_000
     # Flower's list: every reply, result, temporary, bandwidth arrays: 4 bytes each.
     assert bench_machinery.planned_bytes("flower", 10, 1000) == overhead + 56_000
 
