@@ -30,6 +30,7 @@ from flwr.supercore.inflatable.inflatable_object import (
         np.linspace(0, 1, 2400, dtype=np.float32).reshape(16, 6, 5, 5),
         np.arange(12, dtype=np.float64).reshape(3, 4).T,  # Fortran order
         np.arange(20, dtype=np.float32)[::2],  # not contiguous
+        np.arange(4, dtype=">f4"),  # big-endian: its bytes as they are
     ],
 )
 def test_encode_array_makes_the_same_array_as_flower(value: np.ndarray) -> None:
