@@ -179,6 +179,10 @@ def _train_group(
             name: torch.stack([job.weights[name].detach().float() for job in jobs])
             for name in names
         }
+    grouped = grouped_forward(model)
+    written = grouped_sgd(grouped)
+    if written is not None:
+        stacked = written.lay_out(stacked)
     proximal = any(job.proximal_mu for job in jobs)
     anchors = {name: t.clone() for name, t in stacked.items()} if proximal else {}
     steps = [job.steps for job in jobs]
@@ -199,8 +203,6 @@ def _train_group(
     mu = torch.tensor([job.proximal_mu for job in jobs], dtype=torch.float32)
     loss_sums = torch.zeros(n, dtype=torch.float64)
     full_losses: list[torch.Tensor] = []  # of the steps all nodes take
-    grouped = grouped_forward(model)
-    written = grouped_sgd(grouped)
     # the steps all nodes take, laid out for the written-out step with one copy
     packed = grouped_inputs(x_steps[: min(steps)]) if written is not None else []
     forward: Callable[[dict[str, torch.Tensor], torch.Tensor], torch.Tensor]
@@ -216,16 +218,17 @@ def _train_group(
         # ~1 s) that its batching rule pulls in.
         forward = vmap(logits_of)
     model.train()
+    every_node = Rates(lr, mu, anchors)
     for step in range(max(steps, default=0)):
         active = [i for i in range(n) if step < steps[i]]
         rows = None if len(active) == n else torch.tensor(active)
         x = x_steps[step] if rows is None else x_steps[step, rows]
         y = y_steps[step] if rows is None else y_steps[step, rows]
         params = stacked if rows is None else _rows(stacked, rows)
-        rates = Rates(
-            lr if rows is None else lr[rows],
-            mu if rows is None else mu[rows],
-            anchors if rows is None else _rows(anchors, rows),
+        rates = (
+            every_node
+            if rows is None
+            else Rates(lr[rows], mu[rows], _rows(anchors, rows))
         )
         if written is not None:
             x_in = packed[step] if rows is None else grouped_inputs(x[None])[0]
@@ -237,12 +240,14 @@ def _train_group(
         else:  # the active nodes' rows were copies: put them back
             for name, t in stacked.items():
                 t.index_copy_(0, rows, params[name])
-            loss_sums.index_add_(0, rows, losses.double())
-    if full_losses:
-        loss_sums += torch.stack(full_losses).double().sum(dim=0)
+            loss_sums.index_add_(0, rows, losses.mean(dim=1).double())
+    if full_losses:  # each step's mean losses, taken for all steps at once
+        loss_sums += torch.stack(full_losses).mean(dim=2).double().sum(dim=0)
     out = []
     sums = loss_sums.tolist()
-    rows_of = {name: stacked[name].unbind(0) for name in names}  # views, no copy
+    rows_of = {  # views, no copy (but of weights lay_out had made channels-last)
+        name: stacked[name].contiguous().unbind(0) for name in names
+    }
     for i in range(n):
         done = steps[i]
         weights = {name: rows_of[name][i] for name in names}
@@ -265,17 +270,16 @@ def _autograd_step(
     y: torch.Tensor,
     rates: Rates,
 ) -> torch.Tensor:
-    """One SGD step of every node, gradients by autograd; each node's mean loss."""
+    """One SGD step of every node, gradients by autograd; each sample's loss,
+    ``(nodes, batch)``."""
     params = {name: t.detach().requires_grad_() for name, t in stacked.items()}
     logits = forward(params, x)
-    losses = (
-        nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none")
-        .view(len(x), -1)
-        .mean(dim=1)
-    )
+    losses = nn.functional.cross_entropy(
+        logits.flatten(0, 1), y.flatten(), reduction="none"
+    ).view(len(x), -1)
     # Node i's loss depends on its own weights only: the gradient of the sum is
     # every node's own gradient.
-    grads = torch.autograd.grad(losses.sum(), list(params.values()))
+    grads = torch.autograd.grad(losses.mean(dim=1).sum(), list(params.values()))
     with torch.no_grad():
         gs = []
         for (name, w), g in zip(params.items(), grads, strict=True):
