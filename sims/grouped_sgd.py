@@ -144,7 +144,9 @@ class GroupedSGD:
                 "to move in place"
             )
         n, batch = y.shape
-        with torch.no_grad():
+        # inference mode: no autograd bookkeeping on each op's result (nothing
+        # here is differentiated); ~5% of a 10-node LeNet step, same values
+        with torch.inference_mode():
             h, grouped = x
             tape: list[tuple[torch.Tensor, bool, torch.Tensor | None]] = []
             for layer in self.layers:
