@@ -95,6 +95,20 @@ def minibatches(num_samples: int, batch_size: int, seed: int) -> Iterator[np.nda
         cursor += batch
 
 
+def minibatch_table(
+    num_samples: int, batch_size: int, seed: int, steps: int
+) -> np.ndarray:
+    """The first ``steps`` batches :func:`minibatches` yields, as the rows of one
+    ``(steps, batch)`` array: the same permutations from the same generator,
+    drawn at once rather than batch by batch."""
+    rng = np.random.default_rng(seed)
+    batch = max(1, min(batch_size, num_samples))
+    per_pass = num_samples // batch
+    passes = max(1, -(-steps // per_pass))
+    orders = [rng.permutation(num_samples)[: per_pass * batch] for _ in range(passes)]
+    return np.concatenate(orders).reshape(-1, batch)[:steps]
+
+
 def _sgd_step(params: Sequence[torch.Tensor], lr: float) -> None:
     """Plain SGD, w <- w - lr * grad.
 

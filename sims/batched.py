@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from flowerbed.clients.training import TrainStats, minibatches
+from flowerbed.clients.training import TrainStats, minibatch_table
 from flowerbed.sims.grouped import grouped_forward, grouped_inputs
 from flowerbed.sims.grouped_sgd import Rates, grouped_sgd
 from torch import nn
@@ -193,9 +193,8 @@ def _train_group(
     offsets = np.cumsum([0] + [len(job.x) for job in jobs])
     picks = np.zeros((max(steps, default=0), n, batch), dtype=np.int64)
     for i, job in enumerate(jobs):
-        order = minibatches(len(job.x), batch, job.seed)
-        for step in range(job.steps):
-            picks[step, i] = next(order) + offsets[i]
+        table = minibatch_table(len(job.x), batch, job.seed, job.steps)
+        picks[: job.steps, i] = table + offsets[i]
     every_step = torch.from_numpy(picks)
     x_steps = xs[every_step]  # (steps, nodes, batch, *sample shape)
     y_steps = ys[every_step]
@@ -217,7 +216,8 @@ def _train_group(
         # cross_entropy needs none of the decompositions (and their sympy import,
         # ~1 s) that its batching rule pulls in.
         forward = vmap(logits_of)
-    model.train()
+    if written is None:  # the model's own layers run: in training mode
+        model.train()
     every_node = Rates(lr, mu, anchors)
     for step in range(max(steps, default=0)):
         active = [i for i in range(n) if step < steps[i]]

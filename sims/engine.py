@@ -35,7 +35,7 @@ from flowerbed import keys
 from flowerbed.clock import collect_replies
 from flowerbed.sims.links import Network, charge_round
 from flowerbed.sims.vclock import NodeDropout
-from flwr.app import Context, Error, Message, MessageType, RecordDict
+from flwr.app import Context, Error, Message, MessageType, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
 from flwr.serverapp import Grid
@@ -142,7 +142,7 @@ class ArrivalQueue:
             after_s = ttl
         partition = -1
         if not reply.has_error():
-            for record in reply.content.metric_records.values():
+            for record in metric_records(reply):
                 value = record.get(keys.PARTITION_ID)
                 if isinstance(value, int):
                     partition = value
@@ -485,6 +485,13 @@ def task_outcome(
     return result, reply_duration(result)
 
 
+def metric_records(reply: Message) -> list[MetricRecord]:
+    """The reply's metric records, in order: ``reply.content.metric_records``
+    without the synced view Flower builds (and type-checks) on every access,
+    ~6 us, read several times per reply per round."""
+    return [r for r in reply.content.values() if isinstance(r, MetricRecord)]
+
+
 def reply_duration(reply: Message) -> float:
     """Virtual seconds a reply reports for its task (sum of its duration keys).
 
@@ -492,7 +499,7 @@ def reply_duration(reply: Message) -> float:
     NaN must not become an arrival time that stalls every other reply.
     """
     total = 0.0
-    for record in reply.content.metric_records.values():
+    for record in metric_records(reply):
         for key in DURATION_KEYS:
             value = record.get(key)
             if isinstance(value, (int, float)) and 0 <= value < math.inf:

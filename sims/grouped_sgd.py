@@ -29,6 +29,7 @@ from the weights the step started with.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -444,11 +445,20 @@ def _proximal(params: dict[str, torch.Tensor], rates: Rates, name: str) -> None:
     w.sub_((rates.lr * rates.mu).view(shape) * (w - rates.anchors[name]))
 
 
+_STEPS: weakref.WeakKeyDictionary[GroupedForward, GroupedSGD | None] = (
+    weakref.WeakKeyDictionary()
+)
+"""Written-out steps by grouped forward pass (None: the model needs autograd)."""
+
+
 def grouped_sgd(grouped: GroupedForward | None) -> GroupedSGD | None:
-    """The written-out SGD step of a grouped model, or None if it needs autograd."""
+    """The written-out SGD step of a grouped model, or None if it needs autograd
+    (cached)."""
     if grouped is None:
         return None
-    try:
-        return GroupedSGD(grouped)
-    except Unsupported:
-        return None
+    if grouped not in _STEPS:
+        try:
+            _STEPS[grouped] = GroupedSGD(grouped)
+        except Unsupported:
+            _STEPS[grouped] = None
+    return _STEPS[grouped]

@@ -25,7 +25,15 @@ from flowerbed.sims.config import Scenario
 from flowerbed.sims.devices import DeviceProfile, get_device
 from flowerbed.sims.fleet import assign_devices, device_of, speed_groups
 from flowerbed.sims.population import MIN_SAMPLES, drawn_shard, fits
-from flwr.app import ArrayRecord, Context, Error, Message, MetricRecord, RecordDict
+from flwr.app import (
+    ArrayRecord,
+    ConfigRecord,
+    Context,
+    Error,
+    Message,
+    MetricRecord,
+    RecordDict,
+)
 from flwr.clientapp import ClientApp
 from flwr.clientapp.typing import ClientAppCallable
 from flwr.common.constant import ErrorCode
@@ -205,12 +213,21 @@ def _model_from(message: Message, scenario: Scenario) -> nn.Module:
     return model
 
 
+def _config(message: Message) -> Mapping[str, object]:
+    """The message's config record (empty if none): ``content.config_records``
+    without the synced view Flower builds on every access."""
+    record = message.content.get(keys.CONFIG)
+    return record if isinstance(record, ConfigRecord) else {}
+
+
 def _maybe_drop(
     scenario: Scenario, node: NodeSetup, server_round: int, kind: int, duration_s: float
 ) -> None:
     """Raise ``NodeDropout`` as the device's availability dictates."""
-    rng = vclock.task_rng(scenario.seed, node.partition_id, server_round, kind)
     p = vclock.drop_probability(node.device, duration_s, scenario.dropout)
+    if p <= 0:  # no draw can fall below it
+        return
+    rng = vclock.task_rng(scenario.seed, node.partition_id, server_round, kind)
     if rng.random() < p:
         silent = bool(rng.random() < 0.5)
         raise vclock.NodeDropout(
@@ -243,7 +260,7 @@ def plan_train(message: Message, context: Context) -> TrainPlan:
     :func:`no_step_reply`.
     """
     scenario, node = _identity(context)
-    config: Mapping[str, object] = message.content.config_records.get(keys.CONFIG, {})
+    config = _config(message)
     server_round = int(_number(config, keys.SERVER_ROUND, 0))
     steps = int(_number(config, keys.LOCAL_STEPS, scenario.local_steps))
     lr = _number(config, keys.LEARNING_RATE, scenario.learning_rate)
@@ -431,7 +448,7 @@ def train_batch(tasks: Sequence[tuple[Message, Context]]) -> list[Message | Exce
 def evaluate_local(message: Message, context: Context) -> Message:
     """Evaluate the received model on this node's share of the test set."""
     scenario, node = _identity(context)
-    config: Mapping[str, object] = message.content.config_records.get(keys.CONFIG, {})
+    config = _config(message)
     server_round = int(_number(config, keys.SERVER_ROUND, 0))
     dev = node.device
     comm_s = vclock.transfer_seconds(node.model_bytes, dev.downlink_mbps)
@@ -459,7 +476,7 @@ def profile(message: Message, context: Context) -> Message:
     downloaded (it travels with the query), nothing is uploaded.
     """
     scenario, node = _identity(context)
-    config: Mapping[str, object] = message.content.config_records.get(keys.CONFIG, {})
+    config = _config(message)
     steps = int(_number(config, keys.PROFILE_STEPS, DEFAULT_PROFILE_STEPS))
     server_round = int(_number(config, keys.SERVER_ROUND, 0))
     dev = node.device

@@ -25,7 +25,7 @@ from flowerbed.clients.training import evaluate
 from flowerbed.data import Dataset
 from flowerbed.grid import GridWrapper
 from flowerbed.models import build_model
-from flowerbed.sims.engine import VirtualClock, reply_duration
+from flowerbed.sims.engine import VirtualClock, metric_records, reply_duration
 from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from torch import nn
@@ -121,7 +121,7 @@ class RunRecorder:
             bucket.failed.append(node)
             self._note_error(node, reply.error.reason or f"code {reply.error.code}")
             return
-        metrics = next(iter(reply.content.metric_records.values()), MetricRecord())
+        metrics = next(iter(metric_records(reply)), MetricRecord())
         pid = int(metrics.get(keys.PARTITION_ID, sent.node_id))  # type: ignore[arg-type]
         self._partition_of[sent.node_id] = pid
         bucket.participants.append(pid)

@@ -8,7 +8,12 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from flowerbed.clients.training import TrainStats, train_steps
+from flowerbed.clients.training import (
+    TrainStats,
+    minibatch_table,
+    minibatches,
+    train_steps,
+)
 from flowerbed.data import load_dataset
 from flowerbed.models import build_model
 from flowerbed.sims import node
@@ -100,6 +105,19 @@ def test_batched_training_equals_training_each_node_alone(name: str) -> None:
             assert torch.allclose(weights[key], value, atol=1e-5), key
     # the node that did no step still holds the weights it was given
     assert all(torch.equal(batched[4][0][k], v) for k, v in jobs[4].weights.items())
+
+
+@pytest.mark.parametrize(
+    ("samples", "batch", "steps"), [(40, 16, 6), (9, 16, 4), (33, 4, 25), (5, 5, 3)]
+)
+def test_minibatch_table_holds_the_batches_minibatches_yields(
+    samples: int, batch: int, steps: int
+) -> None:
+    # across reshuffles (40 samples: 2 batches of 16 a pass), a batch larger
+    # than the data (9 samples), exact passes (5 of 5)
+    order = minibatches(samples, batch, seed=3)
+    expected = np.stack([next(order) for _ in range(steps)])
+    assert np.array_equal(minibatch_table(samples, batch, 3, steps), expected)
 
 
 @pytest.mark.parametrize(
