@@ -139,11 +139,6 @@ class GroupedSGD:
         ``x`` is the nodes' inputs as :func:`~flowerbed.sims.grouped.grouped_inputs`
         lays them out, ``y`` ``(nodes, batch)`` class indices.
         """
-        if not all(_nodes_merge(p) for p in params.values()):
-            raise ValueError(
-                "stacked parameters must be contiguous (or as lay_out makes them) "
-                "to move in place"
-            )
         n, batch = y.shape
         # inference mode: no autograd bookkeeping on each op's result (nothing
         # here is differentiated); ~5% of a 10-node LeNet step, same values
@@ -227,10 +222,11 @@ class _Conv(_Weighted):
     ) -> tuple[torch.Tensor, bool, torch.Tensor | None]:
         if not grouped:
             raise Unsupported("a convolution on flat features")
-        bias = params[self.bias_key].flatten() if self.bias_key else None
+        weight = _node_rows(params[self.weight_key])
+        bias = params[self.bias_key].view(-1) if self.bias_key else None
         out = torch.convolution(
             h,
-            params[self.weight_key].flatten(0, 1),
+            weight,
             bias,
             self.stride,
             self.padding,
@@ -239,7 +235,7 @@ class _Conv(_Weighted):
             self.zeros,
             self.groups * n,
         )
-        return out, True, None
+        return out, True, weight  # backward moves the weights through this view
 
     def backward(
         self,
@@ -251,25 +247,26 @@ class _Conv(_Weighted):
         rates: Rates,
         need_input: bool,
     ) -> torch.Tensor | None:
-        weight = params[self.weight_key]
+        assert saved is not None
+        n = params[self.weight_key].shape[0]
         grad_in, grad_weight, _ = torch.ops.aten.convolution_backward(
             grad,
             h_in,
-            weight.flatten(0, 1),
+            saved,
             None,
             self.stride,
             self.padding,
             self.dilation,
             False,
             self.zeros,
-            self.groups * weight.shape[0],
+            self.groups * n,
             [need_input, True, False],
         )
         _proximal(params, rates, self.weight_key)
-        weight.flatten(0, 1).sub_(grad_weight)
+        saved.sub_(grad_weight)
         if self.bias_key:
             _proximal(params, rates, self.bias_key)
-            params[self.bias_key].flatten().sub_(grad.sum(dim=(0, *self.spatial)))
+            params[self.bias_key].sub_(grad.sum(dim=(0, *self.spatial)).view(n, -1))
         return grad_in
 
 
@@ -431,9 +428,16 @@ def _layer(module: nn.Module, name: str, in_place: bool) -> _Layer:
     return _Layer()  # Identity
 
 
-def _nodes_merge(p: torch.Tensor) -> bool:
-    """Whether ``p.flatten(0, 1)`` is a view (the in-place updates go through it)."""
-    return p.dim() < 2 or p.shape[1] == 1 or p.stride(0) == p.stride(1) * p.shape[1]
+def _node_rows(w: torch.Tensor) -> torch.Tensor:
+    """``w`` (``(nodes, out, ...)``) as ``(nodes x out, ...)``, a view: the
+    weights move in place through it."""
+    try:
+        return w.view(-1, *w.shape[2:])
+    except RuntimeError as err:
+        raise ValueError(
+            "stacked parameters must be contiguous (or as lay_out makes them) "
+            "to move in place"
+        ) from err
 
 
 def _proximal(params: dict[str, torch.Tensor], rates: Rates, name: str) -> None:
