@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import numpy as np
+from flowerbed.records import filled
 from flwr.app import Array, ArrayRecord
 from flwr.common.constant import SType
 
@@ -55,14 +56,14 @@ def encode_array(value: np.ndarray) -> Array:
 def encode_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
     """``ArrayRecord`` of :func:`encode_array` of each array, in order.
 
-    The arrays are put in one by one: ``ArrayRecord(dict)`` rebuilds every
-    ``Array`` it is given (as a plain ``Array``, losing :class:`EncodedArray`'s
-    shortcut, at the cost of a second construction).
+    Not ``ArrayRecord(dict)``, which rebuilds every ``Array`` it is given (as a
+    plain ``Array``, losing :class:`EncodedArray`'s shortcut, at the cost of a
+    second construction): the arrays are put in at once
+    (:func:`flowerbed.records.filled`).
     """
-    record = ArrayRecord()
-    for name, value in arrays.items():
-        record[name] = encode_array(value)
-    return record
+    return filled(
+        ArrayRecord(), {name: encode_array(value) for name, value in arrays.items()}
+    )
 
 
 _LAYOUT = "_flowerbed_layout"

@@ -19,6 +19,7 @@ from flowerbed.arrays import encode_record, torch_state_dict
 from flowerbed.clients.training import TrainStats, evaluate, train_steps
 from flowerbed.data import Dataset, load_dataset, partition
 from flowerbed.models import build_model, charged_costs, cost_factor, model_num_bytes
+from flowerbed.records import filled
 from flowerbed.sims import vclock
 from flowerbed.sims.batched import NodeJob, batchable, train_many
 from flowerbed.sims.config import Scenario
@@ -326,7 +327,8 @@ def train_reply(
     ``weights`` may come encoded already (an ``ArrayRecord``).
     """
     compute_s = stats.num_steps * plan.step_s
-    metrics = MetricRecord(
+    metrics = filled(
+        MetricRecord(),
         {
             keys.NUM_EXAMPLES: stats.num_examples,
             keys.NUM_STEPS: stats.num_steps,
@@ -338,14 +340,14 @@ def train_reply(
             ),
             keys.PARTITION_ID: plan.node.partition_id,
             keys.TRAIN_LOSS: stats.mean_loss,
-        }
+        },
     )
     arrays = (
         weights
         if isinstance(weights, ArrayRecord)
         else encode_record({name: v.detach().numpy() for name, v in weights.items()})
     )
-    content = RecordDict({keys.ARRAYS: arrays, keys.METRICS: metrics})
+    content = filled(RecordDict(), {keys.ARRAYS: arrays, keys.METRICS: metrics})
     return Message(content, reply_to=message)
 
 
