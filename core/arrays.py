@@ -41,7 +41,7 @@ def encode_array(value: np.ndarray) -> Array:
         return Array(value)
     dtype, header = _npy_header(value.dtype, value.shape)
     # One copy of the elements (``header + value.tobytes()`` makes two).
-    data = b"".join((header, value.reshape(-1).view(np.uint8)))
+    data = b"".join((header, value.reshape(-1).view(np.uint8).data))
     # What Array(dtype=, shape=, stype=, data=) sets (its four fields, through
     # __setattr__, which marks the object dirty), without its argument checks:
     # these are known right; ~4 us of a simulated reply's 10 arrays each.
