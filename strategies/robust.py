@@ -249,12 +249,7 @@ class BoundedSum:
                     continue
                 references = self._references(MIN_REFERENCE)
                 assert references is not None  # they exist once, and stay
-                cap, bound = references
-                weight = update.weight
-                if cap is not None and weight > cap:
-                    weight = cap
-                    self.capped += 1
-                max_norm = bound / update.scale if bound and update.scale > 0 else None
+                weight, max_norm = self._bounds(update, *references)
                 if max_norm is not None and outcome > max_norm:
                     self.clipped += 1
                     spoiled = True
@@ -284,15 +279,7 @@ class BoundedSum:
             return outcomes
         for update, decision in zip(rest, decisions, strict=True):
             if decision is not None:
-                weight, max_norm = decision
-                self.sum.add(
-                    update.arrays,
-                    update.base,
-                    weight,
-                    scale=update.scale,
-                    steps=update.steps,
-                    max_norm=max_norm,
-                )
+                self._add(update, *decision)
         return outcomes
 
     def _planned_weights(self, updates: Sequence[Update]) -> list[float]:
@@ -332,12 +319,29 @@ class BoundedSum:
         ``1/tau_i``, a staleness discount), so that a node doing more steps is not
         clipped for its longer update.
         """
+        weight, max_norm = self._bounds(update, cap, bound)
+        norm = self._add(update, weight, max_norm)
+        if max_norm is not None and norm > max_norm:
+            self.clipped += 1
+        return norm * update.scale
+
+    def _bounds(
+        self, update: _Held | Update, cap: float | None, bound: float | None
+    ) -> tuple[float, float | None]:
+        """The weight an update counts with (``capped`` counts a capped one)
+        and the norm of ``d_i`` it is clipped to (None: not clipped)."""
         weight = update.weight
         if cap is not None and weight > cap:
             weight = cap
             self.capped += 1
-        max_norm = bound / update.scale if bound and update.scale > 0 else None
-        norm = self.sum.add(
+        # ``bound`` is on ||c_i d_i||: on ||d_i|| it is bound / c_i
+        return weight, bound / update.scale if bound and update.scale > 0 else None
+
+    def _add(
+        self, update: _Held | Update, weight: float, max_norm: float | None
+    ) -> float:
+        """Fold ``update`` with ``weight``, clipped to ``max_norm``; its norm."""
+        return self.sum.add(
             update.arrays,
             update.base,
             weight,
@@ -345,9 +349,6 @@ class BoundedSum:
             steps=update.steps,
             max_norm=max_norm,
         )
-        if max_norm is not None and norm > max_norm:
-            self.clipped += 1
-        return norm * update.scale
 
     def _release(self, minimum: int) -> None:
         references = self._references(minimum)
