@@ -1,0 +1,36 @@
+"""The central evaluation scores the weights it is given, round after round."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from flowerbed.clients.training import evaluate
+from flowerbed.data import load_dataset
+from flowerbed.models import build_model
+from flowerbed.sims.recorder import RunRecorder
+from flowerbed.sims.scenario import build_fleet_grid
+from flwr.app import ArrayRecord
+
+
+@pytest.fixture
+def recorder() -> RunRecorder:
+    grid = build_fleet_grid({"num-nodes": 2})
+    return RunRecorder(grid, "lenet", load_dataset("digits", ""))
+
+
+def test_each_evaluation_scores_the_weights_it_is_given(
+    recorder: RunRecorder,
+) -> None:
+    data = load_dataset("digits", "")
+    for seed in (1, 2):  # the second loads over the first's weights
+        torch.manual_seed(seed)
+        model = build_model("lenet", 1, 8, 10)
+        metrics = recorder.evaluate_fn(0, ArrayRecord(model.state_dict()))
+        loss, acc = evaluate(model, data.x_test, data.y_test)
+        assert (metrics["loss"], metrics["accuracy"]) == (loss, acc)
+
+
+def test_weights_of_another_model_are_refused(recorder: RunRecorder) -> None:
+    other = build_model("lenet", 1, 16, 10)  # a wider first linear layer
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        recorder.evaluate_fn(0, ArrayRecord(other.state_dict()))
