@@ -113,13 +113,18 @@ def _shard(scenario: Scenario, num_partitions: int, pid: int, split: str) -> np.
 
 
 @functools.lru_cache(maxsize=8)
-def _model_costs(scenario: Scenario) -> tuple[float, int]:
-    if scenario.charge_as:
-        return charged_costs(scenario.charge_as)
-    data = cached_dataset(scenario.dataset, scenario.data_dir)
+def _model_costs(
+    model: str, dataset: str, data_dir: str, charge_as: str
+) -> tuple[float, int]:
+    """(cost factor, bytes) of the model a scenario trains or charges: once per
+    process and model, not per run (building the models to count their
+    multiply-adds costs ~3 ms)."""
+    if charge_as:
+        return charged_costs(charge_as)
+    data = cached_dataset(dataset, data_dir)
     shape = (data.in_channels, data.image_size, data.num_classes)
-    model = build_model(scenario.model, *shape)
-    return cost_factor(scenario.model, *shape), model_num_bytes(model)
+    built = build_model(model, *shape)
+    return cost_factor(model, *shape), model_num_bytes(built)
 
 
 def node_setup(
@@ -134,7 +139,9 @@ def node_setup(
         profile = device_of(scenario.fleet, num_partitions, scenario.seed, partition_id)
     else:
         profile = get_device(device)
-    factor, nbytes = _model_costs(scenario)
+    factor, nbytes = _model_costs(
+        scenario.model, scenario.dataset, scenario.data_dir, scenario.charge_as
+    )
     return NodeSetup(
         partition_id,
         profile,
