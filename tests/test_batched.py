@@ -21,7 +21,7 @@ from flowerbed.sims.batched import NodeJob, batchable, grouped_forward, train_ma
 from flowerbed.sims.config import Scenario
 from flowerbed.sims.engine import MIN_TASKS_PER_WORKER
 from flowerbed.sims.grouped import grouped_inputs
-from flowerbed.sims.grouped_sgd import Rates, grouped_sgd
+from flowerbed.sims.grouped_sgd import Rates, _log_softmax, grouped_sgd
 from flowerbed.sims.scenario import build_fleet_grid, run_scenario, run_server
 from flowerbed.sims.vclock import NodeDropout
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
@@ -193,6 +193,16 @@ def test_written_out_sgd_step_equals_autograds(
     assert losses.mean(dim=1).tolist() == pytest.approx(expected_losses, abs=1e-6)
     for key in names:
         assert torch.allclose(params[key], torch.stack(expected[key]), atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(10, 16, 10), (3, 5, 10), (2, 7, 40)])
+def test_the_steps_log_softmax_is_pytorchs(shape: tuple[int, int, int]) -> None:
+    # over classes taken column-wise, rows padded to whole vectors or not
+    logits = 4 * torch.randn(*shape)
+    expected = torch.log_softmax(logits, dim=-1)
+    got = _log_softmax(logits)
+    assert got.is_contiguous()
+    assert torch.allclose(got, expected, atol=1e-6, rtol=0)
 
 
 def test_models_with_residuals_or_other_layers_keep_autograd() -> None:
