@@ -122,17 +122,52 @@ def _sgd_step(params: Sequence[torch.Tensor], lr: float) -> None:
                 p.add_(p.grad, alpha=-lr)
 
 
+ROWS_ALIGN = 16
+"""Rows :func:`log_softmax` pads to a multiple of: the widest float vector of
+PyTorch's CPU kernels (AVX-512), and so a multiple of the narrower ones."""
+
+
+def log_softmax(logits: torch.Tensor) -> torch.Tensor:
+    """``torch.log_softmax(logits, dim=-1)``, taken over the first dimension of
+    a ``(classes, rows)`` copy; contiguous, of the same shape.
+
+    PyTorch's CPU kernel over the last dimension walks a row of fewer classes
+    than a vector holds one element at a time (10 classes: ~24 us for 160
+    rows, ~50 us for digits' 360 test images); over the first, it works on
+    whole vectors of rows (~2 us, plus ~2 us per copy). Both sum a row's
+    exponentials class by class, in order, with the same vectorised ``exp``:
+    the values agree (measured here bit for bit for 10 classes on AVX-512).
+    The rows are padded to whole vectors so that none goes through the scalar
+    ``exp`` of the kernel's tail.
+    """
+    classes = logits.shape[-1]
+    flat = logits.reshape(-1, classes)
+    rows = len(flat)
+    padded = -(-rows // ROWS_ALIGN) * ROWS_ALIGN
+    if padded == rows:
+        columns = flat.t().contiguous()
+    else:
+        columns = flat.new_zeros(classes, padded)
+        columns[:, :rows] = flat.t()
+    out = torch.log_softmax(columns, dim=0)[:, :rows]
+    # back to rows in memory: what is taken from it may feed matrix products,
+    # whose kernels (and roundings) follow the layout
+    return out.t().contiguous().view(logits.shape)
+
+
 def evaluate(model: nn.Module, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
     """Mean cross-entropy loss and accuracy of ``model`` on (x, y).
 
     The forward pass is the model's, with 2x2 max pooling as
-    :func:`max_pool_2x2` (:func:`inference_pass`): the same values.
+    :func:`max_pool_2x2` (:func:`inference_pass`), and the loss's log-softmax
+    :func:`log_softmax`: the same values.
     """
     model.eval()
     with torch.no_grad():
         logits = inference_pass(model)(torch.from_numpy(np.ascontiguousarray(x)))
         target = torch.from_numpy(np.ascontiguousarray(y))
-        loss = nn.functional.cross_entropy(logits, target).item()
+        # cross_entropy is nll_loss of log_softmax: the same value
+        loss = nn.functional.nll_loss(log_softmax(logits), target).item()
         acc = (logits.argmax(dim=1) == target).float().mean().item()
     return float(loss), float(acc)
 

@@ -33,6 +33,7 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
+from flowerbed.clients.training import log_softmax
 from flowerbed.sims.grouped import Grouped, GroupedForward, Unsupported
 from torch import nn
 
@@ -153,7 +154,7 @@ class GroupedSGD:
                 if h.dim() != 2:
                     raise Unsupported("an output with spatial dimensions")
                 h = h.reshape(batch, n, -1).transpose(0, 1)
-            log_p = _log_softmax(h)
+            log_p = log_softmax(h)
             target = y.unsqueeze(2)
             losses = log_p.gather(2, target).view(n, batch).neg_()
             # d(mean cross-entropy)/d(logits) = (softmax - onehot) / batch, times lr
@@ -426,37 +427,6 @@ def _layer(module: nn.Module, name: str, in_place: bool) -> _Layer:
             raise Unsupported("Flatten other than (1, -1)")
         return _Flatten()
     return _Layer()  # Identity
-
-
-ROWS_ALIGN = 16
-"""Rows :func:`_log_softmax` pads to a multiple of: the widest float vector of
-PyTorch's CPU kernels (AVX-512), and so a multiple of the narrower ones."""
-
-
-def _log_softmax(h: torch.Tensor) -> torch.Tensor:
-    """``torch.log_softmax(h, dim=-1)`` for logits ``(nodes, batch, classes)``,
-    taken over the first dimension of a ``(classes, rows)`` copy.
-
-    PyTorch's kernel over the last dimension walks a row of fewer classes than
-    a vector holds one element at a time (10 classes: ~24 us for 160 rows);
-    over the first, it works on whole vectors of rows (~2 us, and ~2 us per
-    copy). Both sum a row's exponentials class by class, in order, with the
-    same vectorised ``exp``, so the values agree (measured here bit for bit
-    on digits' 10 classes, AVX-512); the rows are padded to whole vectors so
-    that none goes through the scalar ``exp`` of the kernel's tail.
-    """
-    n, batch, classes = h.shape
-    rows = n * batch
-    padded = -(-rows // ROWS_ALIGN) * ROWS_ALIGN
-    columns = h.new_zeros(classes, padded) if padded != rows else None
-    if columns is None:
-        columns = h.reshape(rows, classes).t().contiguous()
-    else:
-        columns[:, :rows] = h.reshape(rows, classes).t()
-    log_p = torch.log_softmax(columns, dim=0)[:, :rows]
-    # back to (nodes, batch, classes) in memory: the gradient taken from it
-    # feeds matrix products, whose kernels (and roundings) follow the layout
-    return log_p.t().contiguous().view(n, batch, classes)
 
 
 def _node_rows(w: torch.Tensor) -> torch.Tensor:

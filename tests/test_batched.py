@@ -10,6 +10,7 @@ import pytest
 import torch
 from flowerbed.clients.training import (
     TrainStats,
+    log_softmax,
     minibatch_table,
     minibatches,
     train_steps,
@@ -21,7 +22,7 @@ from flowerbed.sims.batched import NodeJob, batchable, grouped_forward, train_ma
 from flowerbed.sims.config import Scenario
 from flowerbed.sims.engine import MIN_TASKS_PER_WORKER
 from flowerbed.sims.grouped import grouped_inputs
-from flowerbed.sims.grouped_sgd import Rates, _log_softmax, grouped_sgd
+from flowerbed.sims.grouped_sgd import Rates, grouped_sgd
 from flowerbed.sims.scenario import build_fleet_grid, run_scenario, run_server
 from flowerbed.sims.vclock import NodeDropout
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
@@ -196,11 +197,11 @@ def test_written_out_sgd_step_equals_autograds(
 
 
 @pytest.mark.parametrize("shape", [(10, 16, 10), (3, 5, 10), (2, 7, 40)])
-def test_the_steps_log_softmax_is_pytorchs(shape: tuple[int, int, int]) -> None:
+def test_log_softmax_over_columns_is_pytorchs(shape: tuple[int, int, int]) -> None:
     # over classes taken column-wise, rows padded to whole vectors or not
     logits = 4 * torch.randn(*shape)
     expected = torch.log_softmax(logits, dim=-1)
-    got = _log_softmax(logits)
+    got = log_softmax(logits)
     assert got.is_contiguous()
     assert torch.allclose(got, expected, atol=1e-6, rtol=0)
 
