@@ -428,6 +428,10 @@ def to_arrayrecord(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
     return encode_record(arrays)
 
 
+PAD_FROM = 2
+"""Fewest values the compiled fold pads to :data:`fold_kernel.MOST` (see
+``UpdateAccumulator._fold_compiled``)."""
+
 FOLD_CHUNK = 1 << 16
 """Elements folded per step: 256 KiB of float32, so that the chunk's difference
 stays in a core's L2 cache between the passes of one fold step (difference,
@@ -829,17 +833,27 @@ class UpdateAccumulator:
         stopped: list[int] = []
         for first in range(0, len(flat), fold_kernel.MOST):
             count = min(fold_kernel.MOST, len(flat) - first)
+            values = flat[first : first + count]
+            factors_now = scalars[first : first + count]
+            starts = fresh and first == 0
+            if PAD_FROM <= count < fold_kernel.MOST and not starts:
+                # Padded to four with the base itself at factor 0: it adds
+                # exactly 0 and is read from cache (the same addresses as the
+                # base), so two or three values fold together too.
+                pad = fold_kernel.MOST - count
+                values = values + [_read_only(base)] * pad
+                factors_now = np.concatenate([factors_now, np.zeros(pad, dtype)])
             found, where = compiled(
-                tuple(flat[first : first + count]),
+                tuple(values),
                 base,
                 total,
-                scalars[first : first + count],
+                factors_now,
                 dtype.type(0),
-                fresh and first == 0,
+                starts,
                 source if first == 0 else None,
             )
-            squares += found.tolist()
-            stopped += where.tolist()
+            squares += found[:count].tolist()
+            stopped += where[:count].tolist()
         failed: dict[int, tuple[ReplyRejected, int]] = {}
         for k, start in enumerate(stopped):
             if start >= 0:

@@ -119,12 +119,17 @@ def _replies(size: int, count: int, seed: int) -> list[dict[str, np.ndarray]]:
     ]
 
 
-def test_add_many_is_the_same_sum_bit_for_bit_as_adding_one_by_one() -> None:
+@pytest.mark.parametrize("count", [5, 6, 7])
+def test_add_many_is_the_same_sum_bit_for_bit_as_adding_one_by_one(
+    count: int,
+) -> None:
+    # 4 + 1, 4 + 2 and 4 + 3: a group of two or three after the first is folded
+    # padded to four with the base at factor 0 (exactly nothing added)
     size = 2 * FOLD_CHUNK + 3  # the last chunk is short
     rng = np.random.default_rng(7)
     base = {"w": rng.standard_normal(size).astype(np.float32), "n": np.array([10])}
-    replies = _replies(size, 5, seed=8)
-    weights = [3.0, 0.5, 7.25, 1.0, 2.0]
+    replies = _replies(size, count, seed=8)
+    weights = [3.0, 0.5, 7.25, 1.0, 2.0, 0.75, 4.5][:count]
     one_by_one = UpdateAccumulator()
     norms = [
         one_by_one.add(r, base, w, scale=0.5, steps=i + 1)
@@ -141,7 +146,7 @@ def test_add_many_is_the_same_sum_bit_for_bit_as_adding_one_by_one() -> None:
     # kernel sums four values' squares together in other vector lanes)
     assert got == pytest.approx(norms, rel=1e-6)
     assert (together.count, together.total_weight, together.weighted_steps) == (
-        5,
+        count,
         sum(weights),
         sum(w * (i + 1) for i, w in enumerate(weights)),
     )
