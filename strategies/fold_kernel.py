@@ -9,7 +9,8 @@ element, so the base and the sum are read once for the four (a fold of one
 moves four arrays per update, a fold of four 7/4); fewer go one after the
 other, block by block, while the block's base and sum are in cache, except that
 :class:`~flowerbed.strategies.utils.UpdateAccumulator` pads two or three values
-to four with the base itself at factor 0 (it adds exactly nothing and is read
+to four with the base itself at factor 0 (it adds exactly zero, at most turning
+a -0.0 of the sum into +0.0, and is read
 from cache): a 10-update round's last two, ~6% of its aggregation here (median
 of 8 rounds, 0.195 -> 0.183 s). One value stays on its own (padded, 25% slower). Per
 element it adds ``d**2`` to the block's sum and ``f d`` to ``s`` -- or, where
