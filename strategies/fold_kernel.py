@@ -1,29 +1,28 @@
-"""The compiled fold step of :class:`flowerbed.strategies.utils.UpdateAccumulator`.
-
-One call folds ``s += f_j (x_j - b)`` for up to :data:`MOST` values ``x_j`` of
-one array and returns each one's sum of squares of ``d_j = x_j - b``, in one
-pass: each element of ``x_j``, ``b`` and ``s`` is read once and ``s`` written
-once, with no temporaries (the NumPy fallback makes four passes over a
-cache-resident chunk of ``d``). Four values are folded together element by
-element, so the base and the sum are read once for the four (a fold of one
-moves four arrays per update, a fold of four 7/4); fewer go one after the
-other, block by block, while the block's base and sum are in cache, except that
+"""The compiled fold step of
+:class:`flowerbed.strategies.utils.UpdateAccumulator`. One call folds ``s +=
+f_j (x_j - b)`` for up to :data:`MOST` values ``x_j`` of one array and returns
+each one's sum of squares of ``d_j = x_j - b``, in one pass: each element of
+``x_j``, ``b`` and ``s`` is read once and ``s`` written once, with no
+temporaries (the NumPy fallback makes four passes over a cache-resident chunk
+of ``d``). Four values are folded together element by element, so the base and
+the sum are read once for the four (a fold of one moves four arrays per update,
+a fold of four 7/4); fewer go one after the other, block by block, while the
+block's base and sum are in cache, except that
 :class:`~flowerbed.strategies.utils.UpdateAccumulator` pads two or three values
 to four with the base itself at factor 0 (it adds exactly zero, at most turning
-a -0.0 of the sum into +0.0, and is read
-from cache): a 10-update round's last two, ~6% of its aggregation here (median
-of 8 rounds, 0.195 -> 0.183 s). One value stays on its own (padded, 25% slower). Per
-element it adds ``d**2`` to the block's sum and ``f d`` to ``s`` -- or, where
-``d**2`` is not finite (NaN, Inf, or ``|d|`` over ~1.8e19 in float32), leaves
-``s`` as it is (a masked add), so ``s`` never takes in a non-finite value. At
-the end of each block of :data:`BLOCK` elements the block's sum of squares is
-the NaN/Inf check (finite exactly when every difference is, and below the
-dtype's range); a value with a non-finite block is taken back from it at once
-(``s -= f d`` over its finite elements: the sum is as it was to within one
-rounding per element), not folded further, and the call says where that block
-starts, so the caller takes back the blocks before it, as for the NumPy
-fallback. A sum not written yet (``fresh``) is written by the first value, not
-read: no zeros to write first.
+a -0.0 of the sum into +0.0, and is read from cache): a 10-update round's last
+two, ~6% of its aggregation here (median of 8 rounds, 0.195 -> 0.183 s). One
+value stays on its own (padded, 25% slower). Per element it adds ``d**2`` to
+the block's sum and ``f d`` to ``s`` -- or, where ``d**2`` is not finite (NaN,
+Inf, or ``|d|`` over ~1.8e19 in float32), leaves ``s`` as it is (a masked add),
+so ``s`` never takes in a non-finite value. At the end of each block of
+:data:`BLOCK` elements the block's sum of squares is the NaN/Inf check (finite
+exactly when every difference is, and below the dtype's range); a value with a
+non-finite block is taken back from it at once (``s -= f d`` over its finite
+elements: the sum is as it was to within one rounding per element), not folded
+further, and the call says where that block starts, so the caller takes back
+the blocks before it, as for the NumPy fallback. A sum not written yet
+(``fresh``) is written by the first value, not read: no zeros to write first.
 
 The arithmetic per element is NumPy's (``d = x - b``, ``f * d``, ``s + f d``,
 each rounded to the sum's dtype, no fused multiply-add, and the four values'
