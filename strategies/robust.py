@@ -226,19 +226,14 @@ class BoundedSum:
         rest = list(updates[first:])
         if not rest:
             return outcomes
-        if self.weight_cap is None and self.clip_factor is None:  # nothing to decide
-            for update, outcome in zip(rest, self.sum.add_many(rest), strict=True):
-                if not isinstance(outcome, ReplyRejected):
-                    outcome *= update.scale
-                    self.weights.add(update.weight)
-                    self.norms.add(outcome)
-                outcomes.append(outcome)
-            return outcomes
         planned = self._planned_weights(rest)
         decisions: list[tuple[float, float | None] | None] = []
 
+        kept = True
+
         def replay(folded: list[float | ReplyRejected]) -> bool:
             """Each update's decisions in order; whether the pass folded them."""
+            nonlocal kept
             spoiled = False
             for update, weight_folded, outcome in zip(
                 rest, planned, folded, strict=True
@@ -259,13 +254,7 @@ class BoundedSum:
                 self.weights.add(update.weight)
                 self.norms.add(norm)
                 outcomes.append(norm)
-            return not spoiled
-
-        kept = True
-
-        def keep(folded: list[float | ReplyRejected]) -> bool:
-            nonlocal kept
-            kept = replay(folded)
+            kept = not spoiled
             return kept
 
         self.sum.add_many(
@@ -273,7 +262,7 @@ class BoundedSum:
                 Update(u.arrays, u.base, w, u.scale, u.steps)
                 for u, w in zip(rest, planned, strict=True)
             ],
-            keep=keep,
+            keep=replay,
         )
         if kept:
             return outcomes

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
@@ -45,6 +44,7 @@ from .utils import (
     Update,
     UpdateAccumulator,
     check_evaluate_reply,
+    check_positive,
     check_train_reply,
     round_rng,
     sample_nodes,
@@ -95,8 +95,6 @@ class _Staged:
     reply: Message
     node: int
     arrival: Arrival | None
-    ticket: Ticket | None
-    arrived: float | None
     metrics: MetricRecord
     n: float
     update: Update
@@ -286,8 +284,7 @@ class RuntimeWeightedFedAvg(RoundLoop):
             ("clip_factor", clip_factor),
         ]
         for label, value in bounds:
-            if value is not None and not (math.isfinite(value) and value > 0):
-                raise ValueError(f"{label} must be finite and > 0, got {value}")
+            check_positive(label, value)
         if weight_cap is not None and weight_cap < 1:
             raise ValueError(f"weight_cap must be >= 1 (or None), got {weight_cap}")
         if aggregation not in AGGREGATIONS:
@@ -691,16 +688,15 @@ class RuntimeWeightedFedAvg(RoundLoop):
             update = Update(
                 arrays, base, weight * discount, scale * update_scale, steps
             )
-            if not (update.weight > 0 and math.isfinite(update.weight)):
-                # as the sum would refuse it: an unusable reply, before its group
-                raise ValueError(f"weight must be finite and > 0, got {update.weight}")
+            # as the sum would refuse it: an unusable reply, before its group
+            check_positive("weight", update.weight)
         except ReplyRejected as rejection:
             self._settle_rejected(reply, server_round, node, arrival, rejection)
             return None
         except Exception as err:  # whatever a reply holds, the run goes on
             self._reject_unusable(reply, server_round, node, err, arrival)
             return None
-        return _Staged(reply, node, arrival, ticket, arrived, metrics, n, update)
+        return _Staged(reply, node, arrival, metrics, n, update)
 
     def _fold_staged(
         self, group: list[_Staged], server_round: int, fold: TrainFold
@@ -740,10 +736,16 @@ class RuntimeWeightedFedAvg(RoundLoop):
                 staged.reply, server_round, staged.node, staged.arrival, outcome
             )
             return False
-        if staged.arrival is not None:
-            staged.arrival.accepted = True
+        arrival = staged.arrival
+        if arrival is not None:
+            arrival.accepted = True
         self.quarantine.record_success(staged.node)
-        self._update_speed(staged.node, staged.metrics, staged.ticket, staged.arrived)
+        self._update_speed(
+            staged.node,
+            staged.metrics,
+            arrival.ticket if arrival is not None else None,
+            arrival.arrived if arrival is not None else None,
+        )
         fold.metrics.add(staged.metrics, staged.n)
         return True
 
@@ -770,10 +772,7 @@ class RuntimeWeightedFedAvg(RoundLoop):
     ) -> bool:
         """A reply that broke validation itself: rejected like any bad reply."""
         rejection = ReplyRejected(f"unusable reply ({type(err).__name__}: {err})")
-        self._reject(reply, server_round, node, rejection)
-        if arrival is not None:
-            arrival.accepted, arrival.reason = False, rejection.reason
-            arrival.fault = True
+        self._settle_rejected(reply, server_round, node, arrival, rejection)
         return False
 
     def _new_sum(self, *, clip: bool = True) -> UpdateSum:

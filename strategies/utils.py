@@ -452,6 +452,12 @@ def _sum_dtype(dtype: np.dtype) -> np.dtype:
     return np.dtype(np.float64)
 
 
+def check_positive(label: str, value: float | None) -> None:
+    """ValueError naming ``label`` unless ``value`` is None or finite and > 0."""
+    if value is not None and not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{label} must be finite and > 0, got {value}")
+
+
 def _read_only(array: np.ndarray) -> np.ndarray:
     """A read-only view of ``array`` (the array itself stays writable)."""
     view = array.view()
@@ -630,11 +636,8 @@ class UpdateAccumulator:
             anything is folded.
         """
         for update in updates:
-            if not (update.weight > 0 and math.isfinite(update.weight)):
-                raise ValueError(f"weight must be finite and > 0, got {update.weight}")
-            bound = update.max_norm
-            if bound is not None and not (bound > 0 and math.isfinite(bound)):
-                raise ValueError(f"max_norm must be finite and > 0, got {bound}")
+            check_positive("weight", update.weight)
+            check_positive("max_norm", update.max_norm)
         self._check_open()
         groups: dict[tuple[object, ...], list[int]] = {}
         for i, update in enumerate(updates):
