@@ -1,0 +1,110 @@
+"""The compiled convolution kernels against PyTorch's convolution in float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from flowerbed.sims import conv_kernels
+from flowerbed.sims.conv_kernels import ConvShape, eligible, kernels_for
+from torch import nn
+
+SHAPES = [
+    # LeNet on digits: its two convolutions
+    ConvShape(c=1, o=6, hi=8, wi=8, kh=5, kw=5, ph=2, pw=2, batch=16),
+    ConvShape(c=6, o=16, hi=4, wi=4, kh=5, kw=5, ph=2, pw=2, batch=16),
+    # no padding (smaller output), a rectangular kernel and image, two vectors
+    # of samples, channel counts whose blocks are not the whole
+    ConvShape(c=3, o=20, hi=7, wi=9, kh=3, kw=2, ph=0, pw=1, batch=32),
+    ConvShape(c=10, o=7, hi=5, wi=5, kh=3, kw=3, ph=1, pw=1, batch=48),
+]
+
+
+def _have_kernels() -> bool:
+    return kernels_for(SHAPES[0]) is not None
+
+
+needs_compiler = pytest.mark.skipif(
+    not _have_kernels(), reason="no C compiler to build the kernels"
+)
+
+
+def _node_major(t: torch.Tensor) -> torch.Tensor:
+    """(nodes, batch, C, H, W) -> (nodes, H, W, C, batch), contiguous."""
+    return t.permute(0, 3, 4, 2, 1).contiguous()
+
+
+@needs_compiler
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_kernels_match_torch(shape: ConvShape) -> None:
+    s = shape
+    kernels = kernels_for(s)
+    assert kernels is not None
+    n = 3
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(n, s.batch, s.c, s.hi, s.wi, generator=gen)
+    w = torch.randn(n, s.o, s.c, s.kh, s.kw, generator=gen) * 0.2
+    bias = torch.randn(n, s.o, generator=gen)
+    g = torch.randn(n, s.batch, s.o, s.ho, s.wo, generator=gen)
+
+    ref_out, ref_in, ref_w = [], [], []
+    for i in range(n):
+        xi = x[i].double().requires_grad_()
+        wi = w[i].double().requires_grad_()
+        out = nn.functional.conv2d(xi, wi, bias[i].double(), padding=(s.ph, s.pw))
+        out.backward(g[i].double())
+        ref_out.append(out.detach())
+        ref_in.append(xi.grad)
+        ref_w.append(wi.grad)
+
+    w_laid = w.permute(0, 1, 3, 4, 2).contiguous()  # (nodes, O, KH, KW, C)
+    out = kernels.forward(_node_major(x), w_laid, bias)
+    grad_in = kernels.input_grad(_node_major(g), w_laid)
+    moved = w_laid.clone()
+    kernels.update_weights(_node_major(g), _node_major(x), moved)
+
+    def close(mine: torch.Tensor, ref: torch.Tensor) -> None:
+        torch.testing.assert_close(mine.double(), ref, rtol=1e-5, atol=1e-4)
+
+    close(out.permute(0, 4, 3, 1, 2), torch.stack(ref_out))
+    close(grad_in.permute(0, 4, 3, 1, 2), torch.stack(ref_in))
+    close((w_laid - moved).permute(0, 1, 4, 2, 3), torch.stack(ref_w))
+
+
+@needs_compiler
+def test_bad_tensors_are_refused() -> None:
+    s = SHAPES[0]
+    kernels = kernels_for(s)
+    assert kernels is not None
+    x = torch.zeros(2, s.hi, s.wi, s.c, s.batch)
+    w = torch.zeros(2, s.o, s.kh, s.kw, s.c)
+    with pytest.raises(ValueError, match="bias: need a contiguous float32"):
+        kernels.forward(x, w, torch.zeros(2, s.o + 1))
+    with pytest.raises(ValueError, match="input: need"):
+        kernels.forward(x.double(), w, torch.zeros(2, s.o))
+    with pytest.raises(ValueError, match="weights: need"):
+        kernels.input_grad(torch.zeros(2, s.ho, s.wo, s.o, s.batch), w.transpose(2, 3))
+
+
+def test_what_is_eligible() -> None:
+    conv = nn.Conv2d(1, 6, 5, padding=2)
+    assert eligible(conv, 16) and eligible(conv, 32)
+    assert not eligible(conv, 8)  # not whole vectors of samples
+    assert not eligible(nn.Conv2d(1, 6, 5, stride=2), 16)
+    assert not eligible(nn.Conv2d(4, 4, 3, groups=2), 16)
+    assert not eligible(nn.Conv2d(1, 6, 3, padding="same"), 16)
+    assert not eligible(nn.Conv1d(1, 6, 3), 16)
+    assert kernels_for(ConvShape(1, 6, 8, 8, 5, 5, 2, 2, batch=8)) is None
+
+
+def test_no_compiler_means_none(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """Without a compiler the kernels are not there (the caller keeps oneDNN)."""
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    monkeypatch.setenv("FLOWERBED_KERNEL_CACHE", str(tmp_path))
+    conv_kernels._compiler.cache_clear()
+    conv_kernels._load.cache_clear()
+    try:
+        assert kernels_for(ConvShape(2, 3, 6, 6, 3, 3, 1, 1, batch=16)) is None
+        assert not any(tmp_path.iterdir())
+    finally:
+        conv_kernels._compiler.cache_clear()
+        conv_kernels._load.cache_clear()
