@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from flowerbed.clients.training import TrainStats, minibatch_table
-from flowerbed.sims.grouped import grouped_forward, grouped_inputs
+from flowerbed.sims.grouped import grouped_forward
 from flowerbed.sims.grouped_sgd import Rates, grouped_sgd
 from torch import nn
 from torch.func import functional_call, vmap
@@ -204,7 +204,7 @@ def _train_group(
     loss_sums = torch.zeros(n, dtype=torch.float64)
     full_losses: list[torch.Tensor] = []  # of the steps all nodes take
     # the steps all nodes take, laid out for the written-out step with one copy
-    packed = grouped_inputs(x_steps[: min(steps)]) if written is not None else []
+    packed = written.pack(x_steps[: min(steps)]) if written is not None else []
     forward: Callable[[dict[str, torch.Tensor], torch.Tensor], torch.Tensor]
     if grouped is not None:
         forward = grouped
@@ -232,7 +232,7 @@ def _train_group(
             else Rates(lr[rows], mu[rows], _rows(anchors, rows))
         )
         if written is not None:
-            x_in = packed[step] if rows is None else grouped_inputs(x[None])[0]
+            x_in = packed[step] if rows is None else written.pack(x[None])[0]
             losses = written.step(params, x_in, y, rates)
         else:
             losses = _autograd_step(forward, params, x, y, rates)

@@ -134,7 +134,8 @@ void conv_in_grad(const float *restrict g, const float *restrict w,
                                 const float *wp =
                                     wi + ((long)(o * KH + ky) * KW + kx) * C + cb;
                                 for (int c = 0; c < CBLK; c++)
-                                    for (int j = 0; j < NB; j++) acc[c][j] += wp[c] * v[j];
+                                    for (int j = 0; j < NB; j++)
+                                        acc[c][j] += wp[c] * v[j];
                             }
                         }
                     }
@@ -179,25 +180,28 @@ void conv_w_update(const float *restrict g, const float *restrict in,
                             for (int c = 0; c < CB2; c++) acc[o][c] = (v16){0};
                         for (int y = y0; y < y1; y++) {
                             for (int x = x0; x < x1; x++) {
-                                const float *gp = gi + (long)(y * WO + x) * O * LB + ob * LB;
+                                const float *gp =
+                                    gi + ((long)(y * WO + x) * O + ob) * LB;
                                 const float *xp =
-                                    xi + (long)((y + ky - PH) * WI + x + kx - PW) * C * LB
-                                    + cb * LB;
+                                    xi + ((long)((y + ky - PH) * WI + x + kx - PW) * C
+                                          + cb) * LB;
                                 for (int j = 0; j < NB; j++) {
                                     v16 xv[CB2];
                                     for (int c = 0; c < CB2; c++)
                                         xv[c] = *(const v16 *)(xp + c * LB + 16 * j);
                                     for (int o = 0; o < OB2; o++) {
                                         v16 gv = *(const v16 *)(gp + o * LB + 16 * j);
-                                        for (int c = 0; c < CB2; c++) acc[o][c] += gv * xv[c];
+                                        for (int c = 0; c < CB2; c++)
+                                            acc[o][c] += gv * xv[c];
                                     }
                                 }
                             }
                         }
-                        for (int o = 0; o < OB2; o++)
+                        for (int o = 0; o < OB2; o++) {
+                            float *wp = wi + ((long)((ob + o) * KH + ky) * KW + kx) * C;
                             for (int c = 0; c < CB2; c++)
-                                wi[((long)((ob + o) * KH + ky) * KW + kx) * C + cb + c] -=
-                                    lanes_sum(acc[o][c]);
+                                wp[cb + c] -= lanes_sum(acc[o][c]);
+                        }
                     }
                 }
             }
@@ -348,7 +352,7 @@ def _load(shape: ConvShape) -> ConvKernels | None:
     try:
         return ConvKernels(shape, ctypes.CDLL(str(path)))
     except OSError as err:
-        log.warning("cannot load the convolution kernels %s (%s): using oneDNN", path, err)
+        log.warning("cannot load the kernels %s (%s): using oneDNN", path, err)
         return None
 
 

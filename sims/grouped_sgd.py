@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 
 import torch
 from flowerbed.clients.training import log_softmax
-from flowerbed.sims.grouped import Grouped, GroupedForward, Unsupported
+from flowerbed.sims.conv_kernels import ConvKernels, ConvShape, eligible, kernels_for
+from flowerbed.sims.grouped import Grouped, GroupedForward, Unsupported, grouped_inputs
 from torch import nn
 
 STEP_LAYERS = (
@@ -106,6 +107,31 @@ class GroupedSGD:
             in_place = bool(layers) and isinstance(layers[-1], _Weighted | _MaxPool)
             layers.append(_layer(module, name, in_place))
         self.layers = layers
+        self.chain = _pool_before_relu(chain)
+        self.node_layers = _node_layers(self.chain, layers)
+        self._node_inputs: dict[tuple[int, ...], bool] = {}
+
+    def pack(self, x: torch.Tensor) -> list[Grouped]:
+        """Each step's inputs, ``(steps, nodes, batch, *features)``, laid out
+        for :meth:`step`: for the compiled kernels
+        (:mod:`flowerbed.sims.conv_kernels`) when every convolution of the chain
+        has them at this batch and image size (``(nodes, H, W, C, batch)``,
+        one copy for all steps), else as
+        :func:`~flowerbed.sims.grouped.grouped_inputs` lays them out for oneDNN.
+        """
+        if x.dim() == 6 and self._kernels_ready(tuple(x.shape[2:])):
+            packed = x.permute(0, 1, 4, 5, 3, 2).contiguous()
+            return [(p, True) for p in packed.unbind(0)]
+        return grouped_inputs(x)
+
+    def _kernels_ready(self, sample: tuple[int, ...]) -> bool:
+        """Whether the node layout runs a batch of ``(batch, C, H, W)`` images
+        (the kernels of every convolution compiled: cached per size)."""
+        if self.node_layers is None:
+            return False
+        if sample not in self._node_inputs:
+            self._node_inputs[sample] = _plan_kernels(self.node_layers, *sample)
+        return self._node_inputs[sample]
 
     def lay_out(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``params`` (``name -> (nodes, *shape)``) in the memory layout
@@ -137,16 +163,19 @@ class GroupedSGD:
 
         ``params`` (``name -> (nodes, *shape)``, each node's rows one view of
         memory: contiguous, or as :meth:`lay_out` makes them) are updated in place;
-        ``x`` is the nodes' inputs as :func:`~flowerbed.sims.grouped.grouped_inputs`
-        lays them out, ``y`` ``(nodes, batch)`` class indices.
+        ``x`` is the nodes' inputs as :meth:`pack` lays them out, ``y``
+        ``(nodes, batch)`` class indices.
         """
         n, batch = y.shape
         # inference mode: no autograd bookkeeping on each op's result (nothing
         # here is differentiated); ~5% of a 10-node LeNet step, same values
         with torch.inference_mode():
             h, grouped = x
+            layers = self.layers
+            if grouped and h.dim() == 5 and self.node_layers is not None:
+                layers = self.node_layers  # as pack laid them out for the kernels
             tape: list[tuple[torch.Tensor, bool, torch.Tensor | None]] = []
-            for layer in self.layers:
+            for layer in layers:
                 out, grouped_out, saved = layer.forward(h, grouped, params, n)
                 tape.append((h, grouped, saved))
                 h, grouped = out, grouped_out
@@ -167,7 +196,7 @@ class GroupedSGD:
             for i in range(len(tape) - 1, -1, -1):
                 assert grad is not None
                 h_in, grouped_in, saved = tape[i]
-                grad = self.layers[i].backward(
+                grad = layers[i].backward(
                     grad, h_in, grouped_in, saved, params, rates, i > 0
                 )
         return losses
@@ -390,6 +419,210 @@ class _Flatten(_Layer):
             )
             return out
         return grad.transpose(0, 1).reshape(h_in.shape)
+
+
+class _NodeConv(_Weighted):
+    """A 2-D convolution by the compiled kernels, on ``(nodes, H, W, C, batch)``
+    activations (:mod:`flowerbed.sims.conv_kernels`)."""
+
+    def __init__(self, module: nn.Conv2d, name: str) -> None:
+        super().__init__(name, module.bias is not None)
+        self.module = module
+        self.kernels: dict[tuple[int, int, int], ConvKernels] = {}
+        self._zeros: dict[int, torch.Tensor] = {}
+
+    def shape(self, c: int, height: int, width: int, batch: int) -> ConvShape:
+        m = self.module
+        kh, kw = m.kernel_size
+        if isinstance(m.padding, str):
+            raise Unsupported(f"padding {m.padding!r}")
+        ph, pw = m.padding
+        return ConvShape(c, m.out_channels, height, width, kh, kw, ph, pw, batch)
+
+    def forward(
+        self, h: torch.Tensor, grouped: bool, params: dict[str, torch.Tensor], n: int
+    ) -> tuple[torch.Tensor, bool, torch.Tensor | None]:
+        _, height, width, _, batch = h.shape
+        kernels = self.kernels[(height, width, batch)]
+        weight = _laid(params[self.weight_key])
+        if self.bias_key:
+            bias = params[self.bias_key]
+        else:
+            if n not in self._zeros:
+                self._zeros[n] = h.new_zeros(n, self.module.out_channels)
+            bias = self._zeros[n]
+        return kernels.forward(h, weight, bias), True, weight
+
+    def backward(
+        self,
+        grad: torch.Tensor,
+        h_in: torch.Tensor,
+        grouped_in: bool,
+        saved: torch.Tensor | None,
+        params: dict[str, torch.Tensor],
+        rates: Rates,
+        need_input: bool,
+    ) -> torch.Tensor | None:
+        assert saved is not None
+        _, height, width, _, batch = h_in.shape
+        kernels = self.kernels[(height, width, batch)]
+        grad_in = kernels.input_grad(grad, saved) if need_input else None
+        _proximal(params, rates, self.weight_key)
+        weights = params[self.weight_key]
+        if saved.data_ptr() == weights.data_ptr():  # a view: moves in place
+            kernels.update_weights(grad, h_in, saved)
+        else:  # rows of some nodes (copies): move a copy and put it back
+            moved = _laid(weights)
+            kernels.update_weights(grad, h_in, moved)
+            weights.copy_(moved.permute(0, 1, 4, 2, 3))
+        if self.bias_key:
+            _proximal(params, rates, self.bias_key)
+            params[self.bias_key].sub_(grad.sum(dim=(1, 2, 4)))
+        return grad_in
+
+
+class _NodeMaxPool(_MaxPool):
+    """2-D max pooling on ``(nodes, H, W, C, batch)`` activations: in memory a
+    channels-last ``(nodes, C x batch, H, W)`` tensor, which PyTorch pools
+    as it is."""
+
+    def forward(
+        self, h: torch.Tensor, grouped: bool, params: dict[str, torch.Tensor], n: int
+    ) -> tuple[torch.Tensor, bool, torch.Tensor | None]:
+        out, indices = torch.ops.aten.max_pool2d_with_indices(_planes(h), *self.args)
+        return _node_major(out, h.shape[3]), True, indices
+
+    def backward(
+        self,
+        grad: torch.Tensor,
+        h_in: torch.Tensor,
+        grouped_in: bool,
+        saved: torch.Tensor | None,
+        params: dict[str, torch.Tensor],
+        rates: Rates,
+        need_input: bool,
+    ) -> torch.Tensor | None:
+        out = torch.ops.aten.max_pool2d_with_indices_backward(
+            _planes(grad), _planes(h_in), *self.args, saved
+        )
+        return _node_major(out, h_in.shape[3])
+
+
+class _NodeFlatten(_Layer):
+    """``(nodes, H, W, C, batch)`` to ``(nodes, batch, C x H x W)``, the order
+    ``nn.Flatten`` gives."""
+
+    def forward(
+        self, h: torch.Tensor, grouped: bool, params: dict[str, torch.Tensor], n: int
+    ) -> tuple[torch.Tensor, bool, torch.Tensor | None]:
+        return h.permute(0, 4, 3, 1, 2).reshape(n, h.shape[4], -1), False, None
+
+    def backward(
+        self,
+        grad: torch.Tensor,
+        h_in: torch.Tensor,
+        grouped_in: bool,
+        saved: torch.Tensor | None,
+        params: dict[str, torch.Tensor],
+        rates: Rates,
+        need_input: bool,
+    ) -> torch.Tensor | None:
+        n, height, width, c, batch = h_in.shape
+        return grad.view(n, batch, c, height, width).permute(0, 3, 4, 2, 1).contiguous()
+
+
+def _laid(w: torch.Tensor) -> torch.Tensor:
+    """2-D convolution weights ``(nodes, O, C, KH, KW)`` as the kernels take
+    them, ``(nodes, O, KH, KW, C)`` contiguous: a view of the weights
+    :meth:`GroupedSGD.lay_out` laid out, else a copy."""
+    return w.permute(0, 1, 3, 4, 2).contiguous()
+
+
+def _planes(h: torch.Tensor) -> torch.Tensor:
+    """``(nodes, H, W, C, batch)`` as channels-last ``(nodes, C x batch, H, W)``
+    (a view)."""
+    n, height, width, c, batch = h.shape
+    return h.permute(0, 3, 4, 1, 2).reshape(n, c * batch, height, width)
+
+
+def _node_major(planes: torch.Tensor, c: int) -> torch.Tensor:
+    """Channels-last ``(nodes, C x batch, H, W)`` back as ``(nodes, H, W, C,
+    batch)`` (a view when the memory is channels-last, as pooling leaves it)."""
+    n, cb, height, width = planes.shape
+    return planes.permute(0, 2, 3, 1).reshape(n, height, width, c, cb // c)
+
+
+def _node_layers(
+    chain: list[tuple[nn.Module, str]], layers: list[_Layer]
+) -> list[_Layer] | None:
+    """The chain's layers for the node layout (:class:`_NodeConv`), or None
+    when it has no 2-D convolution or one the kernels do not take (they are
+    checked for a batch of one vector), or a layer that would see images in
+    another layout (a 1-D convolution, a linear layer before flattening)."""
+    out: list[_Layer] = []
+    images = True
+    convolutions = 0
+    for (module, name), layer in zip(chain, layers, strict=True):
+        if not images:
+            out.append(layer)
+        elif isinstance(module, nn.Conv2d):
+            if not eligible(module, LANES_CHECK):
+                return None
+            out.append(_NodeConv(module, name))
+            convolutions += 1
+        elif isinstance(module, nn.MaxPool2d):
+            pool = _NodeMaxPool(module)
+            out.append(pool)
+        elif isinstance(module, nn.Flatten):
+            out.append(_NodeFlatten())
+            images = False
+        elif isinstance(module, nn.ReLU | nn.Identity):
+            out.append(layer)
+        else:
+            return None
+    return out if convolutions and not images else None
+
+
+LANES_CHECK = 16
+"""A batch the kernels take (:data:`flowerbed.sims.conv_kernels.LANES`), to
+check a layer's own settings with."""
+
+
+def _plan_kernels(
+    layers: list[_Layer], batch: int, c: int, height: int, width: int
+) -> bool:
+    """Compile (or find) the kernels of every convolution for inputs of this
+    size; False if one has none (no compiler, or the batch is not whole
+    vectors)."""
+    for layer in layers:
+        if isinstance(layer, _NodeConv):
+            shape = layer.shape(c, height, width, batch)
+            kernels = kernels_for(shape)
+            if kernels is None:
+                return False
+            layer.kernels[(height, width, batch)] = kernels
+            c, height, width = shape.o, shape.ho, shape.wo
+        elif isinstance(layer, _NodeMaxPool):
+            kernel, stride, padding, dilation, ceil_mode = layer.args
+            if ceil_mode:
+                return False
+            k, st, pad, dil = (
+                _pair(kernel),
+                _pair(stride or kernel),
+                _pair(padding),
+                _pair(dilation),
+            )
+            height = (height + 2 * pad[0] - dil[0] * (k[0] - 1) - 1) // st[0] + 1
+            width = (width + 2 * pad[1] - dil[1] * (k[1] - 1) - 1) // st[1] + 1
+        elif isinstance(layer, _NodeFlatten):
+            return True
+    return False
+
+
+def _pair(value: int | tuple[int, ...]) -> tuple[int, int]:
+    if isinstance(value, int):
+        return value, value
+    return int(value[0]), int(value[-1])
 
 
 def _pool_before_relu(

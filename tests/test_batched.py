@@ -196,14 +196,86 @@ def test_written_out_sgd_step_equals_autograds(
         assert torch.allclose(params[key], torch.stack(expected[key]), atol=1e-6)
 
 
+def _small_chain() -> nn.Module:
+    """Convolutions without bias and without padding, pooling, two vectors of
+    samples: what LeNet does not cover of the compiled kernels' layout."""
+    return nn.Sequential(
+        nn.Conv2d(2, 5, 3, bias=False),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(5, 4, (2, 3), padding=(1, 1)),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(4 * 5 * 3, 10),
+    )
+
+
+@pytest.mark.parametrize(
+    ("make", "sample", "batch"),
+    [
+        (lambda: build_model("lenet", 1, 8, 10), (1, 8, 8), 16),
+        (lambda: build_model("lenet", 1, 8, 10), (1, 8, 8), 32),
+        (_small_chain, (2, 10, 8), 32),
+    ],
+    ids=["lenet-16", "lenet-32", "small-32"],
+)
+def test_compiled_convolutions_step_equals_autograds(
+    make: Callable[[], nn.Module], sample: tuple[int, ...], batch: int
+) -> None:
+    # Batches of whole vectors of samples go through the compiled kernels
+    # (flowerbed.sims.conv_kernels): one step against autograd's, FedProx on.
+    torch.manual_seed(0)
+    models = [make() for _ in range(3)]
+    names = [key for key, _ in models[0].named_parameters()]
+    start = {
+        key: torch.stack([dict(m.named_parameters())[key].detach() for m in models])
+        for key in names
+    }
+    anchors = {key: w + 0.01 * torch.randn_like(w) for key, w in start.items()}
+    lr, mu = torch.tensor([0.05, 0.1, 0.2]), torch.tensor([0.0, 0.5, 2.0])
+    x, y = torch.randn(3, batch, *sample), torch.randint(0, 10, (3, batch))
+    expected = {key: [] for key in names}
+    expected_losses = []
+    for i, model in enumerate(models):
+        loss = nn.functional.cross_entropy(model(x[i]), y[i])
+        drift = sum(
+            ((p - anchors[key][i]) ** 2).sum() for key, p in model.named_parameters()
+        )
+        grads = torch.autograd.grad(
+            loss + 0.5 * mu[i] * drift, list(model.parameters())
+        )
+        expected_losses.append(loss.item())
+        for key, p, g in zip(names, model.parameters(), grads, strict=True):
+            expected[key].append(p.detach() - lr[i] * g)
+    step = grouped_sgd(grouped_forward(models[0]))
+    assert step is not None and step.node_layers is not None
+    params = step.lay_out({key: w.clone() for key, w in start.items()})
+    packed = step.pack(x[None])[0]
+    if not conv_kernels_built():
+        pytest.skip("no C compiler to build the kernels")
+    assert packed[0].dim() == 5  # (nodes, H, W, C, batch): the kernels' layout
+    losses = step.step(params, packed, y, Rates(lr, mu, anchors))
+    assert losses.mean(dim=1).tolist() == pytest.approx(expected_losses, abs=1e-6)
+    for key in names:
+        assert torch.allclose(params[key], torch.stack(expected[key]), atol=1e-6), key
+
+
+def conv_kernels_built() -> bool:
+    from flowerbed.sims.conv_kernels import ConvShape, kernels_for
+
+    return kernels_for(ConvShape(1, 6, 8, 8, 5, 5, 2, 2, batch=16)) is not None
+
+
 @pytest.mark.parametrize("shape", [(10, 16, 10), (3, 5, 10), (2, 7, 40)])
 def test_log_softmax_over_columns_is_pytorchs(shape: tuple[int, int, int]) -> None:
-    # over classes taken column-wise, rows padded to whole vectors or not
-    logits = 4 * torch.randn(*shape)
+    # over classes taken column-wise, rows padded to whole vectors or not; its
+    # own seed (the global generator's state depends on the tests run before),
+    # and a relative tolerance: at |value| ~16 a float32 step is 1.9e-6
+    logits = 4 * torch.randn(*shape, generator=torch.Generator().manual_seed(0))
     expected = torch.log_softmax(logits, dim=-1)
     got = log_softmax(logits)
     assert got.is_contiguous()
-    assert torch.allclose(got, expected, atol=1e-6, rtol=0)
+    assert torch.allclose(got, expected, atol=1e-6, rtol=1e-6)
 
 
 def test_models_with_residuals_or_other_layers_keep_autograd() -> None:
