@@ -46,12 +46,15 @@ def test_kernels_match_torch(shape: ConvShape) -> None:
     bias = torch.randn(n, s.o, generator=gen)
     g = torch.randn(n, s.batch, s.o, s.ho, s.wo, generator=gen)
 
-    ref_out, ref_in, ref_w = [], [], []
+    ref_out: list[torch.Tensor] = []
+    ref_in: list[torch.Tensor] = []
+    ref_w: list[torch.Tensor] = []
     for i in range(n):
         xi = x[i].double().requires_grad_()
         wi = w[i].double().requires_grad_()
         out = nn.functional.conv2d(xi, wi, bias[i].double(), padding=(s.ph, s.pw))
         out.backward(g[i].double())
+        assert xi.grad is not None and wi.grad is not None
         ref_out.append(out.detach())
         ref_in.append(xi.grad)
         ref_w.append(wi.grad)
@@ -105,6 +108,30 @@ def test_no_compiler_means_none(monkeypatch: pytest.MonkeyPatch, tmp_path) -> No
     try:
         assert kernels_for(ConvShape(2, 3, 6, 6, 3, 3, 1, 1, batch=16)) is None
         assert not any(tmp_path.iterdir())
+    finally:
+        conv_kernels._compiler.cache_clear()
+        conv_kernels._load.cache_clear()
+
+
+def test_without_kernels_the_step_keeps_onednn(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    """No compiler: the written-out step lays LeNet's images out for oneDNN."""
+    from flowerbed.models import build_model
+    from flowerbed.sims.grouped import grouped_forward
+    from flowerbed.sims.grouped_sgd import GroupedSGD
+
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    monkeypatch.setenv("FLOWERBED_KERNEL_CACHE", str(tmp_path))
+    conv_kernels._compiler.cache_clear()
+    conv_kernels._load.cache_clear()
+    try:
+        forward = grouped_forward(build_model("lenet", 1, 8, 10))
+        assert forward is not None
+        step = GroupedSGD(forward)
+        assert step.node_layers is not None  # the chain could use them
+        packed = step.pack(torch.zeros(2, 3, 16, 1, 8, 8))
+        assert [h.dim() for h, _ in packed] == [4, 4]  # (batch, nodes x C, H, W)
     finally:
         conv_kernels._compiler.cache_clear()
         conv_kernels._load.cache_clear()
