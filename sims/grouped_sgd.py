@@ -41,7 +41,13 @@ from dataclasses import dataclass, field
 
 import torch
 from flowerbed.clients.training import log_softmax
-from flowerbed.sims.conv_kernels import ConvKernels, ConvShape, eligible, kernels_for
+from flowerbed.sims.conv_kernels import (
+    LANES,
+    ConvKernels,
+    ConvShape,
+    eligible,
+    kernels_for,
+)
 from flowerbed.sims.grouped import Grouped, GroupedForward, Unsupported, grouped_inputs
 from torch import nn
 
@@ -573,7 +579,7 @@ def _node_layers(
         if not images:
             out.append(layer)
         elif isinstance(module, nn.Conv2d):
-            if not eligible(module, LANES_CHECK):
+            if not eligible(module, LANES):  # its own settings: any whole batch
                 return None
             out.append(_NodeConv(module, name))
             convolutions += 1
@@ -588,11 +594,6 @@ def _node_layers(
         else:
             return None
     return out if convolutions and not images else None
-
-
-LANES_CHECK = 16
-"""A batch the kernels take (:data:`flowerbed.sims.conv_kernels.LANES`), to
-check a layer's own settings with."""
 
 
 def _plan_kernels(
