@@ -396,33 +396,46 @@ def _cpu() -> str:
 
 
 def _compiled(defines: dict[str, int]) -> Path | None:
+    """The built library for ``defines``: from the cache, else compiled (with
+    ``-march=native``, else, for a compiler that refuses it, without)."""
     compiler = _compiler()
     if compiler is None:
         return None
     cc, version = compiler
     args = [f"-D{k}={v}" for k, v in sorted(defines.items())]
-    key = hashlib.sha256(
-        "\0".join([SOURCE, version, _cpu(), *FLAGS, *args]).encode()
-    ).hexdigest()[:24]
-    target = cache_dir() / f"conv_{key}.so"
-    if target.exists():
+    failure: object = None
+    for flags in (FLAGS, tuple(f for f in FLAGS if f != "-march=native")):
+        key = hashlib.sha256(
+            "\0".join([SOURCE, version, _cpu(), *flags, *args]).encode()
+        ).hexdigest()[:24]
+        target = cache_dir() / f"conv_{key}.so"
+        if target.exists():
+            return target
+        try:
+            _build(cc, [*flags, *args], target)
+        except subprocess.CalledProcessError as err:
+            failure = err.stderr.strip() or err
+            continue
+        except (OSError, subprocess.SubprocessError) as err:
+            failure = err
+            break
+        log.debug("built convolution kernels %s (%s)", target.name, " ".join(args))
         return target
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            source = Path(tmp) / "conv.c"
-            source.write_text(SOURCE)
-            built = Path(tmp) / "conv.so"
-            subprocess.run(
-                [cc, *FLAGS, *args, "-o", str(built), str(source)],
-                capture_output=True,
-                text=True,
-                timeout=120,
-                check=True,
-            )
-            os.replace(built, target)  # atomic: a concurrent build wins or loses whole
-    except (OSError, subprocess.SubprocessError) as err:
-        detail = getattr(err, "stderr", "") or err
-        log.warning("cannot compile the convolution kernels (%s): using oneDNN", detail)
-        return None
-    return target
+    log.warning("cannot build the convolution kernels (%s): using oneDNN", failure)
+    return None
+
+
+def _build(cc: str, args: list[str], target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        source = Path(tmp) / "conv.c"
+        source.write_text(SOURCE)
+        built = Path(tmp) / "conv.so"
+        subprocess.run(
+            [cc, *args, "-o", str(built), str(source)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
+        os.replace(built, target)  # atomic: a concurrent build wins or loses whole

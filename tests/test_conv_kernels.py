@@ -135,3 +135,38 @@ def test_without_kernels_the_step_keeps_onednn(
     finally:
         conv_kernels._compiler.cache_clear()
         conv_kernels._load.cache_clear()
+
+
+def test_a_compiler_without_march_native_still_builds(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    """A compiler that refuses -march=native gets a portable build."""
+    real = conv_kernels._compiler()
+    if real is None:
+        pytest.skip("no C compiler")
+    wrapper = tmp_path / "cc-no-native"
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        'for a in "$@"; do [ "$a" = -march=native ] && '
+        "{ echo 'unknown -march' >&2; exit 1; }; done\n"
+        f'exec {real[0]} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("CC", str(wrapper))
+    monkeypatch.setenv("FLOWERBED_KERNEL_CACHE", str(tmp_path / "cache"))
+    conv_kernels._compiler.cache_clear()
+    conv_kernels._load.cache_clear()
+    try:
+        shape = ConvShape(2, 3, 6, 6, 3, 3, 1, 1, batch=16)
+        kernels = kernels_for(shape)
+        assert kernels is not None
+        x = torch.randn(1, 6, 6, 2, 16)
+        w = torch.randn(1, 3, 3, 3, 2)
+        out = kernels.forward(x, w, torch.zeros(1, 3))
+        ref = nn.functional.conv2d(
+            x[0].permute(3, 2, 0, 1), w[0].permute(0, 3, 1, 2), padding=1
+        )
+        torch.testing.assert_close(out[0].permute(3, 2, 0, 1), ref)
+    finally:
+        conv_kernels._compiler.cache_clear()
+        conv_kernels._load.cache_clear()
