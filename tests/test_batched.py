@@ -20,6 +20,7 @@ from flowerbed.models import build_model
 from flowerbed.sims import node
 from flowerbed.sims.batched import NodeJob, batchable, grouped_forward, train_many
 from flowerbed.sims.config import Scenario
+from flowerbed.sims.conv_kernels import ConvShape, kernels_for
 from flowerbed.sims.engine import MIN_TASKS_PER_WORKER
 from flowerbed.sims.grouped import grouped_inputs
 from flowerbed.sims.grouped_sgd import Rates, grouped_sgd
@@ -160,40 +161,10 @@ def test_grouped_forward_gives_each_node_its_own_models_output(
 def test_written_out_sgd_step_equals_autograds(
     name: str, sample: tuple[int, ...]
 ) -> None:
-    # Three nodes with their own weights, rates and FedProx terms: one step of
-    # the written-out backward pass against autograd's gradient of each node's
-    # mean cross-entropy plus mu/2 ||w - w0||^2, w -= lr * grad.
-    torch.manual_seed(0)
-    models = [build_model(name, sample[0], sample[-1], 10) for _ in range(3)]
-    names = [key for key, _ in models[0].named_parameters()]
-    start = {
-        key: torch.stack([dict(m.named_parameters())[key].detach() for m in models])
-        for key in names
-    }
-    anchors = {key: w + 0.01 * torch.randn_like(w) for key, w in start.items()}
-    lr, mu = torch.tensor([0.05, 0.1, 0.2]), torch.tensor([0.0, 0.5, 2.0])
-    x, y = torch.randn(3, 5, *sample), torch.randint(0, 10, (3, 5))
-    expected_losses = []
-    expected = {key: [] for key in names}
-    for i, model in enumerate(models):
-        loss = nn.functional.cross_entropy(model(x[i]), y[i])
-        drift = sum(
-            ((p - anchors[key][i]) ** 2).sum() for key, p in model.named_parameters()
-        )
-        grads = torch.autograd.grad(
-            loss + 0.5 * mu[i] * drift, list(model.parameters())
-        )
-        expected_losses.append(loss.item())
-        for key, p, g in zip(names, model.parameters(), grads, strict=True):
-            expected[key].append(p.detach() - lr[i] * g)
-    step = grouped_sgd(grouped_forward(models[0]))
-    assert step is not None
-    params = {key: w.clone() for key, w in start.items()}
-    packed = grouped_inputs(x[None])[0]
-    losses = _with_onednn(step.step, params, packed, y, Rates(lr, mu, anchors))
-    assert losses.mean(dim=1).tolist() == pytest.approx(expected_losses, abs=1e-6)
-    for key in names:
-        assert torch.allclose(params[key], torch.stack(expected[key]), atol=1e-6)
+    # a batch of 5 (not whole vectors of samples): oneDNN runs the convolutions
+    _step_against_autograd(
+        lambda: build_model(name, sample[0], sample[-1], 10), sample, 5, kernels=False
+    )
 
 
 def _small_chain() -> nn.Module:
@@ -222,8 +193,19 @@ def _small_chain() -> nn.Module:
 def test_compiled_convolutions_step_equals_autograds(
     make: Callable[[], nn.Module], sample: tuple[int, ...], batch: int
 ) -> None:
-    # Batches of whole vectors of samples go through the compiled kernels
-    # (flowerbed.sims.conv_kernels): one step against autograd's, FedProx on.
+    # batches of whole vectors of samples: the compiled kernels
+    # (flowerbed.sims.conv_kernels) run the convolutions
+    if not _kernels_built():
+        pytest.skip("no C compiler to build the kernels")
+    _step_against_autograd(make, sample, batch, kernels=True)
+
+
+def _step_against_autograd(
+    make: Callable[[], nn.Module], sample: tuple[int, ...], batch: int, kernels: bool
+) -> None:
+    """Three nodes with their own weights, rates and FedProx terms: one step of
+    the written-out backward pass against autograd's gradient of each node's
+    mean cross-entropy plus mu/2 ||w - w0||^2, w -= lr * grad."""
     torch.manual_seed(0)
     models = [make() for _ in range(3)]
     names = [key for key, _ in models[0].named_parameters()]
@@ -234,8 +216,8 @@ def test_compiled_convolutions_step_equals_autograds(
     anchors = {key: w + 0.01 * torch.randn_like(w) for key, w in start.items()}
     lr, mu = torch.tensor([0.05, 0.1, 0.2]), torch.tensor([0.0, 0.5, 2.0])
     x, y = torch.randn(3, batch, *sample), torch.randint(0, 10, (3, batch))
-    expected = {key: [] for key in names}
     expected_losses = []
+    expected: dict[str, list[torch.Tensor]] = {key: [] for key in names}
     for i, model in enumerate(models):
         loss = nn.functional.cross_entropy(model(x[i]), y[i])
         drift = sum(
@@ -248,21 +230,21 @@ def test_compiled_convolutions_step_equals_autograds(
         for key, p, g in zip(names, model.parameters(), grads, strict=True):
             expected[key].append(p.detach() - lr[i] * g)
     step = grouped_sgd(grouped_forward(models[0]))
-    assert step is not None and step.node_layers is not None
-    params = step.lay_out({key: w.clone() for key, w in start.items()})
-    packed = step.pack(x[None])[0]
-    if not conv_kernels_built():
-        pytest.skip("no C compiler to build the kernels")
-    assert packed[0].dim() == 5  # (nodes, H, W, C, batch): the kernels' layout
-    losses = step.step(params, packed, y, Rates(lr, mu, anchors))
+    assert step is not None
+    params = {key: w.clone() for key, w in start.items()}
+    if kernels:
+        params = step.lay_out(params)
+        packed = step.pack(x[None])[0]
+        assert packed[0].dim() == 5  # (nodes, H, W, C, batch): the kernels' layout
+    else:
+        packed = grouped_inputs(x[None])[0]
+    losses = _with_onednn(step.step, params, packed, y, Rates(lr, mu, anchors))
     assert losses.mean(dim=1).tolist() == pytest.approx(expected_losses, abs=1e-6)
     for key in names:
         assert torch.allclose(params[key], torch.stack(expected[key]), atol=1e-6), key
 
 
-def conv_kernels_built() -> bool:
-    from flowerbed.sims.conv_kernels import ConvShape, kernels_for
-
+def _kernels_built() -> bool:
     return kernels_for(ConvShape(1, 6, 8, 8, 5, 5, 2, 2, batch=16)) is not None
 
 
