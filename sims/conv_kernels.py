@@ -159,14 +159,24 @@ static inline float lanes_sum(v16 a)
 }
 
 /* w -= the weight gradient: for each tap, the sum over output positions and
-   samples of g times the input the tap reads there. */
+   samples of g times the input the tap reads there; bias (if not NULL) -= the
+   sum of g over positions and samples. */
 void conv_w_update(const float *restrict g, const float *restrict in,
-                   float *restrict w, int n)
+                   float *restrict w, float *restrict bias, int n)
 {
     for (int i = 0; i < n; i++) {
         const float *gi = g + (long)i * HO * WO * O * LB;
         const float *xi = in + (long)i * HI * WI * C * LB;
         float *wi = w + (long)i * O * KH * KW * C;
+        if (bias) {
+            for (int o = 0; o < O; o++) {
+                v16 acc = (v16){0};
+                for (int p = 0; p < HO * WO; p++)
+                    for (int j = 0; j < NB; j++)
+                        acc += *(const v16 *)(gi + ((long)p * O + o) * LB + 16 * j);
+                bias[i * O + o] -= lanes_sum(acc);
+            }
+        }
         for (int ky = 0; ky < KH; ky++) {
             int y0 = PH - ky > 0 ? PH - ky : 0;
             int y1 = HI + PH - ky < HO ? HI + PH - ky : HO;
@@ -280,7 +290,7 @@ class ConvKernels:
         self._in_grad = library.conv_in_grad
         self._in_grad.argtypes = [p, p, p, ctypes.c_int]
         self._w_update = library.conv_w_update
-        self._w_update.argtypes = [p, p, p, ctypes.c_int]
+        self._w_update.argtypes = [p, p, p, p, ctypes.c_int]
 
     def forward(
         self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor
@@ -303,14 +313,30 @@ class ConvKernels:
         self._in_grad(g.data_ptr(), w.data_ptr(), out.data_ptr(), n)
         return out
 
-    def update_weights(self, g: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
-        """``w -= `` the weight gradient of ``g`` for input ``x``, in place."""
+    def update_weights(
+        self,
+        g: torch.Tensor,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        bias: torch.Tensor | None = None,
+    ) -> None:
+        """``w -= `` the weight gradient of ``g`` for input ``x`` (and ``bias
+        -= `` its gradient, the sum of ``g`` over positions and samples), in
+        place."""
         s = self.shape
         n = g.shape[0]
         _check(g, (n, s.ho, s.wo, s.o, s.batch), "gradient")
         _check(x, (n, s.hi, s.wi, s.c, s.batch), "input")
         _check(w, (n, s.o, s.kh, s.kw, s.c), "weights")
-        self._w_update(g.data_ptr(), x.data_ptr(), w.data_ptr(), n)
+        if bias is not None:
+            _check(bias, (n, s.o), "bias")
+        self._w_update(
+            g.data_ptr(),
+            x.data_ptr(),
+            w.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            n,
+        )
 
 
 def _check(t: torch.Tensor, shape: tuple[int, ...], what: str) -> None:

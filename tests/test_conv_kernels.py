@@ -64,6 +64,10 @@ def test_kernels_match_torch(shape: ConvShape) -> None:
     grad_in = kernels.input_grad(_node_major(g), w_laid)
     moved = w_laid.clone()
     kernels.update_weights(_node_major(g), _node_major(x), moved)
+    moved_bias = bias.clone()
+    again = w_laid.clone()
+    kernels.update_weights(_node_major(g), _node_major(x), again, moved_bias)
+    assert torch.equal(again, moved)  # the bias changes nothing of the weights'
 
     def close(mine: torch.Tensor, ref: torch.Tensor) -> None:
         torch.testing.assert_close(mine.double(), ref, rtol=1e-5, atol=1e-4)
@@ -71,6 +75,7 @@ def test_kernels_match_torch(shape: ConvShape) -> None:
     close(out.permute(0, 4, 3, 1, 2), torch.stack(ref_out))
     close(grad_in.permute(0, 4, 3, 1, 2), torch.stack(ref_in))
     close((w_laid - moved).permute(0, 1, 4, 2, 3), torch.stack(ref_w))
+    close(bias - moved_bias, g.double().sum(dim=(1, 3, 4)))
 
 
 @needs_compiler
