@@ -6,6 +6,7 @@ Every flowerbed node (simulated, board, phone gateway) trains through
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -170,6 +171,22 @@ def evaluate(model: nn.Module, x: np.ndarray, y: np.ndarray) -> tuple[float, flo
         loss = nn.functional.nll_loss(log_softmax(logits), target).item()
         acc = (logits.argmax(dim=1) == target).float().mean().item()
     return float(loss), float(acc)
+
+
+@contextlib.contextmanager
+def onednn() -> Iterator[None]:
+    """PyTorch's oneDNN (mkldnn) convolutions on for the ``with`` block, then as
+    they were.
+
+    ``torch.backends.mkldnn.flags(enabled=True)`` would also reset oneDNN's
+    other flags (deterministic, TF32) and warn about TF32 on every call.
+    """
+    was = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = True  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.backends.mkldnn.enabled = was  # type: ignore[assignment]
 
 
 def max_pool_2x2(x: torch.Tensor) -> torch.Tensor:

@@ -35,12 +35,13 @@ writes it out and moves each node's weights in place as their gradients come
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-from flowerbed.clients.training import TrainStats, minibatch_table
+from flowerbed.clients.training import TrainStats, minibatch_table, onednn
 from flowerbed.sims.grouped import grouped_forward
 from flowerbed.sims.grouped_sgd import Rates, grouped_sgd
 from torch import nn
@@ -54,12 +55,33 @@ UNBATCHABLE_LAYERS = (
 
 
 def batchable(model: nn.Module) -> bool:
-    """True when :func:`train_many` can train ``model``: no buffers or random layers."""
-    if any(True for _ in model.buffers()):
-        return False
-    if not all(p.requires_grad for p in model.parameters()):
-        return False
-    return not any(isinstance(m, UNBATCHABLE_LAYERS) for m in model.modules())
+    """True when :func:`train_many` can train ``model``: no buffers or random
+    layers, every parameter trained.
+
+    The model's layers are looked at once (cached per model, as
+    :func:`~flowerbed.sims.grouped.grouped_forward` traces a model once: ~30 us
+    for LeNet, twice a round otherwise); which parameters are trained, at
+    every call.
+    """
+    parameters = _parameters(model)
+    return parameters is not None and all(p.requires_grad for p in parameters.values())
+
+
+_PARAMETERS: weakref.WeakKeyDictionary[nn.Module, dict[str, nn.Parameter] | None] = (
+    weakref.WeakKeyDictionary()
+)
+"""Parameters of models without buffers or random layers, None for the others."""
+
+
+def _parameters(model: nn.Module) -> dict[str, nn.Parameter] | None:
+    """The model's parameters by name, in order; None if it has buffers or
+    random layers (cached per model)."""
+    if model not in _PARAMETERS:
+        unbatchable = any(True for _ in model.buffers()) or any(
+            isinstance(m, UNBATCHABLE_LAYERS) for m in model.modules()
+        )
+        _PARAMETERS[model] = None if unbatchable else dict(model.named_parameters())
+    return _PARAMETERS[model]
 
 
 @dataclass(frozen=True)
@@ -78,11 +100,12 @@ class NodeJob:
 
 def train_many(
     model: nn.Module, jobs: Sequence[NodeJob]
-) -> list[tuple[dict[str, torch.Tensor], TrainStats]]:
+) -> list[tuple[dict[str, np.ndarray], TrainStats]]:
     """Train every job from its own weights; return each one's weights and stats.
 
-    Each job's weights are views of its row in one stacked tensor per array
-    (not copies: the caller encodes them anyway).
+    Each job's weights are NumPy views of its row in one stacked array per
+    parameter (not copies: the caller encodes them anyway, and a NumPy row
+    costs a fifth of a tensor's view).
 
     ``model`` gives the architecture only (its own weights are not used or
     changed). Jobs are grouped by batch size (one stacked computation per
@@ -100,12 +123,8 @@ def train_many(
             f"{type(model).__name__} has buffers or random layers: train it per node"
         )
     keep_freed_memory()
-    onednn = torch.backends.mkldnn.enabled
-    torch.backends.mkldnn.enabled = True  # type: ignore[assignment]
-    try:
+    with onednn():
         return _train_groups(model, jobs)
-    finally:
-        torch.backends.mkldnn.enabled = onednn  # type: ignore[assignment]
 
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
@@ -144,10 +163,8 @@ def keep_freed_memory() -> bool:
 
 def _train_groups(
     model: nn.Module, jobs: Sequence[NodeJob]
-) -> list[tuple[dict[str, torch.Tensor], TrainStats]]:
-    results: list[tuple[dict[str, torch.Tensor], TrainStats] | None] = [None] * len(
-        jobs
-    )
+) -> list[tuple[dict[str, np.ndarray], TrainStats]]:
+    results: list[tuple[dict[str, np.ndarray], TrainStats] | None] = [None] * len(jobs)
     groups: dict[int, list[int]] = {}
     for i, job in enumerate(jobs):
         if job.steps < 0:
@@ -165,8 +182,8 @@ def _train_groups(
 
 def _train_group(
     model: nn.Module, jobs: Sequence[NodeJob], batch: int
-) -> list[tuple[dict[str, torch.Tensor], TrainStats]]:
-    names = [name for name, _ in model.named_parameters()]
+) -> list[tuple[dict[str, np.ndarray], TrainStats]]:
+    names = list(_parameters(model) or ())
     n = len(jobs)
     if all(job.weights is jobs[0].weights for job in jobs):  # a round's arrays
         shared = {name: jobs[0].weights[name].detach().float() for name in names}
@@ -246,8 +263,8 @@ def _train_group(
         loss_sums += torch.stack(full_losses).mean(dim=2).double().sum(dim=0)
     out = []
     sums = loss_sums.tolist()
-    rows_of = {  # views, no copy (but of weights lay_out had made channels-last)
-        name: stacked[name].contiguous().unbind(0) for name in names
+    rows_of = {  # no copy (but of weights lay_out had made channels-last)
+        name: stacked[name].contiguous().numpy() for name in names
     }
     for i in range(n):
         done = steps[i]

@@ -15,7 +15,7 @@ from logging import INFO
 import numpy as np
 import torch
 from flowerbed import keys
-from flowerbed.arrays import encode_record, torch_state_dict
+from flowerbed.arrays import encode_record, encode_records, torch_state_dict
 from flowerbed.clients.training import TrainStats, evaluate, train_steps
 from flowerbed.data import Dataset, load_dataset, partition
 from flowerbed.models import build_model, charged_costs, cost_factor, model_num_bytes
@@ -327,7 +327,7 @@ def train_reply(
     message: Message,
     plan: TrainPlan,
     stats: TrainStats,
-    weights: Mapping[str, torch.Tensor] | ArrayRecord,
+    weights: Mapping[str, np.ndarray] | ArrayRecord,
 ) -> Message:
     """The reply to a train task: trained weights and the device's virtual costs.
 
@@ -349,19 +349,17 @@ def train_reply(
             keys.TRAIN_LOSS: stats.mean_loss,
         },
     )
-    arrays = (
-        weights
-        if isinstance(weights, ArrayRecord)
-        else encode_record({name: v.detach().numpy() for name, v in weights.items()})
-    )
+    arrays = weights if isinstance(weights, ArrayRecord) else encode_record(weights)
     content = filled(RecordDict(), {keys.ARRAYS: arrays, keys.METRICS: metrics})
     return Message(content, reply_to=message)
 
 
 def _train_alone(
     plan: TrainPlan, weights: Mapping[str, torch.Tensor]
-) -> tuple[Mapping[str, torch.Tensor], TrainStats]:
-    """Train the process's model of the plan's architecture from ``weights``."""
+) -> tuple[dict[str, np.ndarray], TrainStats]:
+    """Train the process's model of the plan's architecture from ``weights``;
+    its trained weights are views of the model's (encode them before the
+    model trains again)."""
     model = _model_of(plan.scenario)
     model.load_state_dict(weights)
     stats = train_steps(
@@ -374,7 +372,7 @@ def _train_alone(
         seed=plan.seed,
         proximal_mu=plan.proximal_mu,
     )
-    return model.state_dict(), stats
+    return {name: t.numpy() for name, t in model.state_dict().items()}, stats
 
 
 def train(message: Message, context: Context) -> Message:
@@ -435,12 +433,14 @@ def train_batch(tasks: Sequence[tuple[Message, Context]]) -> list[Message | Exce
         groups.setdefault((s.model, s.dataset, s.data_dir), []).append(i)
     for members in groups.values():
         model = _model_of(plans[members[0]].scenario)
-        trained: list[tuple[Mapping[str, torch.Tensor], TrainStats]] | None = None
+        trained: list[tuple[ArrayRecord, TrainStats]] | None = None
         if batchable(model) and len(members) > 1:
             try:
-                trained = list(
-                    train_many(model, [_job(plans[i], weights[i]) for i in members])
-                )
+                done = train_many(model, [_job(plans[i], weights[i]) for i in members])
+                records = encode_records([state for state, _ in done])
+                trained = [
+                    (r, stats) for r, (_, stats) in zip(records, done, strict=True)
+                ]
             except Exception:  # one node's failure must stay that node's
                 trained = None
         for k, i in enumerate(members):
