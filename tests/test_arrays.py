@@ -4,6 +4,7 @@ and its arrays read back without np.load, yet behave as Flower's."""
 from __future__ import annotations
 
 import pickle
+from typing import Any
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from flowerbed.arrays import (
     decode_array,
     encode_array,
     encode_record,
+    encode_records,
     torch_state_dict,
 )
 from flwr.app import Array, ArrayRecord
@@ -88,6 +90,24 @@ def test_encode_record_keeps_the_arrays_and_their_order() -> None:
     assert [a.data for a in record.values()] == [Array(v).data for v in arrays.values()]
     # ArrayRecord(dict) would have rebuilt them as plain Arrays
     assert type(ArrayRecord(dict(record))["w"]) is Array
+
+
+def test_encode_records_makes_each_rows_record_as_encode_record() -> None:
+    stacked = np.arange(3 * 2 * 4, dtype=np.float32).reshape(3, 2, 4)
+    rows: list[dict[str, Any]] = [
+        {"w": stacked[i], "b": np.full(2, i, np.float64)} for i in range(3)
+    ]
+    # rows that differ from the first: another shape, dtype, order, a list
+    rows.append({"w": stacked[0, :, :3], "b": np.arange(2, dtype=np.int32)})
+    rows.append({"w": stacked[1].T, "b": [1.0, 2.0]})
+    records = encode_records(rows)
+    assert len(records) == len(rows)
+    for row, record in zip(rows, records, strict=True):
+        expected = encode_record(row)
+        assert list(record) == ["w", "b"] and record == expected
+        for name, value in row.items():
+            assert record[name].data == Array(np.asarray(value)).data
+            assert np.array_equal(record[name].numpy(), value)
 
 
 @pytest.mark.parametrize(
