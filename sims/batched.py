@@ -207,11 +207,12 @@ def _train_group(
     # a step gathers all nodes' samples with one index.
     xs = torch.from_numpy(np.concatenate([np.asarray(job.x) for job in jobs]))
     ys = torch.from_numpy(np.concatenate([np.asarray(job.y) for job in jobs]))
-    offsets = np.cumsum([0] + [len(job.x) for job in jobs])
     picks = np.zeros((max(steps, default=0), n, batch), dtype=np.int64)
+    offset = 0
     for i, job in enumerate(jobs):
         table = minibatch_table(len(job.x), batch, job.seed, job.steps)
-        picks[: job.steps, i] = table + offsets[i]
+        picks[: job.steps, i] = table + offset
+        offset += len(job.x)
     # index_select, not xs[picks]: the same copy, 4x faster for these sizes
     every_step = torch.from_numpy(picks).view(-1)
     x_steps = xs.index_select(0, every_step).view(*picks.shape, *xs.shape[1:])
@@ -221,7 +222,8 @@ def _train_group(
     loss_sums = torch.zeros(n, dtype=torch.float64)
     full_losses: list[torch.Tensor] = []  # of the steps all nodes take
     # the steps all nodes take, laid out for the written-out step with one copy
-    packed = written.pack(x_steps[: min(steps)]) if written is not None else []
+    common = min(steps, default=0)
+    packed = written.pack(x_steps[:common]) if written is not None else []
     forward: Callable[[dict[str, torch.Tensor], torch.Tensor], torch.Tensor]
     if grouped is not None:
         forward = grouped
@@ -237,28 +239,27 @@ def _train_group(
     if written is None:  # the model's own layers run: in training mode
         model.train()
     every_node = Rates(lr, mu, anchors)
+    y_each = y_steps.unbind(0)
     for step in range(max(steps, default=0)):
-        active = [i for i in range(n) if step < steps[i]]
-        rows = None if len(active) == n else torch.tensor(active)
-        x = x_steps[step] if rows is None else x_steps[step, rows]
-        y = y_steps[step] if rows is None else y_steps[step, rows]
-        params = stacked if rows is None else _rows(stacked, rows)
-        rates = (
-            every_node
-            if rows is None
-            else Rates(lr[rows], mu[rows], _rows(anchors, rows))
-        )
+        if step < common:  # every node takes this step
+            y = y_each[step]
+            if written is not None:
+                losses = written.step(stacked, packed[step], y, every_node)
+            else:
+                losses = _autograd_step(forward, stacked, x_steps[step], y, every_node)
+            full_losses.append(losses)
+            continue
+        rows = torch.tensor([i for i in range(n) if step < steps[i]])
+        x, y = x_steps[step, rows], y_steps[step, rows]
+        params = _rows(stacked, rows)
+        rates = Rates(lr[rows], mu[rows], _rows(anchors, rows))
         if written is not None:
-            x_in = packed[step] if rows is None else written.pack(x[None])[0]
-            losses = written.step(params, x_in, y, rates)
+            losses = written.step(params, written.pack(x[None])[0], y, rates)
         else:
             losses = _autograd_step(forward, params, x, y, rates)
-        if rows is None:
-            full_losses.append(losses)
-        else:  # the active nodes' rows were copies: put them back
-            for name, t in stacked.items():
-                t.index_copy_(0, rows, params[name])
-            loss_sums.index_add_(0, rows, losses.mean(dim=1).double())
+        for name, t in stacked.items():  # the rows were copies: put them back
+            t.index_copy_(0, rows, params[name])
+        loss_sums.index_add_(0, rows, losses.mean(dim=1).double())
     if full_losses:  # each step's mean losses, taken for all steps at once
         loss_sums += torch.stack(full_losses).mean(dim=2).double().sum(dim=0)
     out = []
