@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from flowerbed.clients.training import evaluate
+from flowerbed.clients.training import evaluate, onednn
 from flowerbed.data import load_dataset
 from flowerbed.models import build_model
 from flowerbed.sims.recorder import RunRecorder
@@ -19,14 +19,19 @@ def recorder() -> RunRecorder:
 
 
 def test_each_evaluation_scores_the_weights_it_is_given(
-    recorder: RunRecorder,
+    recorder: RunRecorder, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     data = load_dataset("digits", "")
+    # oneDNN off, as a process whose nodes trained has it: the central
+    # evaluation turns it on for itself only
+    monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)
     for seed in (1, 2):  # the second loads over the first's weights
         torch.manual_seed(seed)
         model = build_model("lenet", 1, 8, 10)
         metrics = recorder.evaluate_fn(0, ArrayRecord(model.state_dict()))
-        loss, acc = evaluate(model, data.x_test, data.y_test)
+        assert not torch.backends.mkldnn.enabled
+        with onednn():
+            loss, acc = evaluate(model, data.x_test, data.y_test)
         assert (metrics["loss"], metrics["accuracy"]) == (loss, acc)
 
 
