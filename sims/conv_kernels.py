@@ -19,6 +19,11 @@ already in the loss's gradient: :mod:`flowerbed.sims.grouped_sgd`). The sums
 are taken in another order than oneDNN's: the same values within float
 tolerance (``tests/test_conv_kernels.py``).
 
+Max pooling over windows that do not overlap (LeNet's 2x2) runs here too, on
+the same layout (:class:`PoolKernels`): PyTorch's kernel and its backward pass
+(which zero-fills the whole input gradient first) took ~60 us a pooling in a
+10-node LeNet step; the values and gradients are PyTorch's bit for bit.
+
 The C source below is compiled once per shape by the C compiler (``$CC``, else
 ``cc``) with ``-O3 -march=native`` into a cache directory
 (``$FLOWERBED_KERNEL_CACHE``, else ``~/.cache/flowerbed/kernels``), keyed by the
@@ -62,6 +67,7 @@ typedef int i16 __attribute__((vector_size(64)));
 /* Activations: a node's [H][W][channels][LB] (samples innermost); weights
    w[node][O][KH][KW][C]. */
 
+#ifdef KH
 void conv_fwd(const float *restrict in, const float *restrict w,
               const float *restrict bias, float *restrict out, int n)
 {
@@ -218,6 +224,76 @@ void conv_w_update(const float *restrict g, const float *restrict in,
         }
     }
 }
+#endif
+
+#ifdef PKH
+/* Max pooling over PKH x PKW windows of the same stride, no padding: each
+   window's first maximum in row-major order, a NaN taken as the maximum (as
+   PyTorch's max_pool2d); idx holds its place in the window (a float). */
+void pool_fwd(const float *restrict in, float *restrict out, float *restrict idx,
+              int n)
+{
+    for (int i = 0; i < n; i++) {
+        for (int y = 0; y < PHO; y++) {
+            for (int x = 0; x < PWO; x++) {
+                const float *win =
+                    in + (((long)i * HI + y * PKH) * WI + x * PKW) * C * LB;
+                long o = (((long)i * PHO + y) * PWO + x) * C * LB;
+                for (int q = 0; q < C * NB; q++) {
+                    v16 m = *(const v16 *)(win + 16 * q);
+                    v16 k = (v16){0};
+                    for (int a = 0; a < PKH; a++) {
+                        for (int b = 0; b < PKW; b++) {
+                            if (a == 0 && b == 0) continue;
+                            v16 v = *(const v16 *)(win + ((long)a * WI + b) * C * LB
+                                                   + 16 * q);
+                            i16 take = (v > m) | (v != v);
+                            v16 place = (v16){0} + (float)(a * PKW + b);
+                            m = (v16)(((i16)v & take) | ((i16)m & ~take));
+                            k = (v16)(((i16)place & take) | ((i16)k & ~take));
+                        }
+                    }
+                    *(v16 *)(out + o + 16 * q) = m;
+                    *(v16 *)(idx + o + 16 * q) = k;
+                }
+            }
+        }
+    }
+}
+
+/* The gradient of pool_fwd: each window's g where its maximum was, +0 elsewhere
+   (and on rows and columns no window covers). */
+void pool_bwd(const float *restrict g, const float *restrict idx, float *restrict gin,
+              int n)
+{
+    for (int i = 0; i < n; i++) {
+        for (int y = 0; y < HI; y++)
+            for (int x = 0; x < WI; x++)
+                if (y >= PHO * PKH || x >= PWO * PKW)
+                    for (int q = 0; q < C * LB; q++)
+                        gin[(((long)i * HI + y) * WI + x) * C * LB + q] = 0.f;
+        for (int y = 0; y < PHO; y++) {
+            for (int x = 0; x < PWO; x++) {
+                float *win = gin + (((long)i * HI + y * PKH) * WI + x * PKW) * C * LB;
+                long o = (((long)i * PHO + y) * PWO + x) * C * LB;
+                for (int q = 0; q < C * NB; q++) {
+                    v16 gv = *(const v16 *)(g + o + 16 * q);
+                    v16 k = *(const v16 *)(idx + o + 16 * q);
+                    for (int a = 0; a < PKH; a++) {
+                        for (int b = 0; b < PKW; b++) {
+                            i16 hit = k == ((v16){0} + (float)(a * PKW + b));
+                            /* 0 + g: a -0 gradient lands as +0, as PyTorch adds
+                               it to zeros */
+                            *(v16 *)(win + ((long)a * WI + b) * C * LB + 16 * q) =
+                                (v16){0} + (v16)((i16)gv & hit);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+#endif
 """
 
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-shared", "-fPIC")
@@ -339,6 +415,74 @@ class ConvKernels:
         )
 
 
+@dataclass(frozen=True)
+class PoolShape:
+    """One node's max pooling: channels, image size, window (= stride), batch."""
+
+    c: int
+    hi: int
+    wi: int
+    kh: int
+    kw: int
+    batch: int
+
+    @property
+    def ho(self) -> int:
+        return self.hi // self.kh
+
+    @property
+    def wo(self) -> int:
+        return self.wi // self.kw
+
+    def defines(self) -> dict[str, int]:
+        return {
+            "C": self.c,
+            "HI": self.hi,
+            "WI": self.wi,
+            "PKH": self.kh,
+            "PKW": self.kw,
+            "PHO": self.ho,
+            "PWO": self.wo,
+            "NB": self.batch // LANES,
+        }
+
+
+class PoolKernels:
+    """Max pooling of one :class:`PoolShape` and its gradient, on ``(nodes, H,
+    W, C, batch)`` activations: the values and gradients of PyTorch's
+    ``max_pool2d`` bit for bit (the same first maximum, NaN taken as the
+    maximum; ``tests/test_conv_kernels.py``). The window's argmax is kept as a
+    float tensor of the output's shape."""
+
+    def __init__(self, shape: PoolShape, library: ctypes.CDLL) -> None:
+        self.shape = shape
+        self._lib = library
+        p = ctypes.c_void_p
+        self._fwd = library.pool_fwd
+        self._fwd.argtypes = [p, p, p, ctypes.c_int]
+        self._bwd = library.pool_bwd
+        self._bwd.argtypes = [p, p, p, ctypes.c_int]
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pooled values and each one's place in its window."""
+        s = self.shape
+        n = x.shape[0]
+        _check(x, (n, s.hi, s.wi, s.c, s.batch), "input")
+        out = x.new_empty((n, s.ho, s.wo, s.c, s.batch))
+        places = torch.empty_like(out)
+        self._fwd(x.data_ptr(), out.data_ptr(), places.data_ptr(), n)
+        return out, places
+
+    def backward(self, g: torch.Tensor, places: torch.Tensor) -> torch.Tensor:
+        s = self.shape
+        n = g.shape[0]
+        _check(g, (n, s.ho, s.wo, s.c, s.batch), "gradient")
+        _check(places, (n, s.ho, s.wo, s.c, s.batch), "places")
+        out = g.new_empty((n, s.hi, s.wi, s.c, s.batch))
+        self._bwd(g.data_ptr(), places.data_ptr(), out.data_ptr(), n)
+        return out
+
+
 def _check(t: torch.Tensor, shape: tuple[int, ...], what: str) -> None:
     if t.dtype != torch.float32 or not t.is_contiguous() or tuple(t.shape) != shape:
         raise ValueError(
@@ -363,23 +507,60 @@ def eligible(module: torch.nn.Module, batch: int) -> bool:
     )
 
 
+def pool_eligible(module: torch.nn.Module, batch: int) -> bool:
+    """True when :func:`pool_kernels_for` handles ``module`` at this batch:
+    a ``MaxPool2d`` whose stride is its window, without padding, dilation or
+    ``ceil_mode``."""
+    if type(module) is not torch.nn.MaxPool2d or module.ceil_mode:
+        return False
+    kernel = pair(module.kernel_size)
+    return (
+        pair(module.stride or module.kernel_size) == kernel
+        and pair(module.padding) == (0, 0)
+        and pair(module.dilation) == (1, 1)
+        and batch > 0
+        and batch % LANES == 0
+    )
+
+
+def pair(value: int | tuple[int, ...]) -> tuple[int, int]:
+    """A layer's size argument (one number, or one per dimension) as two."""
+    if isinstance(value, int):
+        return value, value
+    return int(value[0]), int(value[-1])
+
+
 def kernels_for(shape: ConvShape) -> ConvKernels | None:
     """The compiled kernels of ``shape``, or None without a working compiler."""
     if shape.batch <= 0 or shape.batch % LANES or shape.ho < 1 or shape.wo < 1:
         return None
-    return _load(shape)
+    kernels = _load(shape)
+    assert kernels is None or isinstance(kernels, ConvKernels)
+    return kernels
+
+
+def pool_kernels_for(shape: PoolShape) -> PoolKernels | None:
+    """The compiled max pooling of ``shape``, or None without a working compiler."""
+    if shape.batch <= 0 or shape.batch % LANES or shape.ho < 1 or shape.wo < 1:
+        return None
+    kernels = _load(shape)
+    assert kernels is None or isinstance(kernels, PoolKernels)
+    return kernels
 
 
 @functools.lru_cache(maxsize=64)
-def _load(shape: ConvShape) -> ConvKernels | None:
+def _load(shape: ConvShape | PoolShape) -> ConvKernels | PoolKernels | None:
     path = _compiled(shape.defines())
     if path is None:
         return None
     try:
-        return ConvKernels(shape, ctypes.CDLL(str(path)))
+        library = ctypes.CDLL(str(path))
     except OSError as err:
         log.warning("cannot load the kernels %s (%s): using oneDNN", path, err)
         return None
+    if isinstance(shape, PoolShape):
+        return PoolKernels(shape, library)
+    return ConvKernels(shape, library)
 
 
 def cache_dir() -> Path:

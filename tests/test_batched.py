@@ -183,14 +183,26 @@ def _small_chain() -> nn.Module:
     )
 
 
+def _overlapping_pools() -> nn.Module:
+    """Pooling windows that overlap: PyTorch pools the kernels' layout."""
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(3, stride=2),
+        nn.Flatten(),
+        nn.Linear(4 * 4 * 4, 10),
+    )
+
+
 @pytest.mark.parametrize(
     ("make", "sample", "batch"),
     [
         (lambda: build_model("lenet", 1, 8, 10), (1, 8, 8), 16),
         (lambda: build_model("lenet", 1, 8, 10), (1, 8, 8), 32),
         (_small_chain, (2, 10, 8), 32),
+        (_overlapping_pools, (1, 9, 9), 16),
     ],
-    ids=["lenet-16", "lenet-32", "small-32"],
+    ids=["lenet-16", "lenet-32", "small-32", "overlapping-pools-16"],
 )
 def test_compiled_convolutions_step_equals_autograds(
     make: Callable[[], nn.Module], sample: tuple[int, ...], batch: int

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 from flowerbed.sims import conv_kernels
-from flowerbed.sims.conv_kernels import ConvShape, eligible, kernels_for
+from flowerbed.sims.conv_kernels import (
+    ConvShape,
+    PoolShape,
+    eligible,
+    kernels_for,
+    pool_kernels_for,
+)
 from torch import nn
 
 SHAPES = [
@@ -175,3 +181,54 @@ def test_a_compiler_without_march_native_still_builds(
     finally:
         conv_kernels._compiler.cache_clear()
         conv_kernels._load.cache_clear()
+
+
+POOLS = [
+    PoolShape(c=6, hi=8, wi=8, kh=2, kw=2, batch=16),  # LeNet's first
+    PoolShape(c=3, hi=5, wi=7, kh=2, kw=3, batch=32),  # rows and columns left over
+]
+
+
+@needs_compiler
+@pytest.mark.parametrize("shape", POOLS, ids=str)
+def test_pooling_is_pytorchs_bit_for_bit(shape: PoolShape) -> None:
+    s = shape
+    kernels = pool_kernels_for(s)
+    assert kernels is not None
+    n = 2
+    gen = torch.Generator().manual_seed(1)
+    # small integers: many ties within a window; and NaN, -inf, -0.0
+    x = torch.randint(-3, 3, (n, s.batch, s.c, s.hi, s.wi), generator=gen).float()
+    flat = x.view(-1)
+    flat[::37] = float("nan")
+    flat[5::41] = float("-inf")
+    flat[7::43] = -0.0
+    g = torch.randn(n, s.batch, s.c, s.ho, s.wo, generator=gen)
+    g.view(-1)[::29] = -0.0
+
+    planes = x.view(n * s.batch, s.c, s.hi, s.wi)
+    ref_out, ref_idx = torch.ops.aten.max_pool2d_with_indices(
+        planes, [s.kh, s.kw], [s.kh, s.kw], [0, 0], [1, 1], False
+    )
+    ref_in = torch.ops.aten.max_pool2d_with_indices_backward(
+        g.view(n * s.batch, s.c, s.ho, s.wo),
+        planes,
+        [s.kh, s.kw],
+        [s.kh, s.kw],
+        [0, 0],
+        [1, 1],
+        False,
+        ref_idx,
+    )
+    out, places = kernels.forward(_node_major(x))
+    grad_in = kernels.backward(_node_major(g), places)
+
+    def back(t: torch.Tensor) -> torch.Tensor:  # (n, H, W, C, batch) -> planes
+        return t.permute(0, 4, 3, 1, 2).reshape(n * s.batch, s.c, *t.shape[1:3])
+
+    mine = back(out)
+    assert torch.equal(mine.isnan(), ref_out.isnan())
+    assert torch.equal(mine.nan_to_num(), ref_out.nan_to_num())
+    assert torch.equal(mine.signbit(), ref_out.signbit())
+    assert torch.equal(back(grad_in), ref_in)
+    assert torch.equal(back(grad_in).signbit(), ref_in.signbit())
