@@ -166,6 +166,13 @@ def evaluate(model: nn.Module, x: np.ndarray, y: np.ndarray) -> tuple[float, flo
     model.eval()
     with torch.no_grad():
         logits = inference_pass(model)(torch.from_numpy(np.ascontiguousarray(x)))
+    return scores(logits, y)
+
+
+def scores(logits: torch.Tensor, y: np.ndarray) -> tuple[float, float]:
+    """Mean cross-entropy loss and accuracy of ``logits`` ``(N, classes)``
+    for class indices ``y``, as :func:`evaluate` reports them."""
+    with torch.no_grad():
         target = torch.from_numpy(np.ascontiguousarray(y))
         # cross_entropy is nll_loss of log_softmax: the same value
         loss = nn.functional.nll_loss(log_softmax(logits), target).item()
@@ -223,7 +230,7 @@ def inference_pass(model: nn.Module) -> Callable[..., torch.Tensor]:
     return _INFERENCE[model]
 
 
-def _pools_2x2(module: nn.Module) -> bool:
+def is_max_pool_2x2(module: nn.Module) -> bool:
     """A plain ``nn.MaxPool2d`` over 2x2 windows of stride 2."""
     return (
         type(module) is nn.MaxPool2d
@@ -237,7 +244,7 @@ def _pools_2x2(module: nn.Module) -> bool:
 
 
 def _with_max_pool_2x2(model: nn.Module) -> Callable[..., torch.Tensor]:
-    if not any(_pools_2x2(m) for m in model.modules()):
+    if not any(is_max_pool_2x2(m) for m in model.modules()):
         return model
     try:
         traced = fx.symbolic_trace(model)
@@ -245,7 +252,7 @@ def _with_max_pool_2x2(model: nn.Module) -> Callable[..., torch.Tensor]:
         return model
     graph = traced.graph
     for node in list(graph.nodes):
-        if node.op == "call_module" and _pools_2x2(
+        if node.op == "call_module" and is_max_pool_2x2(
             traced.get_submodule(str(node.target))
         ):
             with graph.inserting_before(node):
