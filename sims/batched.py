@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -86,9 +86,12 @@ def _parameters(model: nn.Module) -> dict[str, nn.Parameter] | None:
 
 @dataclass(frozen=True)
 class NodeJob:
-    """One node's share of a batched training call (``train_steps``'s arguments)."""
+    """One node's share of a batched training call (``train_steps``'s arguments).
 
-    weights: dict[str, torch.Tensor]
+    ``weights`` are only read: read-only NumPy views of a record's bytes will do.
+    """
+
+    weights: Mapping[str, torch.Tensor | np.ndarray]
     x: np.ndarray
     y: np.ndarray
     steps: int
@@ -185,15 +188,17 @@ def _train_group(
 ) -> list[tuple[dict[str, np.ndarray], TrainStats]]:
     names = list(_parameters(model) or ())
     n = len(jobs)
+    # each node's own copy (moved in place), float32, stacked by NumPy: for a
+    # round's arrays, ~40 against ~110 us (decoded to tensors, expanded, cloned)
     if all(job.weights is jobs[0].weights for job in jobs):  # a round's arrays
-        shared = {name: jobs[0].weights[name].detach().float() for name in names}
-        stacked = {  # copies (moved in place), one per node
-            name: w.expand(n, *w.shape).clone(memory_format=torch.contiguous_format)
-            for name, w in shared.items()
-        }
+        stacked = {name: _copies(_array(jobs[0].weights[name]), n) for name in names}
     else:
         stacked = {
-            name: torch.stack([job.weights[name].detach().float() for job in jobs])
+            name: torch.from_numpy(
+                np.stack([_array(job.weights[name]) for job in jobs]).astype(
+                    np.float32, copy=False
+                )
+            )
             for name in names
         }
     grouped = grouped_forward(model)
@@ -273,6 +278,18 @@ def _train_group(
         stats = TrainStats(done, done * batch, sums[i] / done if done else float("nan"))
         out.append((weights, stats))
     return out
+
+
+def _array(w: torch.Tensor | np.ndarray) -> np.ndarray:
+    """A node's weights as NumPy (a tensor's as float32, sharing its memory)."""
+    return w.detach().float().numpy() if isinstance(w, torch.Tensor) else w
+
+
+def _copies(w: np.ndarray, n: int) -> torch.Tensor:
+    """``(n, *w.shape)``: ``n`` float32 copies of ``w``, contiguous, writable."""
+    out = np.empty((n, *w.shape), np.float32)
+    out[...] = w
+    return torch.from_numpy(out)
 
 
 def _rows(

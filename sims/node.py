@@ -15,7 +15,12 @@ from logging import INFO
 import numpy as np
 import torch
 from flowerbed import keys
-from flowerbed.arrays import encode_record, encode_records, torch_state_dict
+from flowerbed.arrays import (
+    array_view,
+    encode_record,
+    encode_records,
+    torch_state_dict,
+)
 from flowerbed.clients.training import TrainStats, evaluate, train_steps
 from flowerbed.data import Dataset, load_dataset, partition
 from flowerbed.models import build_model, charged_costs, cost_factor, model_num_bytes
@@ -385,7 +390,7 @@ def train(message: Message, context: Context) -> Message:
     return train_reply(message, plan, stats, trained)
 
 
-def _job(plan: TrainPlan, weights: dict[str, torch.Tensor]) -> NodeJob:
+def _job(plan: TrainPlan, weights: Mapping[str, np.ndarray]) -> NodeJob:
     return NodeJob(
         weights,
         plan.node.x_train,
@@ -403,15 +408,17 @@ def train_batch(tasks: Sequence[tuple[Message, Context]]) -> list[Message | Exce
 
     Tasks whose nodes train the same architecture are trained together by
     :func:`flowerbed.sims.batched.train_many` (equal to :func:`train` within
-    float tolerance); each distinct ArrayRecord is decoded once. Returns, in
-    task order, each task's reply or the exception :func:`train` would have
+    float tolerance), from views of each distinct ArrayRecord's bytes (read
+    once, in place); nodes trained alone get its arrays decoded once. Returns,
+    in task order, each task's reply or the exception :func:`train` would have
     raised (``NodeDropout`` included).
     """
     single_threaded()
     results: list[Message | Exception | None] = [None] * len(tasks)
     plans: dict[int, TrainPlan] = {}
-    decoded: dict[int, dict[str, torch.Tensor]] = {}
-    weights: dict[int, dict[str, torch.Tensor]] = {}
+    received: dict[int, ArrayRecord] = {}  # each task's
+    views: dict[int, dict[str, np.ndarray]] = {}  # by record
+    decoded: dict[int, dict[str, torch.Tensor]] = {}  # by record
     for i, (message, context) in enumerate(tasks):
         try:
             plan = plan_train(message, context)
@@ -421,9 +428,9 @@ def train_batch(tasks: Sequence[tuple[Message, Context]]) -> list[Message | Exce
             record = message.content[keys.ARRAYS]
             if not isinstance(record, ArrayRecord):
                 raise TypeError(f"{keys.ARRAYS!r} is not an ArrayRecord")
-            if id(record) not in decoded:  # a round's arrays: decoded once
-                decoded[id(record)] = torch_state_dict(record)
-            weights[i] = decoded[id(record)]
+            if id(record) not in views:  # a round's arrays: read once
+                views[id(record)] = {k: array_view(a) for k, a in record.items()}
+            received[i] = record
             plans[i] = plan
         except Exception as err:
             results[i] = err
@@ -436,7 +443,8 @@ def train_batch(tasks: Sequence[tuple[Message, Context]]) -> list[Message | Exce
         trained: list[tuple[ArrayRecord, TrainStats]] | None = None
         if batchable(model) and len(members) > 1:
             try:
-                done = train_many(model, [_job(plans[i], weights[i]) for i in members])
+                jobs = [_job(plans[i], views[id(received[i])]) for i in members]
+                done = train_many(model, jobs)
                 records = encode_records([state for state, _ in done])
                 trained = [
                     (r, stats) for r, (_, stats) in zip(records, done, strict=True)
@@ -444,10 +452,15 @@ def train_batch(tasks: Sequence[tuple[Message, Context]]) -> list[Message | Exce
             except Exception:  # one node's failure must stay that node's
                 trained = None
         for k, i in enumerate(members):
+            state: ArrayRecord | Mapping[str, np.ndarray]
             try:
-                state, stats = (
-                    trained[k] if trained else _train_alone(plans[i], weights[i])
-                )
+                if trained:
+                    state, stats = trained[k]
+                else:
+                    record = received[i]
+                    if id(record) not in decoded:
+                        decoded[id(record)] = torch_state_dict(record)
+                    state, stats = _train_alone(plans[i], decoded[id(record)])
                 results[i] = train_reply(tasks[i][0], plans[i], stats, state)
             except Exception as err:
                 results[i] = err
