@@ -120,14 +120,14 @@ class GroupedSGD:
                 raise Unsupported(f"graph node {node.op} {node.target}")
         if not chain:
             raise Unsupported("no layers")
+        chain = pool_before_relu(chain)
         layers: list[_Layer] = []
-        for module, name in _pool_before_relu(chain):
+        for module, name in chain:
             # in place after a layer whose backward pass does not read its output
             in_place = bool(layers) and isinstance(layers[-1], _Weighted | _MaxPool)
             layers.append(_layer(module, name, in_place))
         self.layers = layers
-        self.chain = _pool_before_relu(chain)
-        self.node_layers = _node_layers(self.chain, layers)
+        self.node_layers = _node_layers(chain, layers)
         self._node_inputs: dict[tuple[int, ...], bool] = {}
 
     def pack(self, x: torch.Tensor) -> list[Grouped]:
@@ -654,7 +654,7 @@ def _plan_kernels(
     return False
 
 
-def _pool_before_relu(
+def pool_before_relu(
     chain: list[tuple[nn.Module, str]],
 ) -> list[tuple[nn.Module, str]]:
     """The chain with each ReLU that feeds a 2-D max pooling moved after it.

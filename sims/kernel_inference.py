@@ -29,6 +29,7 @@ from flowerbed.sims.conv_kernels import (
     eligible,
     kernels_for,
 )
+from flowerbed.sims.grouped_sgd import pool_before_relu
 from torch import fx, nn
 
 CHAIN_LAYERS = (nn.Conv2d, nn.ReLU, nn.MaxPool2d, nn.Flatten, nn.Linear, nn.Identity)
@@ -82,14 +83,10 @@ def _chain(model: nn.Module) -> list[nn.Module] | None:
 
 
 def _pool_before_relu(chain: list[nn.Module]) -> list[nn.Module]:
-    """The chain with each ReLU that feeds a max pooling moved after it: the
-    same values (a maximum of ReLUs is the ReLU of the maximum, exactly, NaN
-    included) from a quarter of the ReLUs."""
-    out = list(chain)
-    for i in range(len(out) - 1):
-        if isinstance(out[i], nn.ReLU) and isinstance(out[i + 1], nn.MaxPool2d):
-            out[i], out[i + 1] = out[i + 1], out[i]
-    return out
+    """The chain with each ReLU that feeds a max pooling moved after it, as
+    :func:`~flowerbed.sims.grouped_sgd.pool_before_relu` moves it: the same
+    values (exactly, NaN included) from a quarter of the ReLUs."""
+    return [module for module, _ in pool_before_relu([(m, "") for m in chain])]
 
 
 def _runs(module: nn.Module, images: bool) -> bool:
