@@ -201,8 +201,18 @@ def _overlapping_pools() -> nn.Module:
         (lambda: build_model("lenet", 1, 8, 10), (1, 8, 8), 32),
         (_small_chain, (2, 10, 8), 32),
         (_overlapping_pools, (1, 9, 9), 16),
+        # padded with zero images to whole vectors (16, 32): no gradient from them
+        (lambda: build_model("lenet", 1, 8, 10), (1, 8, 8), 13),
+        (_small_chain, (2, 10, 8), 20),
     ],
-    ids=["lenet-16", "lenet-32", "small-32", "overlapping-pools-16"],
+    ids=[
+        "lenet-16",
+        "lenet-32",
+        "small-32",
+        "overlapping-pools-16",
+        "lenet-13-padded",
+        "small-20-padded",
+    ],
 )
 def test_compiled_convolutions_step_equals_autograds(
     make: Callable[[], nn.Module], sample: tuple[int, ...], batch: int
@@ -212,6 +222,14 @@ def test_compiled_convolutions_step_equals_autograds(
     if not _kernels_built():
         pytest.skip("no C compiler to build the kernels")
     _step_against_autograd(make, sample, batch, kernels=True)
+
+
+def test_batches_padding_would_more_than_double_keep_onednn() -> None:
+    step = grouped_sgd(grouped_forward(build_model("lenet", 1, 8, 10)))
+    assert step is not None
+    assert step.pack(torch.zeros(1, 2, 7, 1, 8, 8))[0][0].dim() == 4  # 7 -> 16
+    if _kernels_built():
+        assert step.pack(torch.zeros(1, 2, 8, 1, 8, 8))[0][0].shape == (2, 8, 8, 1, 16)
 
 
 def _step_against_autograd(
