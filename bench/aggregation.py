@@ -142,7 +142,8 @@ def _streaming(
     result (in ``memory``, as a strategy makes it in its last result's), and
     the result."""
     from flowerbed import keys
-    from flowerbed.strategies.utils import Update, UpdateAccumulator, array_view
+    from flowerbed.arrays import record_views
+    from flowerbed.strategies.utils import Update, UpdateAccumulator
 
     acc = UpdateAccumulator(memory)
     folding = 0.0
@@ -152,7 +153,7 @@ def _streaming(
         updates = []
         for reply in replies:
             record = reply[keys.ARRAYS]
-            arrays = {name: array_view(array) for name, array in record.items()}
+            arrays = record_views(record)
             weight = float(reply[keys.METRICS][keys.NUM_EXAMPLES])
             updates.append(Update(arrays, base, weight))
         if group == 1:

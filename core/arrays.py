@@ -200,6 +200,11 @@ def torch_state_dict(record: ArrayRecord) -> OrderedDict[str, torch.Tensor]:
     )
 
 
+def record_views(record: ArrayRecord) -> dict[str, np.ndarray]:
+    """Each of ``record``'s arrays as :func:`array_view` reads it, by name."""
+    return {name: array_view(array) for name, array in record.items()}
+
+
 def array_view(array: Array) -> np.ndarray:
     """A read-only NumPy view of ``array``'s bytes, without copying them.
 

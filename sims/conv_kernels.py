@@ -315,6 +315,19 @@ class ConvShape:
     pw: int
     batch: int
 
+    @classmethod
+    def of(
+        cls, module: torch.nn.Conv2d, height: int, width: int, batch: int
+    ) -> ConvShape:
+        """``module``'s convolution of ``(height, width)`` images in batches of
+        ``batch`` (its padding must be numbers: see :func:`eligible`)."""
+        if isinstance(module.padding, str):
+            raise ValueError(f"padding {module.padding!r}: the kernels need numbers")
+        kh, kw = module.kernel_size
+        ph, pw = module.padding
+        c, o = module.in_channels, module.out_channels
+        return cls(c, o, height, width, kh, kw, ph, pw, batch)
+
     @property
     def ho(self) -> int:
         return self.hi + 2 * self.ph - self.kh + 1

@@ -467,14 +467,6 @@ class _NodeConv(_Weighted):
         self.kernels: dict[tuple[int, int, int], ConvKernels] = {}
         self._zeros: dict[int, torch.Tensor] = {}
 
-    def shape(self, c: int, height: int, width: int, batch: int) -> ConvShape:
-        m = self.module
-        kh, kw = m.kernel_size
-        if isinstance(m.padding, str):
-            raise Unsupported(f"padding {m.padding!r}")
-        ph, pw = m.padding
-        return ConvShape(c, m.out_channels, height, width, kh, kw, ph, pw, batch)
-
     def forward(
         self, h: torch.Tensor, grouped: bool, params: dict[str, torch.Tensor], n: int
     ) -> tuple[torch.Tensor, bool, torch.Tensor | None]:
@@ -644,7 +636,9 @@ def _plan_kernels(
     vectors)."""
     for layer in layers:
         if isinstance(layer, _NodeConv):
-            shape = layer.shape(c, height, width, batch)
+            if layer.module.in_channels != c:
+                return False
+            shape = ConvShape.of(layer.module, height, width, batch)
             kernels = kernels_for(shape)
             if kernels is None:
                 return False

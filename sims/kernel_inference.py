@@ -175,11 +175,7 @@ def _kernels(
         if isinstance(module, nn.Conv2d):
             if module.in_channels != c:
                 return None
-            kh, kw = module.kernel_size
-            ph, pw = module.padding  # type: ignore[str-unpack]  # numeric: see _runs
-            shape = ConvShape(
-                c, module.out_channels, height, width, kh, kw, ph, pw, LANES
-            )
+            shape = ConvShape.of(module, height, width, LANES)  # numeric: see _runs
             kernels = kernels_for(shape)
             if kernels is None:
                 return None

@@ -16,9 +16,9 @@ import numpy as np
 import torch
 from flowerbed import keys
 from flowerbed.arrays import (
-    array_view,
     encode_record,
     encode_records,
+    record_views,
     torch_state_dict,
 )
 from flowerbed.clients.training import TrainStats, evaluate, train_steps
@@ -429,7 +429,7 @@ def train_batch(tasks: Sequence[tuple[Message, Context]]) -> list[Message | Exce
             if not isinstance(record, ArrayRecord):
                 raise TypeError(f"{keys.ARRAYS!r} is not an ArrayRecord")
             if id(record) not in views:  # a round's arrays: read once
-                views[id(record)] = {k: array_view(a) for k, a in record.items()}
+                views[id(record)] = record_views(record)
             received[i] = record
             plans[i] = plan
         except Exception as err:

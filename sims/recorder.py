@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from flowerbed import keys
-from flowerbed.arrays import array_view, torch_state_dict
+from flowerbed.arrays import record_views, torch_state_dict
 from flowerbed.clients.training import evaluate, onednn, scores
 from flowerbed.data import Dataset
 from flowerbed.grid import GridWrapper
@@ -243,23 +243,16 @@ def _load(
     ``load_state_dict``'s walk over the modules (~85 us of LeNet's ~115);
     anything else (other names, shapes or dtypes, a model with load hooks)
     through ``load_state_dict``, which says what is wrong."""
-    views = (
-        {name: array_view(array) for name, array in arrays.items()}
-        if state is not None and arrays.keys() == state.keys()
-        else None
-    )
-    if (
-        state is None
-        or views is None
-        or any(
-            v.shape != state[k].shape or v.dtype != state[k].dtype
+    if state is not None and arrays.keys() == state.keys():
+        views = record_views(arrays)
+        if all(
+            v.shape == state[k].shape and v.dtype == state[k].dtype
             for k, v in views.items()
-        )
-    ):
-        model.load_state_dict(torch_state_dict(arrays))
-        return
-    for name, view in views.items():
-        np.copyto(state[name], view)
+        ):
+            for name, view in views.items():
+                np.copyto(state[name], view)
+            return
+    model.load_state_dict(torch_state_dict(arrays))
 
 
 def _error_kind(reason: str) -> str:
