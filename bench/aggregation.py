@@ -7,9 +7,9 @@ counted afresh just before the aggregation, without the bandwidth measurement's
 arrays.
 
 - ``streaming``: replies arrive one at a time and are folded into
-  :class:`flowerbed.strategies.utils.UpdateAccumulator` (float32 running sum of the
+  :class:`flowerbed.strategies.accumulation.UpdateAccumulator` (float32 running sum of the
   updates, O(model) memory, NaN/Inf check and update norm in the same pass) through
-  zero-copy views of the reply's bytes (:func:`flowerbed.strategies.utils.array_view`),
+  zero-copy views of the reply's bytes (:func:`flowerbed.arrays.array_view`),
   as the flowerbed strategies do; each reply is dropped after folding. The fold
   is numba's compiled one-pass kernel (:mod:`flowerbed.strategies.fold_kernel`)
   where numba is installed, else NumPy chunks: each point says which
@@ -143,7 +143,7 @@ def _streaming(
     the result."""
     from flowerbed import keys
     from flowerbed.arrays import record_views
-    from flowerbed.strategies.utils import Update, UpdateAccumulator
+    from flowerbed.strategies.accumulation import Update, UpdateAccumulator
 
     acc = UpdateAccumulator(memory)
     folding = 0.0
@@ -172,8 +172,9 @@ def kernel_first_use(group: int = 1) -> dict[str, Any]:
     (folds of a tiny update read in place, as the strategies read replies, one
     at a time and, for ``group`` > 1, in each group size the kernel compiles
     for: powers of two up to ``fold_kernel.MOST``)."""
+    from flowerbed.arrays import array_view
     from flowerbed.strategies import fold_kernel
-    from flowerbed.strategies.utils import Update, UpdateAccumulator, array_view
+    from flowerbed.strategies.accumulation import Update, UpdateAccumulator
     from flwr.app import Array
 
     small = np.ones(8, np.float32)
@@ -237,9 +238,9 @@ def _strategy_round(
 
 def measure_strategy(nodes: int, floats: int) -> dict[str, Any]:
     from flowerbed.strategies import RuntimeWeightedFedAvg
+    from flowerbed.strategies.accumulation import to_arrayrecord
     from flowerbed.strategies.robust import MIN_REFERENCE
     from flowerbed.strategies.runtime_weighted import FOLD_GROUP
-    from flowerbed.strategies.utils import to_arrayrecord
     from flwr.common.constant import SUPERLINK_NODE_ID
     from flwr.supercore.task_identity import TaskIdentity
 

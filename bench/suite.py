@@ -682,7 +682,10 @@ class TransferCountingGrid(CountingGrid):
 
 
 def _folded(result: Any, curve_rounds: int, grid: TransferCountingGrid) -> int:
-    from flowerbed.strategies.utils import ROUND_LATE_UPDATES, ROUND_PARTICIPANTS
+    from flowerbed.strategies.round_metrics import (
+        ROUND_LATE_UPDATES,
+        ROUND_PARTICIPANTS,
+    )
 
     history = getattr(result, "train_metrics_clientapp", None) or {}
     if history and all(ROUND_PARTICIPANTS in m for m in history.values()):

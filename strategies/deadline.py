@@ -11,6 +11,20 @@ from typing import Any
 
 import numpy as np
 from flowerbed import keys
+from flowerbed.replies import MAX_NUM_EXAMPLES, UNAVAILABLE_CODES
+from flowerbed.strategies.inflight import Arrival, Ticket, enough_usable
+from flowerbed.strategies.round_metrics import (
+    ROUND_DEADLINE_PERCENTILE,
+    ROUND_DEADLINE_S,
+    ROUND_LATE_UPDATES,
+    ROUND_PARTICIPANTS,
+    ROUND_STRAGGLERS,
+)
+from flowerbed.strategies.staleness import (
+    StalenessFn,
+    polynomial_staleness,
+    resolve_staleness_fn,
+)
 from flwr.app import (
     ArrayRecord,
     ConfigRecord,
@@ -31,21 +45,6 @@ from .runtime_weighted import (
     DEFAULT_SPEED_SMOOTHING,
     DEFAULT_WEIGHTING,
     RuntimeWeightedFedAvg,
-)
-from .utils import (
-    MAX_NUM_EXAMPLES,
-    ROUND_DEADLINE_PERCENTILE,
-    ROUND_DEADLINE_S,
-    ROUND_LATE_UPDATES,
-    ROUND_PARTICIPANTS,
-    ROUND_STRAGGLERS,
-    UNAVAILABLE_CODES,
-    Arrival,
-    StalenessFn,
-    Ticket,
-    enough_usable,
-    polynomial_staleness,
-    resolve_staleness_fn,
 )
 
 PROGRESS_METRICS = ("accuracy", keys.EVAL_ACC)
@@ -308,7 +307,7 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
         Oldest late update (in rounds) still used.
     staleness_fn : str or callable (default: "polynomial", i.e. 1/sqrt(1+s))
         Discount of a late update's weight; a name from
-        ``flowerbed.strategies.utils.STALENESS_FUNCTIONS`` or ``s -> factor``.
+        ``flowerbed.strategies.staleness.STALENESS_FUNCTIONS`` or ``s -> factor``.
     min_completion : int, optional (default: 1)
         Fewest usable replies to update the model; None means
         ``min_train_nodes``. ``min_train_nodes`` is how many nodes are sampled,

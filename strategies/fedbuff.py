@@ -8,6 +8,18 @@ from pathlib import Path
 
 import numpy as np
 from flowerbed import keys
+from flowerbed.replies import MAX_NUM_EXAMPLES
+from flowerbed.strategies.inflight import ReplyStream, Ticket, enough_usable
+from flowerbed.strategies.round_metrics import (
+    ROUND_CLOCK_S,
+    ROUND_PARTICIPANTS,
+    ROUND_STALENESS,
+)
+from flowerbed.strategies.staleness import (
+    StalenessFn,
+    polynomial_staleness,
+    resolve_staleness_fn,
+)
 from flwr.app import (
     ArrayRecord,
     ConfigRecord,
@@ -26,18 +38,6 @@ from .runtime_weighted import (
     DEFAULT_QUARANTINE_ROUNDS,
     DEFAULT_SPEED_SMOOTHING,
     RuntimeWeightedFedAvg,
-)
-from .utils import (
-    MAX_NUM_EXAMPLES,
-    ROUND_CLOCK_S,
-    ROUND_PARTICIPANTS,
-    ROUND_STALENESS,
-    ReplyStream,
-    StalenessFn,
-    Ticket,
-    enough_usable,
-    polynomial_staleness,
-    resolve_staleness_fn,
 )
 
 
@@ -79,7 +79,7 @@ class FedBuff(RuntimeWeightedFedAvg):
     max_staleness : int (default: 10)
         Oldest update (in versions) still used.
     staleness_fn : str or callable (default: "polynomial", 1/sqrt(1+s))
-        ``s(tau)``; a name from ``flowerbed.strategies.utils.STALENESS_FUNCTIONS``
+        ``s(tau)``; a name from ``flowerbed.strategies.staleness.STALENESS_FUNCTIONS``
         or a function of the staleness.
     evaluate_every : int (default: 1)
         Evaluate every this many versions.

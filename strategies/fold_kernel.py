@@ -1,4 +1,4 @@
-"""The compiled fold step of :class:`flowerbed.strategies.utils.UpdateAccumulator`.
+"""The compiled fold step of :class:`flowerbed.strategies.accumulation.UpdateAccumulator`.
 
 One call folds ``s += f_j (x_j - b)`` for up to :data:`MOST` values ``x_j`` of
 one array and returns each one's sum of squares of ``d_j = x_j - b``, in one
@@ -8,7 +8,7 @@ resident chunk of ``d``). Four values are folded together element by element,
 so the base and the sum are read once for the four (a fold of one moves four
 arrays per update, a fold of four 7/4); fewer go one after the other, block by
 block, while the block's base and sum are in cache, except that
-:class:`~flowerbed.strategies.utils.UpdateAccumulator` pads two or three values
+:class:`~flowerbed.strategies.accumulation.UpdateAccumulator` pads two or three values
 to four with the base itself at factor 0 (it adds exactly zero, at most turning
 a -0.0 of the sum into +0.0, and is read from cache): a 10-update round's last
 two, ~6% of its aggregation here (median of 8 rounds, 0.195 -> 0.183 s). One

@@ -45,6 +45,8 @@ import numpy as np
 from flowerbed import keys
 from flowerbed.parallel.large_batch import LrSchedule, batch_shares
 from flowerbed.parallel.optim import OPTIMIZERS, LargeBatchOptimizer
+from flowerbed.strategies.accumulation import to_arrayrecord, to_numpy
+from flowerbed.strategies.inflight import Ticket
 from flwr.app import (
     ArrayRecord,
     ConfigRecord,
@@ -57,7 +59,6 @@ from flwr.serverapp.exception import AggregationError
 from flwr.supercore import log
 
 from .deadline import DeadlineFedAvg
-from .utils import Ticket, to_arrayrecord, to_numpy
 
 ROUND_SERVER_LR = "server-lr"
 ROUND_BATCH = "large-batch"

@@ -38,6 +38,7 @@ from flowerbed import keys
 from flowerbed.parallel.large_batch import LrSchedule, batch_shares, share_bounds
 from flowerbed.parallel.optim import OPTIMIZERS
 from flowerbed.parallel.plan import MemberPlan
+from flowerbed.replies import ReplyRejected
 from flwr.app import (
     ArrayRecord,
     ConfigRecord,
@@ -62,7 +63,6 @@ from .span import (
     check_initial_arrays,
     check_segment_reply,
 )
-from .utils import ReplyRejected
 
 COMPRESSIONS = ("none", "fp16", "powersgd")
 ROUND_MEMBERS = "members"

@@ -38,6 +38,7 @@ from flowerbed.parallel.recovery import (
     recover,
 )
 from flowerbed.parallel.store import layer_of
+from flowerbed.replies import ReplyRejected
 from flwr.app import (
     ArrayRecord,
     ConfigRecord,
@@ -65,7 +66,6 @@ from .span import (
     check_initial_arrays,
     check_segment_reply,
 )
-from .utils import ReplyRejected
 
 DEFAULT_LINK_BYTES_PER_S = 12.5e6
 """Assumed bandwidth of a link not yet measured: 100 Mbit/s (a Pi 3's Ethernet)."""

@@ -40,8 +40,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
-
-from .utils import ReplyRejected, Update, UpdateAccumulator
+from flowerbed.replies import ReplyRejected
+from flowerbed.strategies.accumulation import Update, UpdateAccumulator
 
 HISTORY = 64
 """Accepted replies whose weights and update norms form the reference."""

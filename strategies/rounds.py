@@ -5,7 +5,7 @@ calls ``configure_train``, ``aggregate_train``, ``configure_evaluate``,
 ``aggregate_evaluate`` and ``evaluate_fn``, and logs Flower's lines and summary --
 but pushes messages and hands ``aggregate_train`` the replies as they arrive, on the
 grid's clock (:func:`flowerbed.clock.clock_of`). Around those calls it keeps what a
-subclass needs to decide when a round closes (:class:`~.utils.Arrival` per reply),
+subclass needs to decide when a round closes (:class:`~.inflight.Arrival` per reply),
 warns when no update has been applied for :data:`STALL_ROUNDS` rounds, and writes and
 resumes checkpoints. Subclasses fill in the hooks: ``_prepare_round``,
 ``_train_replies``, ``_close_train``, ``_evaluate_wait``, ``_after_round``,
@@ -25,28 +25,23 @@ from typing import Any
 
 import numpy as np
 from flowerbed.clock import Clock, WallClock, clock_of
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord
-from flwr.serverapp import Grid
-from flwr.serverapp.strategy import FedAvg, Result
-from flwr.serverapp.strategy.strategy_utils import log_strategy_start_info
-from flwr.supercore import log
-
-from .utils import (
-    ROUND_CLOCK_S,
-    UNAVAILABLE_CODES,
-    Arrival,
+from flowerbed.replies import UNAVAILABLE_CODES
+from flowerbed.strategies.accumulation import to_arrayrecord, to_numpy
+from flowerbed.strategies.checkpoints import (
     CheckpointError,
-    InFlight,
-    ReplyStream,
-    Ticket,
     load_checkpoint,
     metric_history_from_json,
     metric_history_to_json,
     remove_stale_temporaries,
     save_checkpoint,
-    to_arrayrecord,
-    to_numpy,
 )
+from flowerbed.strategies.inflight import Arrival, InFlight, ReplyStream, Ticket
+from flowerbed.strategies.round_metrics import ROUND_CLOCK_S
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import FedAvg, Result
+from flwr.serverapp.strategy.strategy_utils import log_strategy_start_info
+from flwr.supercore import log
 
 MIN_MESSAGE_TTL_S = 1.0
 """Shortest message time-to-live the strategies set (Flower refuses TTL <= 0)."""

@@ -11,6 +11,23 @@ from typing import Any
 import numpy as np
 from flowerbed import keys
 from flowerbed.clock import clock_of
+from flowerbed.replies import (
+    MAX_NUM_EXAMPLES,
+    ArraySpec,
+    ReplyRejected,
+    check_evaluate_reply,
+    check_train_reply,
+    spec_of,
+)
+from flowerbed.strategies.accumulation import (
+    MetricsAccumulator,
+    Update,
+    UpdateAccumulator,
+    check_positive,
+    to_arrayrecord,
+)
+from flowerbed.strategies.inflight import Arrival, Ticket
+from flowerbed.strategies.sampling import Quarantine, round_rng, sample_nodes
 from flwr.app import (
     ArrayRecord,
     ConfigRecord,
@@ -33,24 +50,6 @@ from .robust import (
     UpdateSum,
 )
 from .rounds import MIN_MESSAGE_TTL_S, RoundLoop
-from .utils import (
-    MAX_NUM_EXAMPLES,
-    ArraySpec,
-    Arrival,
-    MetricsAccumulator,
-    Quarantine,
-    ReplyRejected,
-    Ticket,
-    Update,
-    UpdateAccumulator,
-    check_evaluate_reply,
-    check_positive,
-    check_train_reply,
-    round_rng,
-    sample_nodes,
-    spec_of,
-    to_arrayrecord,
-)
 
 WEIGHTINGS = ("runtime", "throughput", "fednova", "examples")
 """Valid values of ``weighting``."""

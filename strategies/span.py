@@ -40,6 +40,10 @@ from flowerbed import keys
 from flowerbed.clock import Clock, clock_of
 from flowerbed.parallel.group import STORE_GRACE_S, segment_port
 from flowerbed.parallel.plan import MemberPlan, check_address
+from flowerbed.replies import ReplyRejected, check_evaluate_reply
+from flowerbed.strategies.accumulation import MetricsAccumulator
+from flowerbed.strategies.inflight import InFlight, Ticket
+from flowerbed.strategies.sampling import WAIT_FOR_NODES_S
 from flwr.app import (
     Array,
     ArrayRecord,
@@ -53,15 +57,6 @@ from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 from flwr.supercore import log
-
-from .utils import (
-    WAIT_FOR_NODES_S,
-    InFlight,
-    MetricsAccumulator,
-    ReplyRejected,
-    Ticket,
-    check_evaluate_reply,
-)
 
 GONE_CODES = (
     ErrorCode.MESSAGE_UNAVAILABLE,

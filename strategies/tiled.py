@@ -45,6 +45,8 @@ from flowerbed.parallel.plan import MemberPlan, PlanError
 from flowerbed.parallel.tile_groups import Cluster, TilePlan, plan_tiles
 from flowerbed.parallel.tile_layout import layout
 from flowerbed.parallel.tiles import TileError
+from flowerbed.replies import ReplyRejected
+from flowerbed.strategies.accumulation import to_numpy
 from flwr.app import (
     ArrayRecord,
     ConfigRecord,
@@ -70,7 +72,6 @@ from .span import (
     arrayrecord,
     check_segment_reply,
 )
-from .utils import ReplyRejected, to_numpy
 
 MODE = "tiles"
 DEFAULT_LINK_MBPS = 100.0

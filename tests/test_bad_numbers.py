@@ -17,7 +17,7 @@ from flowerbed import keys
 from flowerbed.sims.config import Scenario
 from flowerbed.sims.scenario import build_fleet_grid, run_server
 from flowerbed.strategies import DeadlineFedAvg, FedBuff, RuntimeWeightedFedAvg
-from flowerbed.strategies.utils import ROUND_PARTICIPANTS
+from flowerbed.strategies.round_metrics import ROUND_PARTICIPANTS
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.serverapp.strategy import Strategy
 from test_strategies_fakes import FakeGrid, node, received, reply, weights

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flowerbed import keys
 from flowerbed.strategies import DeadlineFedAvg, FedBuff, RuntimeWeightedFedAvg
-from flowerbed.strategies.utils import to_arrayrecord
+from flowerbed.strategies.accumulation import to_arrayrecord
 from flwr.app import Error, Message, MetricRecord, RecordDict
 from test_strategies_fakes import FakeGrid, node, received, reply, weights
 

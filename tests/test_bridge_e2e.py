@@ -34,7 +34,7 @@ from flowerbed.clients.bridge.procs import (
 from flowerbed.clients.bridge.relay import SuperLinkConnector
 from flowerbed.clients.bridge.server import GatewayServer
 from flowerbed.clients.bridge.simphone import SimPhone
-from flowerbed.strategies.utils import ROUND_PARTICIPANTS, ROUND_STRAGGLERS
+from flowerbed.strategies.round_metrics import ROUND_PARTICIPANTS, ROUND_STRAGGLERS
 
 ROOT = Path(__file__).resolve().parents[1]
 JAR = Path(

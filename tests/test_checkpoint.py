@@ -14,13 +14,13 @@ from flowerbed.strategies import (
     LargeBatchRounds,
     RuntimeWeightedFedAvg,
 )
-from flowerbed.strategies.utils import (
-    ROUND_CLOCK_S,
+from flowerbed.strategies.accumulation import to_arrayrecord
+from flowerbed.strategies.checkpoints import (
     CheckpointError,
     load_checkpoint,
     save_checkpoint,
-    to_arrayrecord,
 )
+from flowerbed.strategies.round_metrics import ROUND_CLOCK_S
 from flwr.serverapp.strategy import Result
 from test_strategies_fakes import FakeGrid, config_of, node, silent, weights
 

@@ -18,7 +18,7 @@ from flowerbed.strategies.deadline import (
     censored_percentile,
     full_work_seconds,
 )
-from flowerbed.strategies.utils import (
+from flowerbed.strategies.round_metrics import (
     ROUND_DEADLINE_S,
     ROUND_LATE_UPDATES,
     ROUND_PARTICIPANTS,

@@ -2,7 +2,7 @@
 
 from flowerbed.sims.scenario import run_scenario
 from flowerbed.strategies import DeadlineFedAvg
-from flowerbed.strategies.utils import InFlight
+from flowerbed.strategies.inflight import InFlight
 from flwr.app import Message, RecordDict
 from test_strategies_fakes import FakeGrid, node, weights
 

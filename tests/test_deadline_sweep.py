@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from flowerbed.sims.scenario import run_scenario
 from flowerbed.strategies import DeadlineFedAvg
-from flowerbed.strategies.utils import ROUND_LATE_UPDATES, ROUND_PARTICIPANTS
+from flowerbed.strategies.round_metrics import ROUND_LATE_UPDATES, ROUND_PARTICIPANTS
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result

@@ -13,7 +13,10 @@ import pytest
 from flowerbed import keys
 from flowerbed.strategies import DeadlineFedAvg
 from flowerbed.strategies.deadline import Observation, two_speed_percentile
-from flowerbed.strategies.utils import ROUND_DEADLINE_PERCENTILE, ROUND_DEADLINE_S
+from flowerbed.strategies.round_metrics import (
+    ROUND_DEADLINE_PERCENTILE,
+    ROUND_DEADLINE_S,
+)
 from flwr.app import Message
 from test_strategies_fakes import FakeGrid, config_of, node, weights
 

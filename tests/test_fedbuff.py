@@ -10,12 +10,8 @@ import math
 
 import pytest
 from flowerbed.strategies import FedBuff
-from flowerbed.strategies.utils import (
-    ROUND_CLOCK_S,
-    ROUND_STALENESS,
-    hinge_staleness,
-    polynomial_staleness,
-)
+from flowerbed.strategies.round_metrics import ROUND_CLOCK_S, ROUND_STALENESS
+from flowerbed.strategies.staleness import hinge_staleness, polynomial_staleness
 from flwr.app import ArrayRecord, MetricRecord
 from test_strategies_fakes import FakeGrid, node, silent, weights
 

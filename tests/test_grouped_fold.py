@@ -13,15 +13,16 @@ import logging
 
 import numpy as np
 import pytest
+from flowerbed.replies import ReplyRejected
 from flowerbed.strategies import (
     DeadlineFedAvg,
     FedBuff,
     RuntimeWeightedFedAvg,
     fold_kernel,
 )
+from flowerbed.strategies.accumulation import Update, UpdateAccumulator
 from flowerbed.strategies.robust import BoundedSum, Reference
 from flowerbed.strategies.runtime_weighted import FOLD_GROUP
-from flowerbed.strategies.utils import ReplyRejected, Update, UpdateAccumulator
 from flwr.app import Message
 from test_strategies_fakes import FakeGrid, node, received, reply, weights
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from flowerbed.replies import ReplyRejected
 from flowerbed.strategies import DeadlineFedAvg, FedBuff, RuntimeWeightedFedAvg
 from flowerbed.strategies.robust import (
     MIN_REFERENCE,
@@ -14,7 +15,6 @@ from flowerbed.strategies.robust import (
     CoordinateRobust,
     Reference,
 )
-from flowerbed.strategies.utils import ReplyRejected
 from test_strategies_fakes import FakeGrid, node, weights
 
 BASE = {"w": np.zeros(1, np.float32)}

@@ -12,7 +12,7 @@ from flowerbed.sims.config import Scenario
 from flowerbed.sims.links import SwitchedEthernet
 from flowerbed.sims.scenario import build_fleet_grid, run_server
 from flowerbed.strategies import LargeBatchRounds
-from flowerbed.strategies.utils import to_arrayrecord
+from flowerbed.strategies.accumulation import to_arrayrecord
 from flwr.app import ConfigRecord
 
 

@@ -17,7 +17,7 @@ from flowerbed import keys
 from flowerbed.data import load_dataset
 from flowerbed.models import build_model
 from flowerbed.strategies import DeadlineFedAvg, FedBuff, RuntimeWeightedFedAvg
-from flowerbed.strategies.utils import (
+from flowerbed.strategies.round_metrics import (
     ROUND_CLOCK_S,
     ROUND_DEADLINE_S,
     ROUND_LATE_UPDATES,

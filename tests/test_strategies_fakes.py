@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 from flowerbed import keys
-from flowerbed.strategies.utils import to_arrayrecord, to_numpy
+from flowerbed.strategies.accumulation import to_arrayrecord, to_numpy
 from flwr.app import (
     ArrayRecord,
     Error,

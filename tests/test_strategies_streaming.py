@@ -7,16 +7,16 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from flowerbed.arrays import array_view
+from flowerbed.replies import ReplyRejected
 from flowerbed.strategies import RuntimeWeightedFedAvg, fold_kernel
-from flowerbed.strategies.robust import MIN_REFERENCE
-from flowerbed.strategies.utils import (
+from flowerbed.strategies.accumulation import (
     FOLD_CHUNK,
-    ReplyRejected,
     Update,
     UpdateAccumulator,
-    array_view,
     to_arrayrecord,
 )
+from flowerbed.strategies.robust import MIN_REFERENCE
 from flwr.app import Array, Message
 from test_strategies_fakes import FakeGrid, node, reply
 

@@ -18,7 +18,7 @@ from flowerbed.strategies import (
     FedBuff,
     RuntimeWeightedFedAvg,
 )
-from flowerbed.strategies.utils import ROUND_CLOCK_S
+from flowerbed.strategies.round_metrics import ROUND_CLOCK_S
 from flwr.app import ArrayRecord, MetricRecord
 from flwr.serverapp.strategy import Strategy
 from test_strategies_fakes import FakeGrid, node, weights

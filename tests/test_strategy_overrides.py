@@ -18,7 +18,7 @@ from flowerbed.strategies import (
     FedBuff,
     RuntimeWeightedFedAvg,
 )
-from flowerbed.strategies.utils import to_arrayrecord
+from flowerbed.strategies.accumulation import to_arrayrecord
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords

@@ -52,7 +52,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from flowerbed.models import build_sequential
 from flowerbed.strategies import TiledTraining
-from flowerbed.strategies.utils import to_arrayrecord, to_numpy
+from flowerbed.strategies.accumulation import to_arrayrecord, to_numpy
 
 app = ServerApp()
 

@@ -32,10 +32,10 @@ from flowerbed.parallel.plan import PlanError
 from flowerbed.parallel.tiles import TileError
 from flowerbed.sims.process_grid import ProcessGrid
 from flowerbed.strategies import TiledTraining
+from flowerbed.strategies.accumulation import to_arrayrecord, to_numpy
 from flowerbed.strategies.span import SpanMember
 from flowerbed.strategies.tile_clusters import TileClusters
 from flowerbed.strategies.tiled import Board, colocated, subnet_of
-from flowerbed.strategies.utils import to_arrayrecord, to_numpy
 from flwr.app import ArrayRecord
 from flwr.serverapp.strategy import FedAvg
 from test_tiles_exact import (

@@ -19,7 +19,7 @@ from flowerbed.sims import vclock
 from flowerbed.sims.devices import DEVICES
 from flowerbed.sims.scenario import build_fleet_grid
 from flowerbed.strategies import DeadlineFedAvg
-from flowerbed.strategies.utils import ROUND_DEADLINE_S
+from flowerbed.strategies.round_metrics import ROUND_DEADLINE_S
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from test_strategies_fakes import FakeGrid, config_of, node, weights
 

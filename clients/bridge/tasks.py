@@ -31,8 +31,8 @@ from flowerbed.clients.bridge.codec import (
     tensors_to_arrayrecord,
 )
 from flowerbed.clients.bridge.programs import Program, ProgramError
-from flowerbed.strategies.utils import ReplyRejected
-from flowerbed.strategies.utils import check_metrics as check_reply_metrics
+from flowerbed.replies import ReplyRejected
+from flowerbed.replies import check_metrics as check_reply_metrics
 from flwr.app import ConfigRecord, Error, Message, MetricRecord, RecordDict
 from flwr.app.message_type import MessageType
 from flwr.common.constant import ErrorCode
@@ -288,7 +288,7 @@ def check_metrics(metrics: Any, train: bool) -> dict[str, int | float]:
 
     First the JSON shape: an object of finite numbers (no booleans, integers within
     64 bits, what a Flower ``MetricRecord`` holds). Then the strategies' own check,
-    :func:`flowerbed.strategies.utils.check_metrics` (one implementation for both):
+    :func:`flowerbed.replies.check_metrics` (one implementation for both):
     ``num-examples`` present, finite and > 0 for train tasks (FedAvg weights by
     it), times and step counts finite and non-negative, and whatever ranges the
     strategies enforce. Evaluate tasks may omit ``num-examples`` or report 0.

@@ -7,13 +7,13 @@ from collections.abc import Sequence
 
 from flowerbed import keys
 from flowerbed.clock import Clock
+from flowerbed.replies import MAX_METRIC_MAGNITUDE, METRIC_RANGES
 from flwr.app import (
     Message,
     MetricRecord,
 )
 from flwr.serverapp import Grid
 
-from ..utils import MAX_METRIC_MAGNITUDE, METRIC_RANGES
 from .model import Observation
 
 
