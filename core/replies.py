@@ -62,6 +62,15 @@ METRIC_RANGES: dict[str, tuple[float, float, str]] = {
     keys.TEMP_C: (-100.0, 200.0, "degrees C"),
 }
 """Valid range of each metric a strategy (or the phone gateway) reads."""
+AVERAGED_RANGES: dict[str, tuple[float, float, str]] = {
+    keys.EVAL_ACC: (0.0, 1.0, "(a fraction)"),
+    keys.EVAL_LOSS: (0.0, MAX_METRIC_MAGNITUDE, ""),
+    keys.TRAIN_LOSS: (0.0, MAX_METRIC_MAGNITUDE, ""),
+}
+"""Valid range of flowerbed's metrics that are only averaged into the round's
+metrics: a weighted mean of values in range stays in range, so one node cannot
+make the round's accuracy 10^14. Other metrics are bounded in magnitude only
+(:data:`MAX_METRIC_MAGNITUDE`)."""
 TIME_METRICS = (keys.TRAIN_TIME_S, keys.COMM_TIME_S, keys.EVAL_TIME_S)
 """Times: 0 (no work) or at least :data:`MIN_TIME_S`."""
 
@@ -86,6 +95,11 @@ def _number(
     value = metrics[key]
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ReplyRejected(f"metric {key!r} must be a number, got {value!r}")
+    return _in_range(key, value, low, high, unit)
+
+
+def _in_range(key: str, value: float, low: float, high: float, unit: str) -> float:
+    """``value`` if finite and in ``[low, high]``; else why not, with the range."""
     valid = f"valid: [{low:g}, {high:g}]{' ' + unit if unit else ''}"
     if not math.isfinite(value):
         raise ReplyRejected(f"metric {key!r} is not finite ({value}); {valid}")
@@ -183,7 +197,10 @@ def check_metrics(
             if isinstance(v, int | float) and not isinstance(v, bool):
                 if not math.isfinite(v):
                     raise ReplyRejected(f"metric {key!r} is not finite ({value})")
-                if abs(v) > MAX_METRIC_MAGNITUDE:
+                if key in AVERAGED_RANGES:
+                    low, high, unit = AVERAGED_RANGES[key]
+                    _in_range(key, v, low, high, unit)
+                elif abs(v) > MAX_METRIC_MAGNITUDE:
                     raise ReplyRejected(
                         f"metric {key!r} is too large ({v:g}); valid: magnitude "
                         f"up to {MAX_METRIC_MAGNITUDE:g}"

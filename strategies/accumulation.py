@@ -60,6 +60,21 @@ def _sum_dtype(dtype: np.dtype) -> np.dtype:
     return np.dtype(np.float64)
 
 
+def _float_norm(
+    arrays: Mapping[str, np.ndarray], base: Mapping[str, np.ndarray]
+) -> float:
+    """``||x - base||`` over the float arrays, in float64 (inf or NaN when an
+    element is not finite: the fold then rejects the update)."""
+    squares = 0.0
+    for name, value in arrays.items():
+        if np.asarray(value).dtype.kind != "f":
+            continue
+        with np.errstate(over="ignore", invalid="ignore"):
+            delta = np.subtract(value, base[name], dtype=np.float64).ravel()
+            squares += float(np.dot(delta, delta))
+    return math.sqrt(squares)
+
+
 def check_positive(label: str, value: float | None) -> None:
     """ValueError naming ``label`` unless ``value`` is None or finite and > 0."""
     if value is not None and not (value > 0 and math.isfinite(value)):
@@ -83,6 +98,9 @@ class Update:
     scale: float = 1.0
     steps: float = 1.0
     max_norm: float | None = None
+    norm: float | None = None
+    """``||x - base||`` when the caller already knows it (a clipped update is
+    then scaled before it is folded, without a pass of its own)."""
 
 
 class UpdateAccumulator:
@@ -151,9 +169,11 @@ class UpdateAccumulator:
     float arrays), computed in the same pass, and with ``max_norm`` scales the
     update by ``min(1, max_norm / ||delta_i||)`` before it counts (norm
     clipping, e.g. Sun et al., "Can You Really Backdoor Federated Learning?",
-    2019, Sec. 4). The norm is known only at the end of the pass, so a clipped
-    update is read a second time to take back its excess; unclipped updates
-    cost nothing extra.
+    2019, Sec. 4). The factor is applied before the update enters the sum,
+    never by taking an excess back out afterwards: an update 10^18 times too
+    long, added and then mostly subtracted, would cancel away the float32 digits
+    of every other update in the sum. The norm is the caller's (``norm``, known
+    from an earlier pass) or is taken in a float64 pass of its own.
     """
 
     def __init__(
@@ -189,8 +209,11 @@ class UpdateAccumulator:
         scale: float = 1.0,
         steps: float = 1.0,
         max_norm: float | None = None,
+        norm: float | None = None,
     ) -> float:
         """Fold one update in; return its L2 norm ``||x - base||`` before scaling.
+
+        ``norm``: the update's norm when the caller knows it (see :class:`Update`).
 
         ``arrays`` and ``base`` may be dropped (or reused) afterwards; ``arrays``
         may be read-only views and of another float dtype than ``base``.
@@ -205,7 +228,7 @@ class UpdateAccumulator:
             within one rounding per element already folded).
         """
         (outcome,) = self.add_many(
-            [Update(arrays, base, weight, scale, steps, max_norm)]
+            [Update(arrays, base, weight, scale, steps, max_norm, norm)]
         )
         if isinstance(outcome, ReplyRejected):
             raise outcome
@@ -285,6 +308,15 @@ class UpdateAccumulator:
     def _fold_group(self, group: Sequence[Update]) -> list[float | ReplyRejected]:
         """Fold updates whose arrays have the same names and base objects."""
         factors = [u.weight * u.scale for u in group]
+        clipped = list(factors)  # of the float arrays (the norm's)
+        for j, update in enumerate(group):
+            if update.max_norm is None:
+                continue
+            norm = update.norm
+            if norm is None:
+                norm = _float_norm(update.arrays, update.base)
+            if math.isfinite(norm) and norm > update.max_norm:
+                clipped[j] *= update.max_norm / norm
         squares = [0.0] * len(group)
         rejected: dict[int, tuple[ReplyRejected, str, int]] = {}
         names = list(group[0].arrays)
@@ -294,7 +326,15 @@ class UpdateAccumulator:
                 break
             base = group[0].base[name]
             values = [group[j].arrays[name] for j in live]
-            found, failures = self._fold(name, values, base, [factors[j] for j in live])
+            found, failures = self._fold(
+                name,
+                values,
+                base,
+                [
+                    clipped[j] if np.asarray(v).dtype.kind == "f" else factors[j]
+                    for j, v in zip(live, values, strict=True)
+                ],
+            )
             for k, j in enumerate(live):
                 squares[j] += found[k]
             for k, (rejection, start) in failures.items():
@@ -303,25 +343,22 @@ class UpdateAccumulator:
         for j, update in enumerate(group):
             if j in rejected:  # take back what was folded of it
                 rejection, failed, start = rejected[j]
+
+                def folded(name: str, j: int = j) -> float:
+                    kind = np.asarray(group[j].arrays[name]).dtype.kind
+                    return -(clipped[j] if kind == "f" else factors[j])
+
                 for name in names[: names.index(failed)]:
                     self._fold(
-                        name, [update.arrays[name]], update.base[name], [-factors[j]]
+                        name, [update.arrays[name]], update.base[name], [folded(name)]
                     )
                 if start:
                     value = np.ravel(update.arrays[failed])[:start]
                     base = np.ravel(update.base[failed])[:start]
-                    self._fold(failed, [value], base, [-factors[j]])
+                    self._fold(failed, [value], base, [folded(failed)])
                 outcomes.append(rejection)
                 continue
-            norm = math.sqrt(squares[j])
-            if update.max_norm is not None and norm > update.max_norm:
-                excess = factors[j] * (update.max_norm / norm - 1.0)
-                for name in names:
-                    if np.asarray(update.arrays[name]).dtype.kind == "f":
-                        self._fold(
-                            name, [update.arrays[name]], update.base[name], [excess]
-                        )
-            outcomes.append(norm)
+            outcomes.append(math.sqrt(squares[j]))
         return outcomes
 
     def leftover(self) -> dict[str, np.ndarray]:

@@ -33,6 +33,7 @@ from flwr.serverapp.strategy import Result
 from flwr.supercore import log
 
 from .robust import DEFAULT_CLIP_FACTOR, DEFAULT_WEIGHT_CAP
+from .rounds import STALL_ROUNDS, RoundTally
 from .runtime_weighted import (
     DEFAULT_QUARANTINE_AFTER,
     DEFAULT_QUARANTINE_ROUNDS,
@@ -298,7 +299,17 @@ class FedBuff(RuntimeWeightedFedAvg):
         progress_at = self._clock.now()
 
         def full() -> bool:
-            return enough_usable(self._handed, buffer_size)
+            """``buffer_size`` usable replies, or as many refused ones (replies
+            with content that cannot be used; error replies are waited out as
+            before): a version then closes with what is usable (the model
+            unchanged if nothing is), as a synchronous round does, instead of
+            dispatching for ever to nodes whose replies cannot be used."""
+            if enough_usable(self._handed, buffer_size):
+                return True
+            if len(self._handed) < buffer_size:
+                return False
+            refused = sum(a.error_code is None and not a.usable for a in self._handed)
+            return refused >= buffer_size
 
         while not full():
             # the last usable reply (replies are folded, and known usable, a
@@ -432,6 +443,12 @@ class FedBuff(RuntimeWeightedFedAvg):
         if arrays is not None:
             self._set_global(arrays)
             self._updates_applied += 1
+            self._stalled = 0
+        else:
+            self._stalled += 1
+            if self._stalled % STALL_ROUNDS == 0:
+                self._tally = RoundTally.of(len(self._handed), self._handed, 0)
+                self._warn_stalled(self.version, self._stalled)
         self._versions[self.version] = self._global_np
         result.arrays = self._global
         staleness = sum(a.staleness for a in used) / max(1, len(used))

@@ -1,4 +1,4 @@
-"""The compiled fold step of :class:`flowerbed.strategies.accumulation.UpdateAccumulator`.
+"""The compiled fold step of the strategies' ``UpdateAccumulator``.
 
 One call folds ``s += f_j (x_j - b)`` for up to :data:`MOST` values ``x_j`` of
 one array and returns each one's sum of squares of ``d_j = x_j - b``, in one

@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import numpy as np
@@ -131,6 +131,8 @@ class _Held:
     weight: float
     scale: float
     steps: float
+    norm: float | None = None
+    """``||x - base||``, once a pass has taken it."""
 
 
 class BoundedSum:
@@ -266,9 +268,12 @@ class BoundedSum:
         )
         if kept:
             return outcomes
-        for update, decision in zip(rest, decisions, strict=True):
+        for update, decision, outcome in zip(
+            rest, decisions, outcomes[first:], strict=True
+        ):
             if decision is not None:
-                self._add(update, *decision)
+                raw = float(outcome) / update.scale if update.scale > 0 else None
+                self._add(replace(update, norm=raw), *decision)
         return outcomes
 
     def _planned_weights(self, updates: Sequence[Update]) -> list[float]:
@@ -289,11 +294,19 @@ class BoundedSum:
         """Hold an update while there is no reference; release the held ones
         once there is. Returns its norm as it counts, or why it was rejected."""
         try:
-            norm = update.scale * update_norm(update.arrays, update.base)
+            raw = update_norm(update.arrays, update.base)
         except ReplyRejected as rejection:  # NaN/Inf: checked before holding
             return rejection
+        norm = update.scale * raw
         self.held.append(
-            _Held(update.arrays, update.base, update.weight, update.scale, update.steps)
+            _Held(
+                update.arrays,
+                update.base,
+                update.weight,
+                update.scale,
+                update.steps,
+                raw,
+            )
         )
         self.weights.add(update.weight)
         self.norms.add(norm)
@@ -337,6 +350,7 @@ class BoundedSum:
             scale=update.scale,
             steps=update.steps,
             max_norm=max_norm,
+            norm=update.norm,
         )
 
     def _release(self, minimum: int) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from logging import INFO, WARNING
+from logging import DEBUG, INFO, WARNING
 from pathlib import Path
 from typing import Any
 
@@ -309,6 +309,12 @@ class RuntimeWeightedFedAvg(RoundLoop):
         """Weights of recent accepted replies (the weight cap's reference)."""
         self.recent_norms = Reference()
         """Norms of recent accepted updates (the clipping's reference)."""
+        self.recent_steps = Reference()
+        """``num-steps`` of recent accepted replies: the bound on a claim where
+        no work was assigned (:meth:`_bounded_steps`)."""
+        self._steps_capped: set[int | None] = set()
+        self._unused_logged: set[tuple[int, str]] = set()
+        """(node, reason) of rejections that were not the node's fault, logged."""
         self.quarantine = Quarantine(quarantine_after, quarantine_rounds)
         self.speeds: dict[int, float] = {}
         """Smoothed speed of each node, in optimiser steps per second."""
@@ -536,7 +542,8 @@ class RuntimeWeightedFedAvg(RoundLoop):
 
     def _steps(self, metrics: MetricRecord, ticket: Ticket | None) -> float | None:
         if keys.NUM_STEPS in metrics:
-            return float(metrics[keys.NUM_STEPS])  # type: ignore[arg-type]
+            reported = float(metrics[keys.NUM_STEPS])  # type: ignore[arg-type]
+            return self._bounded_steps(reported, ticket)
         if ticket is not None and ticket.assigned_steps is not None:
             self._fallback_once(
                 "steps",
@@ -545,6 +552,43 @@ class RuntimeWeightedFedAvg(RoundLoop):
             )
             return float(ticket.assigned_steps)
         return None
+
+    def _bounded_steps(self, reported: float, ticket: Ticket | None) -> float:
+        """``num-steps`` as far as the server can vouch for it.
+
+        With FedNova's weighting a reply's steps ``tau_i`` set how far the whole
+        round moves (``tau_eff = sum_i p_i tau_i``, Wang et al., NeurIPS 2020,
+        Eq. 6), so a claim of 10^9 steps would scale every node's update. A node
+        is held to the ``local-steps`` it was assigned; where nothing was
+        assigned, to ``weight_cap`` times the median of the steps recent accepted
+        replies reported (no bound until :data:`~.robust.MIN_REFERENCE` are
+        known, or with ``weight_cap=None``). A capped claim is logged once per
+        node with the value and the bound.
+        """
+        if ticket is not None and ticket.assigned_steps is not None:
+            bound, why = float(ticket.assigned_steps), "the local-steps it was assigned"
+        else:
+            median = self.recent_steps.median()
+            if median is None or self.weight_cap is None:
+                return reported
+            bound = self.weight_cap * median
+            why = f"weight_cap={self.weight_cap:g} x the median of recent replies"
+        if reported <= bound:
+            return reported
+        node = ticket.node_id if ticket is not None else None
+        if node not in self._steps_capped:
+            self._steps_capped.add(node)
+            log(
+                WARNING,
+                "node %s reported %s=%g, more than %g (%s): counted as %g from now on",
+                "?" if node is None else node,
+                keys.NUM_STEPS,
+                reported,
+                bound,
+                why,
+                bound,
+            )
+        return bound
 
     def reply_weight(
         self,
@@ -622,9 +666,20 @@ class RuntimeWeightedFedAvg(RoundLoop):
                 node,
                 reply.error.reason,
             )
-        else:
+        elif rejection.fault or (node, rejection.reason) not in self._unused_logged:
+            if not rejection.fault:  # not its fault, and it may recur every task
+                self._unused_logged.add((node, rejection.reason))
             log(
                 WARNING,
+                "round %d: rejected reply from node %s: %s%s",
+                server_round,
+                node,
+                rejection.reason,
+                "" if rejection.fault else " (said once per node)",
+            )
+        else:
+            log(
+                DEBUG,
                 "round %d: rejected reply from node %s: %s",
                 server_round,
                 node,
@@ -704,18 +759,27 @@ class RuntimeWeightedFedAvg(RoundLoop):
         order); settle each: accepted, or rejected with its reason."""
         try:
             outcomes = fold.updates.add_many([s.update for s in group])
-        except Exception as err:  # a fault of the sum, not of one reply
+        except Exception as err:  # a fault of the sum: find which reply broke it
+            if len(group) == 1:
+                staged = group[0]
+                return [
+                    self._reject_unusable(
+                        staged.reply, server_round, staged.node, err, staged.arrival
+                    )
+                ]
             log(
                 WARNING,
-                "round %d: folding %d replies together failed (%s: %s)",
+                "round %d: folding %d replies together failed (%s: %s); folding "
+                "them one at a time",
                 server_round,
                 len(group),
                 type(err).__name__,
                 err,
             )
             return [
-                self._reject_unusable(s.reply, server_round, s.node, err, s.arrival)
-                for s in group
+                ok
+                for staged in group
+                for ok in self._fold_staged([staged], server_round, fold)
             ]
         return [
             self._settle_train_reply(staged, outcome, server_round, fold)
@@ -739,6 +803,8 @@ class RuntimeWeightedFedAvg(RoundLoop):
         if arrival is not None:
             arrival.accepted = True
         self.quarantine.record_success(staged.node)
+        if keys.NUM_STEPS in staged.metrics:
+            self.recent_steps.add(staged.update.steps)
         self._update_speed(
             staged.node,
             staged.metrics,

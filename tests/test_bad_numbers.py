@@ -48,7 +48,10 @@ HOSTILE: dict[str, tuple[dict[str, float], str]] = {
         {"samples_per_s": 1e300},
         "'samples-per-s' is above its ceiling",
     ),
-    "loss 1e300": ({"train_loss": 1e300}, "'train-loss' is too large (1e+300)"),
+    "loss 1e300": (
+        {"train_loss": 1e300},
+        "'train-loss' is above its ceiling (1e+300); valid: [0, 1e+15]",
+    ),
     "battery 150%": ({"battery_pct": 150.0}, "'battery-pct' is above its ceiling"),
     "comm-time-s -1": ({"comm_time_s": -1.0}, "'comm-time-s' is negative (-1)"),
 }
