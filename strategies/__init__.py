@@ -16,6 +16,12 @@ from .large_batch_rounds import LargeBatchRounds
 from .large_batch_sync import LargeBatchSync
 from .runtime_weighted import RuntimeWeightedFedAvg
 from .tiled import TiledTraining
+from .wrappers import (
+    DifferentialPrivacyClientSideAdaptiveClipping,
+    DifferentialPrivacyClientSideFixedClipping,
+    DifferentialPrivacyServerSideAdaptiveClipping,
+    DifferentialPrivacyServerSideFixedClipping,
+)
 
 if TYPE_CHECKING:
     from .pipeline import PipelineTraining
@@ -25,6 +31,10 @@ _LAZY = {"PipelineTraining": "flowerbed.strategies.pipeline"}
 __all__ = [
     "ClusterSelection",
     "DeadlineFedAvg",
+    "DifferentialPrivacyClientSideAdaptiveClipping",
+    "DifferentialPrivacyClientSideFixedClipping",
+    "DifferentialPrivacyServerSideAdaptiveClipping",
+    "DifferentialPrivacyServerSideFixedClipping",
     "FedBuff",
     "LargeBatchRounds",
     "LargeBatchSync",

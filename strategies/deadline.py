@@ -592,6 +592,7 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """Over-sample nodes and build train messages with this round's deadline."""
+        self._say_if_driven_elsewhere()
         if self.fraction_train == 0.0:
             return []
         config[keys.SERVER_ROUND] = server_round

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 from flowerbed import keys
 from flowerbed.replies import MAX_NUM_EXAMPLES
-from flowerbed.strategies.inflight import ReplyStream, Ticket, enough_usable
+from flowerbed.strategies.inflight import Ticket, enough_usable
 from flowerbed.strategies.round_metrics import (
     ROUND_CLOCK_S,
     ROUND_PARTICIPANTS,
@@ -209,6 +209,7 @@ class FedBuff(RuntimeWeightedFedAvg):
         version; each call of a version gets the train config as it was before
         the version's first call.
         """
+        self._say_if_driven_elsewhere()
         if self.fraction_train == 0.0:
             return []
         config[keys.SERVER_ROUND] = server_round
@@ -236,7 +237,9 @@ class FedBuff(RuntimeWeightedFedAvg):
             given = config
         else:
             given = ConfigRecord(dict(self._version_config))
-        messages = self.configure_train(self.version + 1, self._global, given, grid)
+        messages = self._driver.configure_train(
+            self.version + 1, self._global, given, grid
+        )
         self._topped_up = True
         self._inflight.push(messages, self.version)
 
@@ -249,7 +252,9 @@ class FedBuff(RuntimeWeightedFedAvg):
     ) -> None:
         """Central evaluation now; federated evaluation collected as it arrives."""
         assert self._inflight is not None
-        messages = self.configure_evaluate(self.version, self._global, config, grid)
+        messages = self._driver.configure_evaluate(
+            self.version, self._global, config, grid
+        )
         ids = self._inflight.push(messages, self.version)
         if ids:
             self._evaluations[self.version] = (set(ids), [])
@@ -268,7 +273,7 @@ class FedBuff(RuntimeWeightedFedAvg):
     def _close_evaluation(self, version: int, result: Result) -> None:
         """``aggregate_evaluate`` over the version's evaluation replies (small)."""
         _, replies = self._evaluations.pop(version)
-        metrics = self.aggregate_evaluate(version, replies)
+        metrics = self._driver.aggregate_evaluate(version, replies)
         if metrics is not None:
             log(INFO, "\t└──> Aggregated MetricRecord: %s", metrics)
             result.evaluate_metrics_clientapp[version] = metrics
@@ -406,9 +411,7 @@ class FedBuff(RuntimeWeightedFedAvg):
             self._dispatch(grid, train_config)
             self._handed = []
             replies = self._buffer_replies(grid, train_config, result, buffer_size)
-            arrays, metrics = self.aggregate_train(
-                self.version + 1, ReplyStream(replies)
-            )
+            arrays, metrics = self._aggregate_train(self.version + 1, replies)
             self._arrivals.clear()
             if self._starved:
                 log(

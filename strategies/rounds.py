@@ -39,7 +39,7 @@ from flowerbed.strategies.inflight import Arrival, InFlight, ReplyStream, Ticket
 from flowerbed.strategies.round_metrics import ROUND_CLOCK_S
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import FedAvg, Result
+from flwr.serverapp.strategy import FedAvg, Result, Strategy
 from flwr.serverapp.strategy.strategy_utils import log_strategy_start_info
 from flwr.supercore import log
 
@@ -95,6 +95,11 @@ class RoundLoop(FedAvg):
         self._tally = RoundTally(0, 0, Counter(), 0, 0)
         self._stalled = 0
         self._updates_applied = 0
+        self._driver: Strategy = self
+        """Whose ``configure_*``/``aggregate_*`` the loop calls: this strategy,
+        or a Flower wrapper around it (:meth:`start_wrapped`)."""
+        self._running = False
+        self._driven_elsewhere_said = False
 
     def state(self) -> dict[str, Any]:
         """JSON-able strategy state (what a checkpoint holds besides arrays)."""
@@ -137,6 +142,90 @@ class RoundLoop(FedAvg):
         self._handed.append(arrival)
         return reply
 
+    def _aggregate_train(
+        self, server_round: int, replies: Iterator[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """``aggregate_train`` of the driver over the replies as they arrive.
+
+        A Flower wrapper (:meth:`start_wrapped`) gets a list of the replies with
+        content: Flower's differential-privacy wrappers read the replies more
+        than once and skip a whole round's aggregation when any reply is an
+        error, while here a node that dropped out or missed its deadline is
+        routine (the loop has filed every reply's :class:`~.inflight.Arrival`,
+        errors included, before this filter). Whatever the wrapper raises ends
+        the round without an update, logged, never the run.
+        """
+        if self._driver is self:
+            return self.aggregate_train(server_round, ReplyStream(replies))
+        kept = [reply for reply in replies if not reply.has_error()]
+        try:
+            return self._driver.aggregate_train(server_round, kept)
+        except Exception as err:  # a wrapper's fault must not end the run
+            log(
+                ERROR,
+                "round %d: %s.aggregate_train failed (%s: %s): the model is "
+                "unchanged this round",
+                server_round,
+                type(self._driver).__name__,
+                type(err).__name__,
+                err,
+            )
+            return None, None
+
+    def _say_if_driven_elsewhere(self) -> None:
+        """Warn once when another loop calls the Flower methods (e.g. Flower's
+        ``Strategy.start`` of a wrapper): this strategy's own round behaviour
+        then does not run."""
+        if self._running or self._driven_elsewhere_said:
+            return
+        self._driven_elsewhere_said = True
+        log(
+            WARNING,
+            "%s is being run by another strategy's start() (for example a Flower "
+            "wrapper such as DifferentialPrivacyServerSideFixedClipping): its "
+            "rounds are then plain FedAvg rounds that wait for every sampled node "
+            "or the timeout; its deadlines, late updates, asynchrony and work "
+            "balancing do not run. Use the wrapper of the same name from "
+            "flowerbed.strategies (or %s.start_wrapped(wrapper, ...)) to keep them.",
+            type(self).__name__,
+            type(self).__name__,
+        )
+
+    def start_wrapped(
+        self,
+        wrapper: Strategy,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int = 3,
+        timeout: float = 3600,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+    ) -> Result:
+        """:meth:`start`, with ``wrapper``'s four Flower methods in the loop.
+
+        ``wrapper`` is a Flower strategy wrapper around this strategy (it calls
+        this strategy's methods from its own, as Flower's differential-privacy
+        wrappers do): this strategy's round loop runs (deadlines, late updates,
+        asynchrony, work balancing, checkpoints) and calls ``wrapper``'s
+        ``configure_train``, ``aggregate_train``, ``configure_evaluate`` and
+        ``aggregate_evaluate`` where it would call its own, so the wrapper's
+        clipping and noise apply to every aggregate.
+        """
+        self._driver = wrapper
+        try:
+            return self.start(
+                grid,
+                initial_arrays,
+                num_rounds,
+                timeout,
+                train_config,
+                evaluate_config,
+                evaluate_fn,
+            )
+        finally:
+            self._driver = self
+
     def _prepare_round(self, server_round: int, grid: Grid) -> None:
         """Hook run before ``configure_train`` (subclasses fix the deadline)."""
 
@@ -176,11 +265,13 @@ class RoundLoop(FedAvg):
         """configure_train, push, aggregate_train over the arriving replies."""
         assert self._inflight is not None
         self._prepare_round(server_round, grid)
-        messages = self.configure_train(server_round, self._global, config, grid)
+        messages = self._driver.configure_train(
+            server_round, self._global, config, grid
+        )
         self._sent = len(self._inflight.push(messages, server_round))
         self._handed = []
-        arrays, metrics = self.aggregate_train(
-            server_round, ReplyStream(self._train_replies(server_round))
+        arrays, metrics = self._aggregate_train(
+            server_round, self._train_replies(server_round)
         )
         arrays, metrics = self._close_train(server_round, arrays, metrics)
         self._arrivals.clear()
@@ -245,13 +336,15 @@ class RoundLoop(FedAvg):
         """configure_evaluate, push, aggregate_evaluate over the arriving replies."""
         assert self._inflight is not None
         inflight = self._inflight
-        messages = self.configure_evaluate(server_round, self._global, config, grid)
+        messages = self._driver.configure_evaluate(
+            server_round, self._global, config, grid
+        )
         sent = inflight.push(messages, server_round)
         until = self._clock.now() + self._evaluate_wait()
         replies = (
             reply for reply, _, _ in inflight.replies(until, kind=MessageType.EVALUATE)
         )
-        metrics = self.aggregate_evaluate(server_round, ReplyStream(replies))
+        metrics = self._driver.aggregate_evaluate(server_round, ReplyStream(replies))
         inflight.forget(sent)
         if metrics is not None:
             log(INFO, "\t└──> Aggregated MetricRecord: %s", metrics)
@@ -352,8 +445,9 @@ class RoundLoop(FedAvg):
         log_strategy_start_info(
             num_rounds, initial_arrays, train_config, evaluate_config
         )
-        self.summary()
+        self._driver.summary()
         log(INFO, "")
+        self._running = True
         self._clock = clock_of(grid)
         self._t0 = self._clock.now()
         self._wall_t0 = time.time()
@@ -374,6 +468,7 @@ class RoundLoop(FedAvg):
 
     def _end(self, result: Result, rounds_run: int) -> Result:
         """Flower's closing lines and summary; say so if nothing was ever applied."""
+        self._running = False
         result.arrays = self._global
         if rounds_run and self._updates_applied == 0 and self.fraction_train > 0:
             log(

@@ -467,6 +467,7 @@ class RuntimeWeightedFedAvg(RoundLoop):
         ``server-round`` is written into ``config``. ``arrays`` becomes the model
         ``aggregate_train`` checks replies against.
         """
+        self._say_if_driven_elsewhere()
         if self.fraction_train == 0.0:
             return []
         config[keys.SERVER_ROUND] = server_round
