@@ -564,6 +564,11 @@ def _metric_shape(value: object) -> int | None:
     return len(value) if isinstance(value, list) else None
 
 
+IDENTIFIERS = frozenset({keys.PARTITION_ID, "node-id", "partition_id", "node_id"})
+"""Metrics that name something rather than measure it: left out of the round's
+averaged metrics (an average partition id of 4.5 is not a fact about the round)."""
+
+
 class MetricsAccumulator:
     """Keeps only the MetricRecords of accepted replies (small), for aggregation."""
 
@@ -572,8 +577,9 @@ class MetricsAccumulator:
         self.records: list[RecordDict] = []
 
     def add(self, metrics: MetricRecord, weight: float) -> None:
-        """Keep ``metrics`` with ``weight`` as its weighting value."""
-        kept = MetricRecord(dict(metrics))
+        """Keep ``metrics`` with ``weight`` as its weighting value, leaving out
+        the identifiers (:data:`IDENTIFIERS`): their mean means nothing."""
+        kept = MetricRecord({k: v for k, v in metrics.items() if k not in IDENTIFIERS})
         kept[self.weighted_by_key] = weight
         self.records.append(RecordDict({keys.METRICS: kept}))
 

@@ -480,11 +480,8 @@ class RoundLoop(FedAvg):
             )
         log(INFO, "")
         log(INFO, "Strategy execution finished in %.2fs", time.time() - self._wall_t0)
-        log(
-            INFO,
-            "Clock time of the run: %.2fs (virtual in simulation)",
-            self._elapsed(),
-        )
+        if not isinstance(self._clock, WallClock):
+            log(INFO, "Virtual time of the run: %.2fs", self._elapsed())
         log(INFO, "")
         log(INFO, "Final results:")
         log(INFO, "")

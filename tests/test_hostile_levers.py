@@ -142,3 +142,17 @@ def test_fedbuff_says_no_progress_and_stops_spinning_when_no_reply_has_examples(
     assert "is 0: no work" in stalls[0]
     refused = [m for m in lines if "rejected reply from node" in m]
     assert len(refused) == len(nodes)
+
+
+def test_a_partition_id_is_not_averaged_into_the_rounds_metrics() -> None:
+    from flowerbed.strategies.accumulation import MetricsAccumulator
+    from flwr.app import MetricRecord
+    from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
+
+    metrics = MetricsAccumulator("num-examples")
+    for pid in range(10):
+        metrics.add(MetricRecord({"partition-id": pid, "train-loss": 1.0}), 10.0)
+    result = metrics.result(aggregate_metricrecords)
+    assert result is not None
+    assert "partition-id" not in result
+    assert result["train-loss"] == pytest.approx(1.0)
