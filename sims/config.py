@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, fields
 
 from flowerbed.data import DATASET_DIMS, DATASETS, PARTITIONS
 from flowerbed.sims.fleet import FLEETS
-from flowerbed.zoo import MODEL_NAMES
+from flowerbed.zoo import MODEL_NAMES, ONE_D_MODELS
 
 STRATEGY_NAMES = ("fedavg", "fedprox", "runtime-weighted", "deadline", "fedbuff")
 """Strategies a scenario can name; see ``flowerbed.sims.scenario.build_strategy``."""
@@ -210,12 +210,13 @@ class Scenario:
                 raise ConfigError(
                     f"unknown {key} {value!r}; valid choices: {', '.join(valid)}", key
                 )
-        from flowerbed.models import model_dims
-
-        if model_dims(self.model) != DATASET_DIMS[self.dataset]:
-            fits = [
-                m for m in MODEL_NAMES if model_dims(m) == DATASET_DIMS[self.dataset]
-            ]
+        # the zoo's names say which models take sequences; no torch needed
+        fits = [
+            m
+            for m in MODEL_NAMES
+            if (1 if m in ONE_D_MODELS else 2) == DATASET_DIMS[self.dataset]
+        ]
+        if self.model not in fits:
             raise ConfigError(
                 f"model {self.model!r} does not take {self.dataset!r} samples; "
                 f"valid choices for this dataset: {', '.join(fits)}",
