@@ -22,15 +22,21 @@ from flowerbed.arrays import (
     torch_state_dict,
 )
 from flowerbed.clients.training import TrainStats, evaluate, train_steps
-from flowerbed.data import Dataset, load_dataset, partition
+from flowerbed.data import partition
 from flowerbed.models import build_model, charged_costs, cost_factor, model_num_bytes
 from flowerbed.records import filled
 from flowerbed.sims import vclock
 from flowerbed.sims.batched import NodeJob, batchable, train_many
 from flowerbed.sims.config import Scenario
 from flowerbed.sims.devices import DeviceProfile, get_device
-from flowerbed.sims.fleet import assign_devices, device_of, speed_groups
-from flowerbed.sims.population import MIN_SAMPLES, drawn_shard, fits
+from flowerbed.sims.fleet import device_of
+from flowerbed.sims.population import (
+    MIN_SAMPLES,
+    cached_dataset,
+    drawn_shard,
+    fits,
+    train_partition,
+)
 from flwr.app import (
     ArrayRecord,
     ConfigRecord,
@@ -71,32 +77,12 @@ class NodeSetup:
     model_bytes: int
 
 
-@functools.lru_cache(maxsize=4)
-def cached_dataset(name: str, data_dir: str) -> Dataset:
-    return load_dataset(name, data_dir)
-
-
 @functools.lru_cache(maxsize=8)
 def _partition(scenario: Scenario, num_partitions: int, split: str) -> list[np.ndarray]:
     """Disjoint shards of one split (training: the scenario's scheme; test: iid)."""
     data = cached_dataset(scenario.dataset, scenario.data_dir)
     if split == "train":
-        groups = (
-            speed_groups(assign_devices(scenario.fleet, num_partitions, scenario.seed))
-            if scenario.partition == "device"
-            else None
-        )
-        return partition(
-            data.y_train,
-            num_partitions,
-            scenario.partition,
-            scenario.alpha,
-            scenario.seed,
-            MIN_SAMPLES["train"],
-            groups=groups,
-            writers=data.train_writers,
-            affinity=scenario.affinity,
-        )
+        return train_partition(scenario, data, num_partitions)
     return partition(
         data.y_test,
         num_partitions,
