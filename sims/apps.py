@@ -11,11 +11,10 @@ from __future__ import annotations
 
 from types import TracebackType
 
-from flowerbed.data import DataError
 from flowerbed.sims import node
 from flowerbed.sims.config import ConfigError, Scenario
-from flowerbed.sims.outputs import OutputDirError
-from flowerbed.sims.scenario import preflight, run_server
+from flowerbed.sims.preflight import FAILURES, failure_line, preflight
+from flowerbed.sims.scenario import run_server
 from flowerbed.sims.virtual_grid import VirtualTimeGrid
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
@@ -45,15 +44,20 @@ class RunFailed(Exception):
 
 @server_app.main()
 def main(grid: Grid, context: Context) -> None:
-    """Check the run config, the data and the output folder before anything trains,
-    then run the scenario; fail the run if no update was ever applied."""
+    """Check the run config, the data, the memory and the output folder before
+    anything trains (:func:`~flowerbed.sims.preflight.preflight`), then run the
+    scenario; fail the run if no update was ever applied, or with one line if a
+    disk or the memory fails it."""
     try:
         scenario = Scenario.from_run_config(context.run_config)
-        preflight(scenario, len(list(grid.get_node_ids())) or None)
-    except (ConfigError, DataError, OutputDirError) as err:
+    except ConfigError as err:
         raise RunFailed(f"flowerbed: {err}") from None
-    # Flower's engine answers on wall time; strategies see the device's time.
-    outcome = run_server(VirtualTimeGrid(grid), scenario)
+    try:
+        preflight(scenario, len(list(grid.get_node_ids())) or None)
+        # Flower's engine answers on wall time; strategies see the device's time.
+        outcome = run_server(VirtualTimeGrid(grid), scenario)
+    except FAILURES as err:
+        raise RunFailed(f"flowerbed: {failure_line(err, scenario)}") from None
     run_dir = outcome.run_dir.resolve() if outcome.run_dir else None
     print(f"flowerbed: run folder written to {run_dir}", flush=True)
     if outcome.problem is not None:

@@ -127,10 +127,11 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--check",
         action="store_true",
-        help="check the run config, data, memory and output folder, then exit "
-        "without training (0: `flwr run . -c` with the same text would start; in "
-        "about a second, where flwr run needs Ray's start-up to refuse a value and "
-        "refuses an unknown key without naming it)",
+        help="check the run config, the data and its partition (every node gets "
+        "samples), the memory of the population and a round, and the output "
+        "folder, then exit without training or writing anything (0: the same run "
+        "would start; in about a second, where flwr run needs Ray's start-up to "
+        "refuse a value and refuses an unknown key without naming it)",
     )
     p.add_argument("-v", "--verbose", action="store_true", help="show Flower's log")
     p.set_defaults(func=run)
@@ -161,6 +162,8 @@ def run_download(args: argparse.Namespace) -> int:
 
 def parse_run_config(items: list[str]) -> dict[str, Any]:
     """``-c`` values parsed by Flower's own parser (``flwr run -c``'s syntax)."""
+    if not items:
+        return {}
     import click
     from flwr.common.config import parse_config_args
 
@@ -207,15 +210,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def check(scenario: Scenario) -> int:
-    """``--check``: the preflight of a run, without the run."""
-    from flowerbed.data import DataError
-    from flowerbed.sims.outputs import OutputDirError
-    from flowerbed.sims.scenario import preflight
+    """``--check``: the preflight of a run, without the run; writes nothing."""
+    from flowerbed.sims.preflight import FAILURES, failure_line, preflight
 
     try:
-        preflight(scenario)
-    except (DataError, OutputDirError) as err:
-        print(f"flowerbed sim: error: {err}", file=sys.stderr)
+        preflight(scenario, create_output=False)
+    except FAILURES as err:
+        print(f"flowerbed sim: error: {failure_line(err, scenario)}", file=sys.stderr)
         return 2
     print(
         f"flowerbed sim: run config OK ({scenario.strategy} on {scenario.num_nodes} "
@@ -226,10 +227,9 @@ def check(scenario: Scenario) -> int:
 
 
 def simulate(scenario: Scenario, console: Any) -> int:
-    from flowerbed.data import DataError
-    from flowerbed.sims.outputs import OutputDirError
+    from flowerbed.sims.preflight import FAILURES, failure_line, preflight
     from flowerbed.sims.recorder import RoundRecord
-    from flowerbed.sims.scenario import default_workers, preflight, run_scenario
+    from flowerbed.sims.scenario import default_workers, run_scenario
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -273,14 +273,20 @@ def simulate(scenario: Scenario, console: Any) -> int:
 
     try:  # fail before any training
         preflight(scenario)
-    except (DataError, OutputDirError) as err:
-        print(f"flowerbed sim: error: {err}", file=sys.stderr)
+    except FAILURES as err:
+        print(f"flowerbed sim: error: {failure_line(err, scenario)}", file=sys.stderr)
         return 2
-    with progress:
-        task = progress.add_task("sim", total=scenario.num_rounds, acc="-", vtime="0s")
-        outcome = run_scenario(
-            scenario.to_run_config(), on_round=on_round, workers=default_workers()
-        )
+    try:
+        with progress:
+            task = progress.add_task(
+                "sim", total=scenario.num_rounds, acc="-", vtime="0s"
+            )
+            outcome = run_scenario(
+                scenario.to_run_config(), on_round=on_round, workers=default_workers()
+            )
+    except (OSError, MemoryError) as err:
+        print(f"flowerbed sim: error: {failure_line(err, scenario)}", file=sys.stderr)
+        return 1
     console.print(table)
     res = outcome.results
     ttt = res["time_to_target_s"]

@@ -20,16 +20,10 @@ from flowerbed import keys
 from flowerbed.models import build_model
 from flowerbed.sims.config import Scenario
 from flowerbed.sims.engine import FleetGrid, SimNode
-from flowerbed.sims.node import (
-    DEVICE_KEY,
-    cached_dataset,
-    make_client_app,
-    train_batch,
-)
+from flowerbed.sims.node import DEVICE_KEY, make_client_app, train_batch
 from flowerbed.sims.outputs import check_output_dir, summarise, write_run_folder
-from flowerbed.sims.population import check_cohort_memory, check_population
+from flowerbed.sims.population import cached_dataset, check_population
 from flowerbed.sims.recorder import RoundRecord, RunRecorder
-from flowerbed.system import available_memory
 from flwr.app import ArrayRecord, ConfigRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, FedProx, Strategy
@@ -94,30 +88,6 @@ class RunOutcome:
     None; callers exit non-zero with it."""
 
 
-def preflight(scenario: Scenario, num_nodes: int | None = None) -> None:
-    """What can refuse a run, checked before anything trains: the data (there,
-    and enough for ``num_nodes`` devices, default the scenario's), the memory a
-    round's train tasks need, the output folder (created, writable).
-
-    Raises
-    ------
-    DataError
-        Missing data, a population the data cannot feed, or a round too large
-        for this machine's memory.
-    OutputDirError
-        An output folder that cannot be written.
-    """
-    nodes = num_nodes or scenario.num_nodes
-    data = cached_dataset(scenario.dataset, scenario.data_dir)
-    check_population(len(data.y_train), nodes, scenario.partition, scenario.dataset)
-    model = build_model(
-        scenario.model, data.in_channels, data.image_size, data.num_classes
-    )
-    model_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    check_cohort_memory(nodes, scenario.fraction_train, model_bytes, available_memory())
-    check_output_dir(scenario.output_dir)
-
-
 def no_update_reason(
     records: Sequence[RoundRecord],
     initial: Sequence[np.ndarray],
@@ -166,7 +136,9 @@ def run_server(
     """Train ``scenario`` over ``grid`` with ``strategy`` (default: the scenario's).
 
     Seeds Python's, NumPy's and torch's generators from the scenario so Flower's own
-    node sampling and the model's initial weights repeat.
+    node sampling and the model's initial weights repeat. Only the output folder
+    and the population's data are checked here: ``flowerbed sim`` and the ServerApp
+    run every check first (:func:`flowerbed.sims.preflight.preflight`).
     """
     num_connected = len(list(grid.get_node_ids()))
     if num_connected != scenario.num_nodes:

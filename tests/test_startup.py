@@ -126,3 +126,33 @@ def test_a_corrupt_or_unwritable_cache_is_passed_over(
     blocker.write_text("")
     monkeypatch.setenv("FLOWERBED_CACHE", str(blocker / "sub"))
     assert np.array_equal(data._load_digits().y_test, reference.y_test)
+
+
+CHECK = """
+import contextlib, io, json, sys
+from flowerbed.cli import main
+with contextlib.redirect_stdout(io.StringIO()):
+    code = main({argv!r})
+print(json.dumps({{
+    "code": code,
+    "heavy": sorted({{m.split('.')[0] for m in sys.modules}} & set({heavy!r})),
+}}))
+"""
+
+
+@pytest.mark.parametrize(
+    ("config", "allowed"),
+    [([], set()), (["-c", "fleet='phones-10x' num-rounds=20"], {"flwr", "grpc"})],
+)
+def test_sim_check_imports_no_torch(
+    config: list[str], allowed: set[str], tmp_path: Path
+) -> None:
+    from flowerbed.data import load_dataset
+
+    load_dataset("digits")  # cached for the child, which then needs no scikit-learn
+    argv = ["sim", "--check", *config, "--out", str(tmp_path / "runs")]
+    result = imported_after(CHECK.format(argv=argv, heavy=HEAVY))
+    assert result["code"] == 0
+    # -c is parsed by Flower's own parser, which imports Flower (not torch)
+    assert set(result["heavy"]) <= allowed
+    assert list(tmp_path.iterdir()) == []
