@@ -29,8 +29,10 @@ from flowerbed.replies import UNAVAILABLE_CODES
 from flowerbed.strategies.accumulation import to_arrayrecord, to_numpy
 from flowerbed.strategies.checkpoints import (
     CheckpointError,
+    StateFieldError,
+    StateReader,
+    check_writable,
     load_checkpoint,
-    metric_history_from_json,
     metric_history_to_json,
     remove_stale_temporaries,
     save_checkpoint,
@@ -368,6 +370,8 @@ class RoundLoop(FedAvg):
         """Hook run after each round's evaluation (subclasses adapt here)."""
 
     def _write_checkpoint(self, server_round: int, result: Result) -> None:
+        """Save the model and state; a failed write raises one CheckpointError
+        naming the path and the OS error, and leaves the last checkpoint as it was."""
         if self.checkpoint_path is None:
             return
         save_checkpoint(
@@ -388,7 +392,11 @@ class RoundLoop(FedAvg):
         )
 
     def _resume(self, initial_arrays: ArrayRecord, result: Result) -> int:
-        """Load the checkpoint if there is one; return the last completed round."""
+        """Load the checkpoint if there is one; return the last completed round.
+
+        Every field is checked (:class:`~.checkpoints.StateReader`); a bad one
+        raises one CheckpointError naming it, and nothing is half-loaded.
+        """
         if self.checkpoint_path is None:
             return 0
         remove_stale_temporaries(self.checkpoint_path)
@@ -402,19 +410,26 @@ class RoundLoop(FedAvg):
             )
         before = self.state()
         try:
-            last_round = saved["round"]
-            if isinstance(last_round, bool) or not isinstance(last_round, int):
-                raise TypeError(f"round is {last_round!r}, not a whole number")
-            if last_round < 0:
-                raise ValueError(f"round is {last_round}, not >= 0")
+            fields = StateReader(saved)
+            last_round = fields.whole("round")
             histories = (
-                metric_history_from_json(saved["train_metrics"]),
-                metric_history_from_json(saved["evaluate_metrics"]),
-                metric_history_from_json(saved["server_metrics"]),
+                fields.history("train_metrics"),
+                fields.history("evaluate_metrics"),
+                fields.history("server_metrics"),
             )
-            self.load_state(saved["strategy_state"])
-        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            strategy_state = dict(fields.section("strategy_state"))
+            try:
+                self.load_state(strategy_state)
+            except StateFieldError as err:
+                raise err.within("strategy_state") from None
+        except StateFieldError as err:
             self.load_state(before)  # nothing half-loaded
+            raise CheckpointError(
+                f"checkpoint {self.checkpoint_path} has malformed state: {err}; "
+                "delete it to start afresh or point checkpoint_path elsewhere"
+            ) from None
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            self.load_state(before)
             raise CheckpointError(
                 f"checkpoint {self.checkpoint_path} has incomplete or malformed "
                 f"state ({err!r}); delete it to start afresh or point "
@@ -440,7 +455,8 @@ class RoundLoop(FedAvg):
         evaluate_config: ConfigRecord | None,
         evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None,
     ) -> tuple[Result, int]:
-        """Flower's start-up lines, clocks, resume, the initial evaluation."""
+        """Flower's start-up lines, clocks, resume, the check that the checkpoint
+        can be written (when rounds remain), the initial evaluation."""
         log(INFO, "Starting %s strategy:", type(self).__name__)
         log_strategy_start_info(
             num_rounds, initial_arrays, train_config, evaluate_config
@@ -458,6 +474,8 @@ class RoundLoop(FedAvg):
         self._set_global(initial_arrays)
         result.arrays = initial_arrays
         done = self._resume(initial_arrays, result)
+        if self.checkpoint_path is not None and done < num_rounds:
+            check_writable(self.checkpoint_path)  # fail now, not after training
         result.arrays = self._global
         if done == 0 and evaluate_fn is not None:
             res = evaluate_fn(0, initial_arrays)

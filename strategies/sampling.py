@@ -10,6 +10,7 @@ from logging import INFO, WARNING
 from typing import Any
 
 from flowerbed.clock import Clock
+from flowerbed.strategies.checkpoints import MAX_ROUND, Bounds, StateReader
 from flwr.serverapp import Grid
 from flwr.supercore import log
 
@@ -64,9 +65,21 @@ class Quarantine:
         }
 
     def load_state(self, state: Mapping[str, Any]) -> None:
-        """Restore what :meth:`state` returned."""
-        self.failures = {int(k): int(v) for k, v in state["failures"].items()}
-        self.until = {int(k): int(v) for k, v in state["until"].items()}
+        """Restore what :meth:`state` returned.
+
+        Raises
+        ------
+        CheckpointError
+            Naming the field, its value and the valid range: counts are whole
+            numbers from 0 to :data:`~.checkpoints.MAX_ROUND`, release rounds up
+            to that plus ``rounds``, keys node ids. Nothing is loaded then.
+        """
+        saved = StateReader.of(state)
+        failures = saved.counts_by_node("failures")
+        until = saved.counts_by_node(
+            "until", Bounds(0, MAX_ROUND + self.rounds, whole=True)
+        )
+        self.failures, self.until = failures, until
 
 
 def sample_nodes(
