@@ -248,7 +248,7 @@ def measure_strategy(nodes: int, floats: int) -> dict[str, Any]:
     TaskIdentity.task_id = 0
     first = kernel_first_use(GROUP)
     base = _base(floats)
-    strategy = RuntimeWeightedFedAvg(weighting="examples")
+    strategy = RuntimeWeightedFedAvg.from_settings(weighting="examples")
     strategy._set_global(to_arrayrecord(base))  # the model the replies trained from
     _strategy_round(strategy, base, 1, MIN_REFERENCE + 1)  # warm-up (docstring)
     before = measure_bandwidth(floats)

@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from logging import INFO, WARNING
-from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 from flowerbed import keys
-from flowerbed.replies import MAX_NUM_EXAMPLES, UNAVAILABLE_CODES
+from flowerbed.replies import UNAVAILABLE_CODES
+from flowerbed.strategies.checkpoints import (
+    METRIC_VALUES,
+    NON_NEGATIVE,
+    ROUNDS,
+    Bounds,
+    StateReader,
+)
 from flowerbed.strategies.inflight import Arrival, Ticket, enough_usable
 from flowerbed.strategies.round_metrics import (
     ROUND_DEADLINE_PERCENTILE,
@@ -20,48 +26,34 @@ from flowerbed.strategies.round_metrics import (
     ROUND_PARTICIPANTS,
     ROUND_STRAGGLERS,
 )
-from flowerbed.strategies.staleness import (
-    StalenessFn,
-    polynomial_staleness,
-    resolve_staleness_fn,
-)
+from flowerbed.strategies.staleness import StalenessFn, resolve_staleness_fn
 from flwr.app import (
     ArrayRecord,
     ConfigRecord,
     Message,
     MessageType,
     MetricRecord,
-    RecordDict,
 )
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 from flwr.supercore import log
 
-from .robust import DEFAULT_CLIP_FACTOR, DEFAULT_WEIGHT_CAP
-from .rounds import MIN_MESSAGE_TTL_S, RoundTally
-from .runtime_weighted import (
-    DEFAULT_QUARANTINE_AFTER,
-    DEFAULT_QUARANTINE_ROUNDS,
-    DEFAULT_SPEED_SMOOTHING,
-    DEFAULT_WEIGHTING,
-    RuntimeWeightedFedAvg,
+from .options import (
+    DEFAULT_WAIT_RATIO,
+    FAST_PERCENTILE,
+    PATIENT_PERCENTILE,
+    Deadlines,
+    Staleness,
+    copy_fields,
+    take_options,
 )
+from .rounds import MIN_MESSAGE_TTL_S, RoundTally
+from .runtime_weighted import RuntimeWeightedFedAvg
 
 PROGRESS_METRICS = ("accuracy", keys.EVAL_ACC)
 """Metrics the pacer looks for (server-side evaluation first, then federated)."""
 EVALUATE_SHARE = 0.25
 """Default evaluation wait as a share of the round's deadline."""
-PATIENT_PERCENTILE = 80.0
-"""The patient speed of the two-speed deadline (and the percentile without
-partial work): rounds wait for the full work of 80% of the cohort."""
-FAST_PERCENTILE = 30.0
-"""The fast speed of the two-speed deadline: the round closes at the full-work
-time of the 30th percentile; slower nodes send the work that fits (sized to the
-deadline down to ``min_batch_size``)."""
-DEFAULT_WAIT_RATIO = 5.0
-"""Largest ``P_80 / P_30`` of recent full-work durations at which the two-speed
-deadline still waits for the patient percentile (:func:`two_speed_percentile`,
-which says how 5 was chosen)."""
 DEFAULT_PACER_STEP = 0.1
 """The pacer's step with a fixed percentile (Oort's pacer, see the class)."""
 TWO_SPEED_PACER_STEP = 0.0
@@ -75,9 +67,6 @@ WHOLE_WORK_PERCENTILE = PATIENT_PERCENTILE
 """The adaptive deadline's percentile without partial work: without it the slow
 nodes' full-work durations are never seen, only that they did not finish, so
 there is nothing to weigh the two speeds with."""
-DEFAULT_MIN_BATCH_SIZE = 4
-"""Smallest batch a node may shrink its one step to under partial work (the
-``min-batch-size`` it is sent); 0 turns work sizing off."""
 
 
 @dataclass(frozen=True)
@@ -318,157 +307,77 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
         quarter of the round's deadline (``timeout`` while there is none).
     """
 
-    # pylint: disable=too-many-arguments,too-many-locals
+    # The option objects' fields, read as attributes (copied by copy_fields)
+    deadline_s: float | None
+    adaptive_deadline: bool
+    deadline_percentile: float | None
+    fast_percentile: float
+    wait_ratio: float
+    deadline_window: int
+    deadline_growth: float
+    pacer_step: float  # None resolved
+    pacer_window: int
+    pacing_bounds: tuple[float, float]
+    progress_metric: str | None
+    over_selection: float
+    partial_work: bool
+    work_fraction: float
+    min_batch_size: int
+    late_updates: bool
+    min_completion: int  # None resolved
+    evaluate_timeout_s: float | None
+    max_staleness: int
+    staleness_fn: StalenessFn  # resolved from a name
+
+    DEFAULT_DEADLINES = Deadlines()
+    """The deadline settings when none are given."""
+    DEFAULT_STALENESS = Staleness()
+    OPTION_DEFAULTS: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("deadlines", "DEFAULT_DEADLINES"),
+        ("staleness", "DEFAULT_STALENESS"),
+    )
+
     def __init__(
         self,
-        fraction_train: float = 1.0,
-        fraction_evaluate: float = 1.0,
-        min_train_nodes: int = 2,
-        min_evaluate_nodes: int = 2,
-        min_available_nodes: int = 2,
-        weighted_by_key: str = keys.NUM_EXAMPLES,
-        arrayrecord_key: str = keys.ARRAYS,
-        configrecord_key: str = keys.CONFIG,
-        train_metrics_aggr_fn: Callable[[list[RecordDict], str], MetricRecord]
-        | None = None,
-        evaluate_metrics_aggr_fn: Callable[[list[RecordDict], str], MetricRecord]
-        | None = None,
-        *,
-        deadline_s: float | None = None,
-        adaptive_deadline: bool = False,
-        deadline_percentile: float | None = None,
-        fast_percentile: float = FAST_PERCENTILE,
-        wait_ratio: float = DEFAULT_WAIT_RATIO,
-        deadline_window: int = 3,
-        deadline_growth: float = 1.5,
-        pacer_step: float | None = None,
-        pacer_window: int = 2,
-        pacing_bounds: tuple[float, float] = (0.5, 4.0),
-        progress_metric: str | None = None,
-        over_selection: float = 1.0,
-        partial_work: bool = False,
-        work_fraction: float = 0.8,
-        min_batch_size: int = DEFAULT_MIN_BATCH_SIZE,
-        late_updates: bool = True,
-        max_staleness: int = 2,
-        staleness_fn: str | StalenessFn = polynomial_staleness,
-        min_completion: int | None = 1,
-        evaluate_timeout_s: float | None = None,
-        weighting: str = DEFAULT_WEIGHTING,
-        balance_work: bool = False,
-        local_steps: int | None = None,
-        speed_smoothing: float = DEFAULT_SPEED_SMOOTHING,
-        min_local_steps: int = 1,
-        max_local_steps: int | None = None,
-        quarantine_after: int = DEFAULT_QUARANTINE_AFTER,
-        quarantine_rounds: int = DEFAULT_QUARANTINE_ROUNDS,
-        message_ttl_s: float | None = None,
-        checkpoint_path: str | Path | None = None,
-        seed: int = 0,
-        max_num_examples: float = MAX_NUM_EXAMPLES,
-        weight_cap: float | None = DEFAULT_WEIGHT_CAP,
-        clip_factor: float | None = DEFAULT_CLIP_FACTOR,
-        aggregation: str = "mean",
-        trim_fraction: float = 0.2,
+        *args: Any,
+        deadlines: Deadlines | None = None,
+        staleness: Staleness | None = None,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(
-            fraction_train,
-            fraction_evaluate,
-            min_train_nodes,
-            min_evaluate_nodes,
-            min_available_nodes,
-            weighted_by_key,
-            arrayrecord_key,
-            configrecord_key,
-            train_metrics_aggr_fn,
-            evaluate_metrics_aggr_fn,
-            weighting=weighting,
-            balance_work=balance_work,
-            local_steps=local_steps,
-            speed_smoothing=speed_smoothing,
-            min_local_steps=min_local_steps,
-            max_local_steps=max_local_steps,
-            quarantine_after=quarantine_after,
-            quarantine_rounds=quarantine_rounds,
-            message_ttl_s=message_ttl_s,
-            checkpoint_path=checkpoint_path,
-            seed=seed,
-            max_num_examples=max_num_examples,
-            weight_cap=weight_cap,
-            clip_factor=clip_factor,
-            aggregation=aggregation,
-            trim_fraction=trim_fraction,
+        options = take_options(
+            type(self).__name__,
+            kwargs,
+            {
+                "deadlines": (deadlines, self.DEFAULT_DEADLINES),
+                "staleness": (staleness, self.DEFAULT_STALENESS),
+            },
         )
-        checks = [
-            (deadline_s is None or deadline_s > 0, "deadline_s must be > 0"),
-            (
-                deadline_percentile is None or 0 < deadline_percentile <= 100,
-                "deadline_percentile must be in (0, 100]",
-            ),
-            (
-                0 < fast_percentile <= PATIENT_PERCENTILE,
-                f"fast_percentile must be in (0, {PATIENT_PERCENTILE:g}]",
-            ),
-            (wait_ratio >= 1, "wait_ratio must be >= 1"),
-            (deadline_window >= 1, "deadline_window must be >= 1"),
-            (deadline_growth > 1, "deadline_growth must be > 1"),
-            (
-                pacer_step is None or 0 <= pacer_step < 1,
-                "pacer_step must be in [0, 1)",
-            ),
-            (pacer_window >= 1, "pacer_window must be >= 1"),
-            (0 < pacing_bounds[0] <= 1 <= pacing_bounds[1], "pacing_bounds: lo<=1<=hi"),
-            (over_selection >= 1, "over_selection must be >= 1"),
-            (0 < work_fraction <= 1, "work_fraction must be in (0, 1]"),
-            (min_batch_size >= 0, "min_batch_size must be >= 0 (0: off)"),
-            (max_staleness >= 0, "max_staleness must be >= 0"),
-            (
-                min_completion is None or min_completion >= 1,
-                "min_completion must be >= 1 (or None)",
-            ),
-            (
-                evaluate_timeout_s is None or evaluate_timeout_s > 0,
-                "evaluate_timeout_s must be > 0",
-            ),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
-        self.deadline_s = deadline_s
-        self.adaptive_deadline = adaptive_deadline
-        if deadline_percentile is None and not partial_work:
-            deadline_percentile = WHOLE_WORK_PERCENTILE
-        self.deadline_percentile = (
-            None if deadline_percentile is None else float(deadline_percentile)
-        )
+        super().__init__(*args, **kwargs)
+        self.deadlines: Deadlines = options["deadlines"]
+        """The deadline settings this strategy runs with."""
+        self.staleness: Staleness = options["staleness"]
+        """How late updates count."""
+        copy_fields(self, self.deadlines, self.staleness)
+        percentile = self.deadlines.deadline_percentile
+        if percentile is None and not self.partial_work:
+            percentile = WHOLE_WORK_PERCENTILE
+        self.deadline_percentile = None if percentile is None else float(percentile)
         """The fixed percentile; None: two speeds (:func:`two_speed_percentile`)."""
-        self.fast_percentile = float(fast_percentile)
-        self.wait_ratio = float(wait_ratio)
+        self.fast_percentile = float(self.fast_percentile)
+        self.wait_ratio = float(self.wait_ratio)
         self.percentile = self.deadline_percentile or PATIENT_PERCENTILE
         """The percentile of the current round's deadline."""
-        self.deadline_window = deadline_window
-        self.deadline_growth = deadline_growth
-        if pacer_step is None:
-            pacer_step = (
+        if self.pacer_step is None:
+            self.pacer_step = (
                 TWO_SPEED_PACER_STEP
                 if self.deadline_percentile is None
                 else DEFAULT_PACER_STEP
             )
-        self.pacer_step = float(pacer_step)
-        self.pacer_window = pacer_window
-        self.pacing_bounds = pacing_bounds
-        self.progress_metric = progress_metric
-        self.over_selection = over_selection
-        self.partial_work = partial_work
-        self.work_fraction = work_fraction
-        self.min_batch_size = int(min_batch_size)
-        self.late_updates = late_updates
-        self.max_staleness = max_staleness
-        self.staleness_fn = resolve_staleness_fn(staleness_fn)
-        self.min_completion = (
-            max(1, min_train_nodes) if min_completion is None else min_completion
-        )
-        self.evaluate_timeout_s = evaluate_timeout_s
+        self.pacer_step = float(self.pacer_step)
+        self.min_batch_size = int(self.min_batch_size)
+        self.staleness_fn = resolve_staleness_fn(self.staleness.staleness_fn)
+        if self.min_completion is None:
+            self.min_completion = max(1, self.min_train_nodes)
         self.pacing = 1.0
         self.durations: list[Observation] = []
         """Full-work durations of the sampled nodes of recent rounds."""
@@ -879,12 +788,18 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
         return state
 
     def load_state(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state` returned."""
-        super().load_state(state)
-        saved = state["deadline"]
-        self.pacing = float(saved["pacing"])
-        self.durations = [
-            Observation(int(r), float(d), bool(c)) for r, d, c in saved["durations"]
+        """Restore what :meth:`state` returned; a field out of range raises one
+        CheckpointError naming it, and nothing is loaded."""
+        saved = StateReader.of(state).section("deadline")
+        pacing = saved.number("pacing", Bounds(*self.pacing_bounds))
+        durations = [
+            Observation(int(r), float(d), c)
+            for r, d, c in saved.rows("durations", ROUNDS, NON_NEGATIVE, bool)
         ]
-        self.progress = [float(v) for v in saved["progress"]]
-        self.least = [(int(r), float(s)) for r, s in saved.get("least", [])]
+        progress = saved.numbers("progress", METRIC_VALUES)
+        least = saved.rows("least", ROUNDS, NON_NEGATIVE) if "least" in saved else []
+        super().load_state(state)
+        self.pacing = pacing
+        self.durations = durations
+        self.progress = progress
+        self.least = [(int(r), float(s)) for r, s in least]

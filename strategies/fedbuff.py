@@ -4,42 +4,31 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from logging import DEBUG, INFO, WARNING
-from pathlib import Path
+from typing import Any, ClassVar
 
 import numpy as np
 from flowerbed import keys
-from flowerbed.replies import MAX_NUM_EXAMPLES
 from flowerbed.strategies.inflight import Ticket, enough_usable
 from flowerbed.strategies.round_metrics import (
     ROUND_CLOCK_S,
     ROUND_PARTICIPANTS,
     ROUND_STALENESS,
 )
-from flowerbed.strategies.staleness import (
-    StalenessFn,
-    polynomial_staleness,
-    resolve_staleness_fn,
-)
+from flowerbed.strategies.staleness import StalenessFn, resolve_staleness_fn
 from flwr.app import (
     ArrayRecord,
     ConfigRecord,
     Message,
     MessageType,
     MetricRecord,
-    RecordDict,
 )
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 from flwr.supercore import log
 
-from .robust import DEFAULT_CLIP_FACTOR, DEFAULT_WEIGHT_CAP
+from .options import Buffering, Staleness, WorkBalance, copy_fields, take_options
 from .rounds import STALL_ROUNDS, RoundTally
-from .runtime_weighted import (
-    DEFAULT_QUARANTINE_AFTER,
-    DEFAULT_QUARANTINE_ROUNDS,
-    DEFAULT_SPEED_SMOOTHING,
-    RuntimeWeightedFedAvg,
-)
+from .runtime_weighted import RuntimeWeightedFedAvg
 
 
 class FedBuff(RuntimeWeightedFedAvg):
@@ -86,89 +75,45 @@ class FedBuff(RuntimeWeightedFedAvg):
         Evaluate every this many versions.
     """
 
-    # pylint: disable=too-many-arguments,too-many-locals
+    # The option objects' fields, read as attributes (copied by copy_fields)
+    concurrency: int | None
+    buffer_size: int | None
+    server_learning_rate: float
+    evaluate_every: int
+    max_staleness: int
+    staleness_fn: StalenessFn  # resolved from a name
+
+    DEFAULT_WORK = WorkBalance(weighting="examples")
+    """FedBuff's paper weights by examples (Nguyen et al., AISTATS 2022, Alg. 1)."""
+    DEFAULT_STALENESS = Staleness(max_staleness=10)
+    DEFAULT_BUFFERING = Buffering()
+    OPTION_DEFAULTS: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("buffering", "DEFAULT_BUFFERING"),
+        ("staleness", "DEFAULT_STALENESS"),
+    )
+
     def __init__(
         self,
-        fraction_train: float = 1.0,
-        fraction_evaluate: float = 1.0,
-        min_train_nodes: int = 2,
-        min_evaluate_nodes: int = 2,
-        min_available_nodes: int = 2,
-        weighted_by_key: str = keys.NUM_EXAMPLES,
-        arrayrecord_key: str = keys.ARRAYS,
-        configrecord_key: str = keys.CONFIG,
-        train_metrics_aggr_fn: Callable[[list[RecordDict], str], MetricRecord]
-        | None = None,
-        evaluate_metrics_aggr_fn: Callable[[list[RecordDict], str], MetricRecord]
-        | None = None,
-        *,
-        concurrency: int | None = None,
-        buffer_size: int | None = None,
-        server_learning_rate: float = 1.0,
-        max_staleness: int = 10,
-        staleness_fn: str | StalenessFn = polynomial_staleness,
-        evaluate_every: int = 1,
-        weighting: str = "examples",
-        balance_work: bool = False,
-        local_steps: int | None = None,
-        speed_smoothing: float = DEFAULT_SPEED_SMOOTHING,
-        min_local_steps: int = 1,
-        max_local_steps: int | None = None,
-        quarantine_after: int = DEFAULT_QUARANTINE_AFTER,
-        quarantine_rounds: int = DEFAULT_QUARANTINE_ROUNDS,
-        message_ttl_s: float | None = None,
-        checkpoint_path: str | Path | None = None,
-        seed: int = 0,
-        max_num_examples: float = MAX_NUM_EXAMPLES,
-        weight_cap: float | None = DEFAULT_WEIGHT_CAP,
-        clip_factor: float | None = DEFAULT_CLIP_FACTOR,
-        aggregation: str = "mean",
-        trim_fraction: float = 0.2,
+        *args: Any,
+        buffering: Buffering | None = None,
+        staleness: Staleness | None = None,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(
-            fraction_train,
-            fraction_evaluate,
-            min_train_nodes,
-            min_evaluate_nodes,
-            min_available_nodes,
-            weighted_by_key,
-            arrayrecord_key,
-            configrecord_key,
-            train_metrics_aggr_fn,
-            evaluate_metrics_aggr_fn,
-            weighting=weighting,
-            balance_work=balance_work,
-            local_steps=local_steps,
-            speed_smoothing=speed_smoothing,
-            min_local_steps=min_local_steps,
-            max_local_steps=max_local_steps,
-            quarantine_after=quarantine_after,
-            quarantine_rounds=quarantine_rounds,
-            message_ttl_s=message_ttl_s,
-            checkpoint_path=checkpoint_path,
-            seed=seed,
-            max_num_examples=max_num_examples,
-            weight_cap=weight_cap,
-            clip_factor=clip_factor,
-            aggregation=aggregation,
-            trim_fraction=trim_fraction,
+        options = take_options(
+            type(self).__name__,
+            kwargs,
+            {
+                "buffering": (buffering, self.DEFAULT_BUFFERING),
+                "staleness": (staleness, self.DEFAULT_STALENESS),
+            },
         )
-        checks = [
-            (concurrency is None or concurrency >= 1, "concurrency must be >= 1"),
-            (buffer_size is None or buffer_size >= 1, "buffer_size must be >= 1"),
-            (server_learning_rate > 0, "server_learning_rate must be > 0"),
-            (max_staleness >= 0, "max_staleness must be >= 0"),
-            (evaluate_every >= 1, "evaluate_every must be >= 1"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
-        self.concurrency = concurrency
-        self.buffer_size = buffer_size
-        self.server_learning_rate = server_learning_rate
-        self.max_staleness = max_staleness
-        self.staleness_fn = resolve_staleness_fn(staleness_fn)
-        self.evaluate_every = evaluate_every
+        super().__init__(*args, **kwargs)
+        self.buffering: Buffering = options["buffering"]
+        """The asynchrony settings this strategy runs with."""
+        self.staleness: Staleness = options["staleness"]
+        """How stale updates count."""
+        copy_fields(self, self.buffering, self.staleness)
+        self.staleness_fn = resolve_staleness_fn(self.staleness.staleness_fn)
         self.version = 0
         self._versions: dict[int, dict[str, np.ndarray]] = {}
         self._evaluations: dict[int, tuple[set[str], list[Message]]] = {}

@@ -36,16 +36,22 @@ partial work (the pseudo-gradient divides by the ``k`` steps asked for).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
+from dataclasses import dataclass
 from logging import INFO
-from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 from flowerbed import keys
 from flowerbed.parallel.large_batch import LrSchedule, batch_shares
-from flowerbed.parallel.optim import OPTIMIZERS, LargeBatchOptimizer
+from flowerbed.parallel.optim import OPTIMIZERS, STEP_KEY, LargeBatchOptimizer
 from flowerbed.strategies.accumulation import to_arrayrecord, to_numpy
+from flowerbed.strategies.checkpoints import (
+    FINITE,
+    NON_NEGATIVE,
+    StateReader,
+    samples_per_second,
+)
 from flowerbed.strategies.inflight import Ticket
 from flwr.app import (
     ArrayRecord,
@@ -53,12 +59,12 @@ from flwr.app import (
     Message,
     MessageType,
     MetricRecord,
-    RecordDict,
 )
 from flwr.serverapp.exception import AggregationError
 from flwr.supercore import log
 
 from .deadline import DeadlineFedAvg
+from .options import Deadlines, WorkBalance, take_options
 
 ROUND_SERVER_LR = "server-lr"
 ROUND_BATCH = "large-batch"
@@ -67,17 +73,15 @@ DEFAULT_SPEED = 1.0
 known ones exists)."""
 
 
-class LargeBatchRounds(DeadlineFedAvg):
-    """Large-batch synchronous training as server rounds (module docstring).
+@dataclass(frozen=True)
+class LargeBatchRecipe:
+    """The large-batch recipe of :class:`LargeBatchRounds` (Goyal et al., 2017;
+    You et al., LARS 2017 and LAMB 2020).
 
     Parameters
     ----------
-    (FedAvg's and DeadlineFedAvg's parameters, same defaults, except
-    ``late_updates`` False and ``weighting`` fixed to ``"examples"``), and:
     batch_size : int (default: 256)
         ``B``, the large batch shared among a round's sampled nodes.
-    local_steps : int (default: 1)
-        ``k``: SGD steps each node takes on its share (1: one gradient).
     client_lr : float (default: 1.0)
         Each node's SGD rate (with ``k = 1`` any rate gives the same ``g``).
     optimizer : str (default: "lars")
@@ -88,87 +92,75 @@ class LargeBatchRounds(DeadlineFedAvg):
         Server optimiser settings (LAMB ignores momentum).
     """
 
-    # pylint: disable=too-many-arguments,too-many-locals
-    def __init__(
-        self,
-        fraction_train: float = 1.0,
-        fraction_evaluate: float = 1.0,
-        min_train_nodes: int = 2,
-        min_evaluate_nodes: int = 2,
-        min_available_nodes: int = 2,
-        weighted_by_key: str = keys.NUM_EXAMPLES,
-        arrayrecord_key: str = keys.ARRAYS,
-        configrecord_key: str = keys.CONFIG,
-        train_metrics_aggr_fn: Callable[[list[RecordDict], str], MetricRecord]
-        | None = None,
-        evaluate_metrics_aggr_fn: Callable[[list[RecordDict], str], MetricRecord]
-        | None = None,
-        *,
-        batch_size: int = 256,
-        local_steps: int = 1,
-        client_lr: float = 1.0,
-        optimizer: str = "lars",
-        base_lr: float = 0.1,
-        base_batch: int = 256,
-        warmup_steps: int = 0,
-        decay_steps: int = 0,
-        momentum: float = 0.9,
-        weight_decay: float = 0.0,
-        trust: float = 0.001,
-        deadline_s: float | None = None,
-        adaptive_deadline: bool = False,
-        over_selection: float = 1.0,
-        late_updates: bool = False,
-        min_completion: int | None = None,
-        quarantine_after: int = 3,
-        quarantine_rounds: int = 5,
-        message_ttl_s: float | None = None,
-        checkpoint_path: str | Path | None = None,
-        seed: int = 0,
-        **deadline_options: Any,
-    ) -> None:
-        super().__init__(
-            fraction_train,
-            fraction_evaluate,
-            min_train_nodes,
-            min_evaluate_nodes,
-            min_available_nodes,
-            weighted_by_key,
-            arrayrecord_key,
-            configrecord_key,
-            train_metrics_aggr_fn,
-            evaluate_metrics_aggr_fn,
-            deadline_s=deadline_s,
-            adaptive_deadline=adaptive_deadline,
-            over_selection=over_selection,
-            late_updates=late_updates,
-            min_completion=min_completion,
-            weighting="examples",
-            local_steps=local_steps,
-            quarantine_after=quarantine_after,
-            quarantine_rounds=quarantine_rounds,
-            message_ttl_s=message_ttl_s,
-            checkpoint_path=checkpoint_path,
-            seed=seed,
-            **{"partial_work": False, **deadline_options},
-        )
-        if optimizer not in OPTIMIZERS:
+    batch_size: int = 256
+    client_lr: float = 1.0
+    optimizer: str = "lars"
+    base_lr: float = 0.1
+    base_batch: int = 256
+    warmup_steps: int = 0
+    decay_steps: int = 0
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    trust: float = 0.001
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
             raise ValueError(
-                f"optimizer {optimizer!r}; valid choices: {', '.join(OPTIMIZERS)}"
+                f"optimizer {self.optimizer!r}; valid choices: {', '.join(OPTIMIZERS)}"
             )
-        if not (math.isfinite(client_lr) and client_lr > 0):
-            raise ValueError(f"client_lr must be > 0, got {client_lr}")
-        self.schedule = LrSchedule(
-            base_lr=base_lr,
-            base_batch=base_batch,
-            batch_size=batch_size,
-            warmup_steps=warmup_steps,
-            total_steps=decay_steps,
+        if not (math.isfinite(self.client_lr) and self.client_lr > 0):
+            raise ValueError(f"client_lr must be > 0, got {self.client_lr}")
+
+
+class LargeBatchRounds(DeadlineFedAvg):
+    """Large-batch synchronous training as server rounds (module docstring).
+
+    Parameters
+    ----------
+    (FedAvg's and DeadlineFedAvg's parameters, same defaults, except
+    ``late_updates`` False, ``min_completion`` None, and ``work``'s
+    ``weighting`` fixed to ``"examples"`` with ``local_steps`` 1: ``k``, the SGD
+    steps each node takes on its share, 1 being one gradient), and:
+    recipe : LargeBatchRecipe, optional (default: LargeBatchRecipe())
+        The batch, the server optimiser and its schedule.
+    """
+
+    DEFAULT_DEADLINES = Deadlines(late_updates=False, min_completion=None)
+    DEFAULT_WORK = WorkBalance(weighting="examples", local_steps=1)
+    DEFAULT_RECIPE = LargeBatchRecipe()
+    OPTION_DEFAULTS: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("recipe", "DEFAULT_RECIPE"),
+    )
+
+    def __init__(
+        self, *args: Any, recipe: LargeBatchRecipe | None = None, **kwargs: Any
+    ) -> None:
+        options = take_options(
+            type(self).__name__, kwargs, {"recipe": (recipe, self.DEFAULT_RECIPE)}
         )
-        self.batch_size = batch_size
-        self.client_lr = float(client_lr)
+        super().__init__(*args, **kwargs)
+        if self.weighting != "examples":
+            raise ValueError(
+                "LargeBatchRounds sums gradients weighted by examples: give "
+                f"work=WorkBalance(weighting='examples'), not {self.weighting!r}"
+            )
+        self.recipe: LargeBatchRecipe = options["recipe"]
+        """The recipe this strategy runs with."""
+        recipe = self.recipe
+        self.schedule = LrSchedule(
+            base_lr=recipe.base_lr,
+            base_batch=recipe.base_batch,
+            batch_size=recipe.batch_size,
+            warmup_steps=recipe.warmup_steps,
+            total_steps=recipe.decay_steps,
+        )
+        self.batch_size = recipe.batch_size
+        self.client_lr = float(recipe.client_lr)
         self.server_optimizer = LargeBatchOptimizer(
-            optimizer, momentum=momentum, weight_decay=weight_decay, trust=trust
+            recipe.optimizer,
+            momentum=recipe.momentum,
+            weight_decay=recipe.weight_decay,
+            trust=recipe.trust,
         )
         self.sample_rates: dict[int, float] = {}
         """Smoothed samples per second of each node (its batch share's basis)."""
@@ -342,10 +334,25 @@ class LargeBatchRounds(DeadlineFedAvg):
         return state
 
     def load_state(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state` returned; a field out of range raises one
+        CheckpointError naming it. The optimiser's buffers must be finite (its
+        second moments >= 0) and shaped as the model's arrays they belong to."""
+        saved = StateReader.of(state).section("large_batch")
+        server_steps = saved.whole("server_steps")
+        rates = saved.by_node("sample_rates", samples_per_second(self.max_num_examples))
+        optimizer = saved.section("optimizer")
+        shapes = {k: v.shape for k, v in self._global_np.items()}
+        buffers = {
+            key: np.asarray(optimizer.whole(key))
+            if key == STEP_KEY
+            else optimizer.array(
+                key,
+                shapes.get(key.partition("/")[2]) if shapes else None,
+                NON_NEGATIVE if key.startswith("exp_avg_sq/") else FINITE,
+            )
+            for key in optimizer
+        }
         super().load_state(state)
-        saved = state["large_batch"]
-        self.server_steps = int(saved["server_steps"])
-        self.sample_rates = {int(k): float(v) for k, v in saved["sample_rates"].items()}
-        self.server_optimizer.load_state(
-            {k: np.asarray(v) for k, v in saved["optimizer"].items()}
-        )
+        self.server_steps = server_steps
+        self.sample_rates = rates
+        self.server_optimizer.load_state(buffers)

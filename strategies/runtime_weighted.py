@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from logging import DEBUG, INFO, WARNING
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Self
 
 import numpy as np
 from flowerbed import keys
 from flowerbed.clock import clock_of
 from flowerbed.replies import (
-    MAX_NUM_EXAMPLES,
     ArraySpec,
     ReplyRejected,
     check_evaluate_reply,
@@ -25,6 +24,12 @@ from flowerbed.strategies.accumulation import (
     UpdateAccumulator,
     check_positive,
     to_arrayrecord,
+)
+from flowerbed.strategies.checkpoints import (
+    NORMS,
+    STEPS_PER_SECOND,
+    StateReader,
+    samples_per_second,
 )
 from flowerbed.strategies.inflight import Arrival, Ticket
 from flowerbed.strategies.sampling import Quarantine, round_rng, sample_nodes
@@ -40,24 +45,20 @@ from flwr.serverapp import Grid
 from flwr.supercore import log
 
 from . import fold_kernel
+from .options import (
+    Robustness,
+    WorkBalance,
+    copy_fields,
+    refuse_unknown,
+    take_options,
+)
 from .robust import (
-    AGGREGATIONS,
-    DEFAULT_CLIP_FACTOR,
-    DEFAULT_WEIGHT_CAP,
     BoundedSum,
     CoordinateRobust,
     Reference,
     UpdateSum,
 )
 from .rounds import MIN_MESSAGE_TTL_S, RoundLoop
-
-WEIGHTINGS = ("runtime", "throughput", "fednova", "examples")
-"""Valid values of ``weighting``."""
-
-DEFAULT_WEIGHTING = "fednova"
-DEFAULT_SPEED_SMOOTHING = 0.5
-DEFAULT_QUARANTINE_AFTER = 3
-DEFAULT_QUARANTINE_ROUNDS = 5
 
 
 @dataclass
@@ -213,7 +214,31 @@ class RuntimeWeightedFedAvg(RoundLoop):
         per coordinate, in [0, 0.5).
     """
 
-    # pylint: disable=too-many-arguments,too-many-locals
+    # The option objects' fields, read as attributes (copied by copy_fields)
+    weighting: str
+    balance_work: bool
+    local_steps: int | None
+    speed_smoothing: float
+    min_local_steps: int
+    max_local_steps: int | None
+    max_num_examples: float
+    weight_cap: float | None
+    clip_factor: float | None
+    aggregation: str
+    trim_fraction: float
+    quarantine_after: int
+    quarantine_rounds: int
+
+    DEFAULT_WORK = WorkBalance()
+    """The work balance when none is given (subclasses may choose another)."""
+    DEFAULT_ROBUSTNESS = Robustness()
+    OPTION_DEFAULTS: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("work", "DEFAULT_WORK"),
+        ("robustness", "DEFAULT_ROBUSTNESS"),
+    )
+    """Each option argument of this class's constructor and the class attribute
+    holding its default (:meth:`from_settings` reads them)."""
+
     def __init__(
         self,
         fraction_train: float = 1.0,
@@ -229,22 +254,12 @@ class RuntimeWeightedFedAvg(RoundLoop):
         evaluate_metrics_aggr_fn: Callable[[list[RecordDict], str], MetricRecord]
         | None = None,
         *,
-        weighting: str = DEFAULT_WEIGHTING,
-        balance_work: bool = False,
-        local_steps: int | None = None,
-        speed_smoothing: float = DEFAULT_SPEED_SMOOTHING,
-        min_local_steps: int = 1,
-        max_local_steps: int | None = None,
-        quarantine_after: int = DEFAULT_QUARANTINE_AFTER,
-        quarantine_rounds: int = DEFAULT_QUARANTINE_ROUNDS,
+        work: WorkBalance | None = None,
+        robustness: Robustness | None = None,
         message_ttl_s: float | None = None,
         checkpoint_path: str | Path | None = None,
         seed: int = 0,
-        max_num_examples: float = MAX_NUM_EXAMPLES,
-        weight_cap: float | None = DEFAULT_WEIGHT_CAP,
-        clip_factor: float | None = DEFAULT_CLIP_FACTOR,
-        aggregation: str = "mean",
-        trim_fraction: float = 0.2,
+        **flat: Any,
     ) -> None:
         super().__init__(
             fraction_train=fraction_train,
@@ -258,53 +273,25 @@ class RuntimeWeightedFedAvg(RoundLoop):
             train_metrics_aggr_fn=train_metrics_aggr_fn,
             evaluate_metrics_aggr_fn=evaluate_metrics_aggr_fn,
         )
-        if weighting not in WEIGHTINGS:
-            raise ValueError(
-                f"unknown weighting {weighting!r}; valid: {', '.join(WEIGHTINGS)}"
-            )
-        if not 0 < speed_smoothing <= 1:
-            raise ValueError(
-                f"speed_smoothing must be in (0, 1], got {speed_smoothing}"
-            )
-        if local_steps is not None and local_steps < 1:
-            raise ValueError(f"local_steps must be >= 1, got {local_steps}")
-        if min_local_steps < 1:
-            raise ValueError(f"min_local_steps must be >= 1, got {min_local_steps}")
-        if max_local_steps is not None and max_local_steps < min_local_steps:
-            raise ValueError(
-                f"max_local_steps ({max_local_steps}) must be >= min_local_steps "
-                f"({min_local_steps})"
-            )
+        owner = type(self).__name__
+        options = take_options(
+            owner,
+            flat,
+            {
+                "work": (work, self.DEFAULT_WORK),
+                "robustness": (robustness, self.DEFAULT_ROBUSTNESS),
+            },
+        )
+        refuse_unknown(owner, flat, self._option_names())
         if message_ttl_s is not None and message_ttl_s <= 0:
             raise ValueError(f"message_ttl_s must be > 0, got {message_ttl_s}")
-        bounds = [
-            ("max_num_examples", max_num_examples),
-            ("weight_cap", weight_cap),
-            ("clip_factor", clip_factor),
-        ]
-        for label, value in bounds:
-            check_positive(label, value)
-        if weight_cap is not None and weight_cap < 1:
-            raise ValueError(f"weight_cap must be >= 1 (or None), got {weight_cap}")
-        if aggregation not in AGGREGATIONS:
-            raise ValueError(
-                f"unknown aggregation {aggregation!r}; valid: {', '.join(AGGREGATIONS)}"
-            )
-        if not 0 <= trim_fraction < 0.5:
-            raise ValueError(f"trim_fraction must be in [0, 0.5), got {trim_fraction}")
-        self.weighting = weighting
-        self.balance_work = balance_work
-        self.local_steps = local_steps
-        self.speed_smoothing = speed_smoothing
-        self.min_local_steps = min_local_steps
-        self.max_local_steps = max_local_steps
+        self.work: WorkBalance = options["work"]
+        """The work balance this strategy runs with."""
+        self.robustness: Robustness = options["robustness"]
+        """The robustness settings this strategy runs with."""
+        copy_fields(self, self.work, self.robustness)
         self.message_ttl_s = message_ttl_s
         self.seed = seed
-        self.max_num_examples = max_num_examples
-        self.weight_cap = weight_cap
-        self.clip_factor = clip_factor
-        self.aggregation = aggregation
-        self.trim_fraction = trim_fraction
         self.recent_weights = Reference()
         """Weights of recent accepted replies (the weight cap's reference)."""
         self.recent_norms = Reference()
@@ -315,7 +302,9 @@ class RuntimeWeightedFedAvg(RoundLoop):
         self._steps_capped: set[int | None] = set()
         self._unused_logged: set[tuple[int, str]] = set()
         """(node, reason) of rejections that were not the node's fault, logged."""
-        self.quarantine = Quarantine(quarantine_after, quarantine_rounds)
+        self.quarantine = Quarantine(
+            self.robustness.quarantine_after, self.robustness.quarantine_rounds
+        )
         self.speeds: dict[int, float] = {}
         """Smoothed speed of each node, in optimiser steps per second."""
         self._fallbacks_logged: set[str] = set()
@@ -326,6 +315,42 @@ class RuntimeWeightedFedAvg(RoundLoop):
         """The last aggregation's other sum memory (BoundedSum.add_many writes
         each group's pass beside the sum), kept likewise."""
         self._init_loop(checkpoint_path)
+
+    @classmethod
+    def from_settings(cls, *args: Any, **settings: Any) -> Self:
+        """Build the strategy from settings by their field names, grouped here.
+
+        ``DeadlineFedAvg.from_settings(fraction_train=0.5, deadline_s=30.0,
+        weight_cap=3.0)`` equals ``DeadlineFedAvg(fraction_train=0.5,
+        deadlines=Deadlines(deadline_s=30.0), robustness=Robustness(weight_cap=3.0))``:
+        for run configs and harnesses that hold settings by name. Each name goes
+        to the option object that has a field of that name (starting from the
+        strategy's default object); FedAvg's arguments and the strategy's own
+        keywords pass through.
+        """
+        options: dict[str, Any] = {}
+        for klass in reversed(cls.__mro__):
+            for argument, default in vars(klass).get("OPTION_DEFAULTS", ()):
+                options[argument] = getattr(cls, default)
+        for argument, default in options.items():
+            names = {f.name for f in fields(default)}
+            mine = {k: settings.pop(k) for k in list(settings) if k in names}
+            if mine:
+                settings[argument] = replace(default, **mine)
+        return cls(*args, **settings)
+
+    @classmethod
+    def _option_names(cls) -> list[str]:
+        """The keyword arguments a constructor takes beyond FedAvg's (for the
+        message that refuses an unknown one)."""
+        names: list[str] = []
+        for klass in cls.__mro__:
+            code = getattr(klass.__dict__.get("__init__"), "__code__", None)
+            if code is None:
+                continue
+            start = code.co_argcount
+            names += code.co_varnames[start : start + code.co_kwonlyargcount]
+        return sorted(set(names))
 
     # ------------------------------------------------------------------ summary
     def summary(self) -> None:
@@ -1023,9 +1048,22 @@ class RuntimeWeightedFedAvg(RoundLoop):
         }
 
     def load_state(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state` returned."""
-        self.speeds = {int(k): float(v) for k, v in state["speeds"].items()}
-        self.quarantine.load_state(state["quarantine"])
-        influence = state["influence"]
-        self.recent_weights = Reference([float(v) for v in influence["weights"]])
-        self.recent_norms = Reference([float(v) for v in influence["norms"]])
+        """Restore what :meth:`state` returned; a field out of range raises one
+        CheckpointError naming it, and nothing is loaded
+        (:class:`~.checkpoints.StateReader`)."""
+        saved = StateReader.of(state)
+        speeds = saved.by_node("speeds", STEPS_PER_SECOND)
+        quarantine = Quarantine(self.quarantine.after, self.quarantine.rounds)
+        quarantine.load_state(saved.section("quarantine"))
+        influence = saved.section("influence")
+        weights = influence.numbers(
+            "weights", samples_per_second(self.max_num_examples)
+        )
+        norms = influence.numbers("norms", NORMS)
+        self.speeds = speeds
+        self.quarantine.failures, self.quarantine.until = (
+            quarantine.failures,
+            quarantine.until,
+        )
+        self.recent_weights = Reference(weights)
+        self.recent_norms = Reference(norms)

@@ -138,7 +138,7 @@ def _strategy(
         # one large batch of batch-size samples per phone, momentum SGD on the
         # server at the batch's rate (docs/large-batch.md)
         batch = batch_size * min_nodes
-        return LargeBatchRounds(
+        return LargeBatchRounds.from_settings(
             **common,
             deadline_s=deadline_s,
             batch_size=batch,
@@ -148,7 +148,7 @@ def _strategy(
         )
     from flowerbed.strategies import DeadlineFedAvg
 
-    return DeadlineFedAvg(**common, deadline_s=deadline_s)
+    return DeadlineFedAvg.from_settings(**common, deadline_s=deadline_s)
 
 
 app = ServerApp()

@@ -1,0 +1,432 @@
+"""Option objects shared by the data-parallel strategies.
+
+A strategy takes Flower ``FedAvg``'s arguments under Flower's names, plus a few of
+these small objects, each grouping one concern and checking its own values:
+
+- :class:`WorkBalance`: how replies are weighted and how much work each node gets
+  (RuntimeWeightedFedAvg, DeadlineFedAvg, FedBuff);
+- :class:`Robustness`: the reply ceiling, the bounded-influence defence, robust
+  aggregation and quarantine (the same three);
+- :class:`Deadlines`: when a synchronous round closes and what nodes do about it
+  (DeadlineFedAvg);
+- :class:`Staleness`: how updates computed on an older model count (DeadlineFedAvg's
+  late updates, FedBuff);
+- :class:`Buffering`: FedBuff's asynchrony.
+
+The flat keywords these replace (``DeadlineFedAvg(weight_cap=3.0)``) still work for
+one release and warn with the object to use instead (:func:`take_options`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from flowerbed.replies import MAX_NUM_EXAMPLES
+from flowerbed.strategies.staleness import StalenessFn, polynomial_staleness
+
+from .robust import AGGREGATIONS, DEFAULT_CLIP_FACTOR, DEFAULT_WEIGHT_CAP
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+"""This package's folder: a deprecation names the first caller outside it."""
+
+WEIGHTINGS = ("runtime", "throughput", "fednova", "examples")
+"""Valid values of :attr:`WorkBalance.weighting`."""
+DEFAULT_WEIGHTING = "fednova"
+"""FedNova's normalised averaging: on unequal fleets with non-IID data it matched
+FedAvg with equal work and beat the other weightings with balanced (unequal) work
+(docs/strategies/runtime-weighted.md)."""
+DEFAULT_SPEED_SMOOTHING = 0.5
+DEFAULT_QUARANTINE_AFTER = 3
+DEFAULT_QUARANTINE_ROUNDS = 5
+
+PATIENT_PERCENTILE = 80.0
+"""The two-speed deadline's patient percentile (see
+:func:`flowerbed.strategies.deadline.two_speed_percentile`)."""
+FAST_PERCENTILE = 30.0
+"""The two-speed deadline's default fast percentile."""
+DEFAULT_WAIT_RATIO = 5.0
+"""Largest ratio of the patient to the fast percentile of recent durations at
+which the two-speed deadline still waits for the patient one."""
+DEFAULT_MIN_BATCH_SIZE = 4
+"""Smallest batch a node sized to the deadline still trains on."""
+
+
+def _check(rules: list[tuple[bool, str]], owner: str) -> None:
+    for ok, message in rules:
+        if not ok:
+            raise ValueError(f"{owner}: {message}")
+
+
+def _positive(value: float | None) -> bool:
+    return value is None or (value > 0 and math.isfinite(value))
+
+
+@dataclass(frozen=True)
+class WorkBalance:
+    """How replies are weighted and how much work each node is given.
+
+    Parameters
+    ----------
+    weighting : str (default: "fednova")
+        One of ``"runtime"``, ``"throughput"``, ``"fednova"``, ``"examples"``
+        (formulas in :class:`~flowerbed.strategies.RuntimeWeightedFedAvg`).
+    balance_work : bool (default: False)
+        Assign ``local-steps`` proportional to each node's smoothed speed.
+    local_steps : int, optional (default: None)
+        Base work ``L`` per node; None: ``train_config["local-steps"]``. Sent as
+        ``local-steps`` when set (needed when ``balance_work`` is on).
+    speed_smoothing : float (default: 0.5)
+        Weight ``a`` of the newest speed measurement, in (0, 1].
+    min_local_steps : int (default: 1)
+        Fewest steps work balancing assigns.
+    max_local_steps : int, optional (default: None)
+        Most steps work balancing assigns; None means ``4 * L``.
+    """
+
+    weighting: str = DEFAULT_WEIGHTING
+    balance_work: bool = False
+    local_steps: int | None = None
+    speed_smoothing: float = DEFAULT_SPEED_SMOOTHING
+    min_local_steps: int = 1
+    max_local_steps: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.weighting not in WEIGHTINGS:
+            raise ValueError(
+                f"unknown weighting {self.weighting!r}; valid: {', '.join(WEIGHTINGS)}"
+            )
+        steps = self.max_local_steps
+        _check(
+            [
+                (
+                    0 < self.speed_smoothing <= 1,
+                    f"speed_smoothing must be in (0, 1], got {self.speed_smoothing}",
+                ),
+                (
+                    self.local_steps is None or self.local_steps >= 1,
+                    f"local_steps must be >= 1, got {self.local_steps}",
+                ),
+                (
+                    self.min_local_steps >= 1,
+                    f"min_local_steps must be >= 1, got {self.min_local_steps}",
+                ),
+                (
+                    steps is None or steps >= self.min_local_steps,
+                    f"max_local_steps ({steps}) must be >= min_local_steps "
+                    f"({self.min_local_steps})",
+                ),
+            ],
+            "WorkBalance",
+        )
+
+
+@dataclass(frozen=True)
+class Robustness:
+    """Reply ceiling, bounded influence, robust aggregation and quarantine.
+
+    Parameters
+    ----------
+    max_num_examples : float (default: 1e9)
+        Ceiling on a reply's weight (``weighted_by_key``): a reply above it is
+        rejected, naming the ceiling.
+    weight_cap : float, optional (default: 2.0)
+        A reply's weight counts as at most ``weight_cap`` times the median
+        weight of recent replies (>= 1). None: no cap.
+    clip_factor : float, optional (default: 3.0)
+        An update longer than ``clip_factor`` times the median norm of recent
+        updates is scaled down to that length (Sun et al. 2019). None: off.
+    aggregation : str (default: "mean")
+        ``"mean"`` (weighted, streaming, with the bounds above), ``"median"`` or
+        ``"trimmed-mean"`` (coordinate-wise, Yin et al. 2018; O(n * model)
+        memory).
+    trim_fraction : float (default: 0.2)
+        Share of the largest and of the smallest values ``"trimmed-mean"`` drops
+        per coordinate, in [0, 0.5).
+    quarantine_after : int (default: 3)
+        Consecutive rejected replies that put a node in quarantine.
+    quarantine_rounds : int (default: 5)
+        Rounds a quarantined node sits out (0 disables quarantine).
+    """
+
+    max_num_examples: float = MAX_NUM_EXAMPLES
+    weight_cap: float | None = DEFAULT_WEIGHT_CAP
+    clip_factor: float | None = DEFAULT_CLIP_FACTOR
+    aggregation: str = "mean"
+    trim_fraction: float = 0.2
+    quarantine_after: int = DEFAULT_QUARANTINE_AFTER
+    quarantine_rounds: int = DEFAULT_QUARANTINE_ROUNDS
+
+    def __post_init__(self) -> None:
+        for label in ("max_num_examples", "weight_cap", "clip_factor"):
+            value = getattr(self, label)
+            if not _positive(value):
+                raise ValueError(f"{label} must be finite and > 0, got {value}")
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(
+                f"unknown aggregation {self.aggregation!r}; valid: "
+                f"{', '.join(AGGREGATIONS)}"
+            )
+        cap = self.weight_cap
+        _check(
+            [
+                (
+                    cap is None or cap >= 1,
+                    f"weight_cap must be >= 1 (or None), got {cap}",
+                ),
+                (
+                    0 <= self.trim_fraction < 0.5,
+                    f"trim_fraction must be in [0, 0.5), got {self.trim_fraction}",
+                ),
+                (
+                    self.quarantine_after >= 1,
+                    f"quarantine_after must be >= 1, got {self.quarantine_after}",
+                ),
+                (
+                    self.quarantine_rounds >= 0,
+                    f"quarantine_rounds must be >= 0, got {self.quarantine_rounds}",
+                ),
+            ],
+            "Robustness",
+        )
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """When a synchronous round closes, and what nodes do about it.
+
+    Formulas and sources in :class:`~flowerbed.strategies.DeadlineFedAvg`.
+
+    Parameters
+    ----------
+    deadline_s : float, optional (default: None)
+        Fixed deadline in clock seconds; with ``adaptive_deadline`` the first
+        round's deadline. None: wait for all (FedAvg behaviour) unless adaptive.
+    adaptive_deadline : bool (default: False)
+        Derive each round's deadline from recent durations.
+    deadline_percentile : float, optional (default: None)
+        ``p``, in (0, 100], the same every round. None: two speeds with
+        ``partial_work``, 80 without.
+    fast_percentile : float (default: 30)
+        The two-speed deadline's fast percentile, in (0, 80].
+    wait_ratio : float (default: 5)
+        Largest ratio of the 80th to the ``fast_percentile``-th percentile of
+        recent full-work durations at which the two-speed deadline waits for
+        the 80th; >= 1.
+    deadline_window : int (default: 3)
+        ``W``: rounds of durations the percentile looks at.
+    deadline_growth : float (default: 1.5)
+        Factor by which the deadline grows when fewer than ``p``% of the nodes
+        finished in time; > 1.
+    pacer_step : float, optional (default: None)
+        Relative change of the pacing factor per adjustment, in [0, 1) (0: no
+        pacing). None: 0.1 with a fixed ``deadline_percentile``, 0 with two
+        speeds.
+    pacer_window : int (default: 2)
+        Rounds per pacing decision.
+    pacing_bounds : tuple[float, float] (default: (0.5, 4.0))
+        Smallest and largest pacing factor.
+    progress_metric : str, optional (default: None)
+        Accuracy metric the pacer follows; None looks for ``accuracy`` then
+        ``eval-acc``.
+    over_selection : float (default: 1.0)
+        Sampling factor, >= 1 (1.3 is the customary value).
+    partial_work : bool (default: False)
+        Send ``deadline-s`` so nodes stop in time and report partial work.
+    work_fraction : float (default: 0.8)
+        Share of the deadline nodes may train for (the rest is for upload).
+    min_batch_size : int (default: 4)
+        With partial work, also send ``min-batch-size``: a node that cannot
+        finish one step of its batch inside the deadline trains one step on the
+        largest batch that fits, if it holds at least this many samples. 0: off.
+    late_updates : bool (default: True)
+        Fold replies that miss their round into later rounds (:class:`Staleness`).
+    min_completion : int, optional (default: 1)
+        Fewest usable replies to update the model; None means
+        ``min_train_nodes``.
+    evaluate_timeout_s : float, optional (default: None)
+        Clock seconds federated evaluation waits for replies; None means a
+        quarter of the round's deadline (``timeout`` while there is none).
+    """
+
+    deadline_s: float | None = None
+    adaptive_deadline: bool = False
+    deadline_percentile: float | None = None
+    fast_percentile: float = FAST_PERCENTILE
+    wait_ratio: float = DEFAULT_WAIT_RATIO
+    deadline_window: int = 3
+    deadline_growth: float = 1.5
+    pacer_step: float | None = None
+    pacer_window: int = 2
+    pacing_bounds: tuple[float, float] = (0.5, 4.0)
+    progress_metric: str | None = None
+    over_selection: float = 1.0
+    partial_work: bool = False
+    work_fraction: float = 0.8
+    min_batch_size: int = DEFAULT_MIN_BATCH_SIZE
+    late_updates: bool = True
+    min_completion: int | None = 1
+    evaluate_timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        p = self.deadline_percentile
+        low, high = self.pacing_bounds
+        _check(
+            [
+                (
+                    self.deadline_s is None or self.deadline_s > 0,
+                    "deadline_s must be > 0",
+                ),
+                (p is None or 0 < p <= 100, "deadline_percentile must be in (0, 100]"),
+                (
+                    0 < self.fast_percentile <= PATIENT_PERCENTILE,
+                    f"fast_percentile must be in (0, {PATIENT_PERCENTILE:g}]",
+                ),
+                (self.wait_ratio >= 1, "wait_ratio must be >= 1"),
+                (self.deadline_window >= 1, "deadline_window must be >= 1"),
+                (self.deadline_growth > 1, "deadline_growth must be > 1"),
+                (
+                    self.pacer_step is None or 0 <= self.pacer_step < 1,
+                    "pacer_step must be in [0, 1)",
+                ),
+                (self.pacer_window >= 1, "pacer_window must be >= 1"),
+                (0 < low <= 1 <= high, "pacing_bounds: lo<=1<=hi"),
+                (self.over_selection >= 1, "over_selection must be >= 1"),
+                (0 < self.work_fraction <= 1, "work_fraction must be in (0, 1]"),
+                (self.min_batch_size >= 0, "min_batch_size must be >= 0 (0: off)"),
+                (
+                    self.min_completion is None or self.min_completion >= 1,
+                    "min_completion must be >= 1 (or None)",
+                ),
+                (
+                    self.evaluate_timeout_s is None or self.evaluate_timeout_s > 0,
+                    "evaluate_timeout_s must be > 0",
+                ),
+            ],
+            "Deadlines",
+        )
+
+
+@dataclass(frozen=True)
+class Staleness:
+    """How an update computed on an older model counts.
+
+    Parameters
+    ----------
+    max_staleness : int (default: 2 in DeadlineFedAvg, 10 in FedBuff)
+        Oldest update (in rounds or model versions) still used.
+    staleness_fn : str or callable (default: "polynomial", 1/sqrt(1+s))
+        Discount ``s(tau)`` of a stale update; a name from
+        :data:`flowerbed.strategies.staleness.STALENESS_FUNCTIONS` or a function
+        of the staleness (FedBuff, Nguyen et al., AISTATS 2022, Sec. 3).
+    """
+
+    max_staleness: int = 2
+    staleness_fn: str | StalenessFn = polynomial_staleness
+
+    def __post_init__(self) -> None:
+        _check([(self.max_staleness >= 0, "max_staleness must be >= 0")], "Staleness")
+
+
+@dataclass(frozen=True)
+class Buffering:
+    """FedBuff's asynchrony (Nguyen et al., AISTATS 2022, Alg. 1).
+
+    Parameters
+    ----------
+    concurrency : int, optional (default: None)
+        Nodes training at once; None means FedAvg's sample size
+        (``fraction_train`` of connected nodes, at least ``min_train_nodes``).
+    buffer_size : int, optional (default: None)
+        K, replies per model version; None means ``max(1, concurrency // 2)``.
+    server_learning_rate : float (default: 1.0)
+        ``eta_g``.
+    evaluate_every : int (default: 1)
+        Evaluate every this many versions.
+    """
+
+    concurrency: int | None = None
+    buffer_size: int | None = None
+    server_learning_rate: float = 1.0
+    evaluate_every: int = 1
+
+    def __post_init__(self) -> None:
+        _check(
+            [
+                (
+                    self.concurrency is None or self.concurrency >= 1,
+                    "concurrency must be >= 1",
+                ),
+                (
+                    self.buffer_size is None or self.buffer_size >= 1,
+                    "buffer_size must be >= 1",
+                ),
+                (self.server_learning_rate > 0, "server_learning_rate must be > 0"),
+                (self.evaluate_every >= 1, "evaluate_every must be >= 1"),
+            ],
+            "Buffering",
+        )
+
+
+def take_options(
+    owner: str,
+    flat: dict[str, Any],
+    wanted: Mapping[str, tuple[Any, Any]],
+) -> dict[str, Any]:
+    """Each option object a constructor takes, from the object or old keywords.
+
+    ``wanted`` maps a constructor argument (``"robustness"``) to what the caller
+    passed (None: not given) and the strategy's default object. Keywords in
+    ``flat`` that name a field of one of those objects (``weight_cap=3.0``) are
+    taken out of ``flat`` and applied to the default with a DeprecationWarning
+    naming the object to use; giving both the object and one of its fields as a
+    keyword is a TypeError. What stays in ``flat`` is the caller's business.
+    """
+    taken: dict[str, Any] = {}
+    for argument, (given, default) in wanted.items():
+        names = {f.name for f in fields(default)}
+        old = {name: flat.pop(name) for name in list(flat) if name in names}
+        if not old:
+            taken[argument] = default if given is None else given
+            continue
+        kind = type(default).__name__
+        if given is not None:
+            raise TypeError(
+                f"{owner}() got {argument}= and its field(s) "
+                f"{', '.join(sorted(old))} as keywords: put them in the {kind}"
+            )
+        settings = ", ".join(f"{k}={v!r}" for k, v in old.items())
+        level, frame = 1, sys._getframe(0)
+        while frame.f_back is not None and frame.f_code.co_filename.startswith(_HERE):
+            frame, level = frame.f_back, level + 1
+        warnings.warn(
+            f"{owner}({', '.join(f'{k}=...' for k in old)}) is deprecated: pass "
+            f"{argument}={kind}({settings}); the flat keywords go in the next "
+            "release",
+            DeprecationWarning,
+            stacklevel=level,
+        )
+        taken[argument] = replace(default, **old)
+    return taken
+
+
+def refuse_unknown(owner: str, flat: Mapping[str, Any], valid: list[str]) -> None:
+    """TypeError naming keywords no option object or parameter takes."""
+    if flat:
+        raise TypeError(
+            f"{owner}() got unexpected keyword argument(s) {', '.join(sorted(flat))}; "
+            f"valid: {', '.join(valid)}"
+        )
+
+
+def copy_fields(target: object, *options: object) -> None:
+    """Make each option's fields attributes of ``target`` (what the strategies'
+    methods and a user's subclass read: ``self.weight_cap``)."""
+    for option in options:
+        for f in fields(option):  # type: ignore[arg-type]
+            setattr(target, f.name, getattr(option, f.name))

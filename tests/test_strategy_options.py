@@ -1,0 +1,96 @@
+"""The strategies' option objects, and the flat keywords they replace."""
+
+from __future__ import annotations
+
+import pytest
+from flowerbed.strategies import (
+    DeadlineFedAvg,
+    FedBuff,
+    LargeBatchRounds,
+    RuntimeWeightedFedAvg,
+)
+from flowerbed.strategies.large_batch_rounds import LargeBatchRecipe
+from flowerbed.strategies.options import (
+    Buffering,
+    Deadlines,
+    Robustness,
+    Staleness,
+    WorkBalance,
+)
+
+
+def test_option_objects_set_what_the_strategy_reads() -> None:
+    strategy = DeadlineFedAvg(
+        0.5,
+        fraction_evaluate=0.0,
+        work=WorkBalance(balance_work=True, local_steps=20),
+        robustness=Robustness(weight_cap=3.0),
+        deadlines=Deadlines(deadline_s=5.0, partial_work=True),
+        staleness=Staleness(max_staleness=4),
+    )
+    assert strategy.fraction_train == 0.5 and strategy.fraction_evaluate == 0.0
+    assert (strategy.balance_work, strategy.local_steps) == (True, 20)
+    assert (strategy.weight_cap, strategy.clip_factor) == (3.0, 3.0)
+    assert (strategy.deadline_s, strategy.partial_work) == (5.0, True)
+    assert strategy.max_staleness == 4
+    assert strategy.deadline_percentile is None  # two speeds with partial work
+    assert strategy.deadlines.deadline_s == 5.0
+
+
+def test_each_strategy_has_its_own_defaults() -> None:
+    assert RuntimeWeightedFedAvg().weighting == "fednova"
+    fedbuff = FedBuff()
+    assert (fedbuff.weighting, fedbuff.max_staleness) == ("examples", 10)
+    assert DeadlineFedAvg().max_staleness == 2
+    rounds = LargeBatchRounds()
+    assert (rounds.weighting, rounds.local_steps, rounds.late_updates) == (
+        "examples",
+        1,
+        False,
+    )
+    assert rounds.batch_size == 256
+
+
+def test_flat_keywords_still_work_and_name_the_object_to_use() -> None:
+    with pytest.warns(DeprecationWarning) as caught:
+        strategy = DeadlineFedAvg(deadline_s=5.0, weight_cap=3.0)
+    messages = [str(w.message) for w in caught]
+    assert any("pass deadlines=Deadlines(deadline_s=5.0)" in m for m in messages)
+    assert any("pass robustness=Robustness(weight_cap=3.0)" in m for m in messages)
+    assert (strategy.deadline_s, strategy.weight_cap) == (5.0, 3.0)
+    assert all(w.filename == __file__ for w in caught)  # the caller's line
+
+
+def test_an_object_and_one_of_its_fields_together_are_refused() -> None:
+    with pytest.raises(TypeError, match="put them in the Robustness"):
+        RuntimeWeightedFedAvg(robustness=Robustness(), weight_cap=3.0)
+
+
+def test_an_unknown_keyword_is_refused_with_the_valid_ones() -> None:
+    with pytest.raises(TypeError, match=r"wieght_cap; valid: .*robustness"):
+        FedBuff(wieght_cap=3.0)
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: WorkBalance(weighting="speed"), "valid: runtime, throughput"),
+        (lambda: Robustness(weight_cap=0.5), "weight_cap must be >= 1"),
+        (lambda: Robustness(clip_factor=float("nan")), "clip_factor must be finite"),
+        (lambda: Deadlines(deadline_s=-1.0), "Deadlines: deadline_s must be > 0"),
+        (lambda: Staleness(max_staleness=-1), "max_staleness must be >= 0"),
+        (lambda: Buffering(buffer_size=0), "buffer_size must be >= 1"),
+        (lambda: LargeBatchRecipe(optimizer="adam"), "valid choices: sgd"),
+    ],
+)
+def test_options_check_their_values(make: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        make()  # type: ignore[operator]
+
+
+def test_large_batch_rounds_keeps_example_weighting() -> None:
+    with pytest.raises(ValueError, match="weighted by examples"):
+        LargeBatchRounds(work=WorkBalance(weighting="runtime"))
+    recipe = LargeBatchRecipe(batch_size=512, optimizer="lamb")
+    rounds = LargeBatchRounds(recipe=recipe)
+    assert rounds.batch_size == 512 and rounds.server_optimizer.kind == "lamb"
