@@ -739,6 +739,8 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
         value = self._progress_value(server_round, result)
         if value is None or not self.adaptive_deadline or self.pacer_step == 0:
             return
+        if not math.isfinite(value):  # an evaluate_fn's NaN says nothing of pace
+            return
         self.progress.append(value)
         w = self.pacer_window
         if len(self.progress) < 2 * w + 1 or server_round % w != 0:

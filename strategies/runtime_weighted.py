@@ -12,6 +12,7 @@ import numpy as np
 from flowerbed import keys
 from flowerbed.clock import clock_of
 from flowerbed.replies import (
+    MAX_STEPS,
     ArraySpec,
     ReplyRejected,
     check_evaluate_reply,
@@ -28,6 +29,7 @@ from flowerbed.strategies.accumulation import (
 from flowerbed.strategies.checkpoints import (
     NORMS,
     STEPS_PER_SECOND,
+    Bounds,
     StateReader,
     samples_per_second,
 )
@@ -1044,6 +1046,7 @@ class RuntimeWeightedFedAvg(RoundLoop):
             "influence": {
                 "weights": list(self.recent_weights.values),
                 "norms": list(self.recent_norms.values),
+                "steps": list(self.recent_steps.values),
             },
         }
 
@@ -1060,6 +1063,11 @@ class RuntimeWeightedFedAvg(RoundLoop):
             "weights", samples_per_second(self.max_num_examples)
         )
         norms = influence.numbers("norms", NORMS)
+        steps = (
+            influence.numbers("steps", Bounds(0.0, MAX_STEPS))
+            if "steps" in influence
+            else []  # a checkpoint from before the steps bound
+        )
         self.speeds = speeds
         self.quarantine.failures, self.quarantine.until = (
             quarantine.failures,
@@ -1067,3 +1075,4 @@ class RuntimeWeightedFedAvg(RoundLoop):
         )
         self.recent_weights = Reference(weights)
         self.recent_norms = Reference(norms)
+        self.recent_steps = Reference(steps)

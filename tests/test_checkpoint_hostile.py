@@ -28,6 +28,7 @@ from flowerbed.strategies.checkpoints import (
     load_checkpoint,
     save_checkpoint,
 )
+from flowerbed.strategies.options import Buffering
 from flowerbed.strategies.rounds import RoundLoop
 from flowerbed.strategies.sampling import Quarantine
 from flwr.app import ArrayRecord, MetricRecord
@@ -62,7 +63,7 @@ def large_batch(path: Path | None) -> RoundLoop:
 
 
 def fedbuff(path: Path | None) -> RoundLoop:
-    return FedBuff(buffer_size=1, checkpoint_path=path)
+    return FedBuff(buffering=Buffering(buffer_size=1), checkpoint_path=path)
 
 
 Change = Callable[[dict[str, np.ndarray], dict[str, Any]], None]
