@@ -8,7 +8,7 @@ member a :class:`MemberPlan` and its weights per segment; the board's ClientApp
 gloo group, run the segment peer-to-peer and reply with weights and measured
 times. One Flower round = one segment of K steps.
 
-Shared machinery (every kind of span job uses it):
+Shared machinery (every kind of span job uses it), at this package's top level:
 
 - :mod:`~flowerbed.parallel.plan` — :class:`MemberPlan` (pure data, JSON in a
   ConfigRecord: rank, world size, rendezvous, layers / batch share / tile, steps,
@@ -29,51 +29,43 @@ Shared machinery (every kind of span job uses it):
   states: own snapshots, neighbour replicas).
 - :mod:`~flowerbed.parallel.modes` — the table of runners by plan mode; a new
   kind of job registers its runner there.
-- :mod:`~flowerbed.parallel.data` — job datasets and :func:`batch_indices` (the
-  batch of a global step, the same on every retry).
+- :mod:`~flowerbed.parallel.job_data` — job datasets and :func:`batch_indices`
+  (the batch of a global step, the same on every retry).
 - :mod:`~flowerbed.parallel.collectives` — what a ring all-reduce costs on a
   link (pure; the one formula the tile cost model and ``sims.links`` share).
+- :mod:`~flowerbed.parallel.probe` — the ``probe`` mode: join a group, measure
+  the ring's links (checks a cohort; tests the shared machinery).
 
-Pipeline training (FTPipeHD, Chen et al., arXiv 2110.02781):
+One subpackage per kind of job, each with its pure planning modules and the
+member's side (its mode's runner):
 
-- :mod:`~flowerbed.parallel.partition` — the partition DP (pure).
-- :mod:`~flowerbed.parallel.makespan` — the 1F1B/GPipe makespan model with links,
-  replication and recovery (pure; the virtual clock).
-- :mod:`~flowerbed.parallel.recovery` — which step to restart from and where each
-  layer comes from after a loss (pure).
-- :mod:`~flowerbed.parallel.pipeline` — the member's side: profile, run a segment.
+- :mod:`flowerbed.parallel.pipeline` — pipeline training (FTPipeHD, Chen et al.,
+  arXiv 2110.02781): ``partition``, ``makespan``, ``planner``, ``recovery``
+  (pure) and ``stage`` (the member).
+- :mod:`flowerbed.parallel.large_batch` — large-batch synchronous training (S1;
+  Goyal et al. 2017, LARS/LAMB): ``recipe``, ``optimizers`` (pure) and
+  ``allreduce`` (the member).
+- :mod:`flowerbed.parallel.tiles` — fused-tile training (S2; Rama, Threadgill,
+  Gerstlauer, arXiv 2409.09083): ``regions``, ``layout``, ``grouping`` (pure),
+  ``region_ops``, ``exact_step`` and ``runner`` (the member).
 
-Large-batch synchronous training (S1; Goyal et al. 2017, LARS/LAMB):
+Pure modules (plan, collectives and the subpackages' planning modules) import
+neither torch nor torch.distributed, so strategies, the virtual clock and the
+benchmark share them. Nothing here imports :mod:`flowerbed.sims`. The facts
+about gloo and ``torch.distributed`` the code relies on are collected, with
+their sources, in docs/references.md.
 
-- :mod:`~flowerbed.parallel.large_batch` — batch shares proportional to speed,
-  the loss scale that makes unequal shares one large batch, the linear-scaling
-  and warm-up schedule (pure).
-- :mod:`~flowerbed.parallel.optim` — momentum SGD, LARS and LAMB on named NumPy
-  arrays (pure).
-
-Fused-tile training (S2; Rama, Threadgill, Gerstlauer, arXiv 2409.09083):
-
-- :mod:`~flowerbed.parallel.tiles` — the tracer: the input region each output
-  tile needs, tile grids sized to device speed (pure).
-- :mod:`~flowerbed.parallel.tile_layout` — a model's geometry, every rank's
-  regions and the pieces exchanged at group boundaries (pure).
-- :mod:`~flowerbed.parallel.tile_groups` — the step's cost model and the
-  grouping DP under memory (pure).
-- :mod:`~flowerbed.parallel.tile_model` — torch layers as ops, ops on regions,
-  normalisation statistics shared across boards.
-- :mod:`~flowerbed.parallel.tile_member` — one member's exact tiled step;
-  :mod:`~flowerbed.parallel.tiled` — the mode's runner, profiler, evaluator.
-
-Pure modules (plan, collectives, partition, makespan, recovery, large_batch,
-optim, tiles, tile_layout, tile_groups) import neither torch nor
-torch.distributed, so strategies, the virtual clock and the benchmark share
-them. Nothing here imports :mod:`flowerbed.sims`.
+Modules that moved in this layout keep their old paths for one release
+(:data:`MOVED_MODULES`): importing one warns with a :class:`DeprecationWarning`
+and gives the new module (:mod:`flowerbed.moved`).
 """
 
 from __future__ import annotations
 
 import importlib
 from typing import Any
+
+from flowerbed.moved import alias_modules
 
 _EXPORTS = {
     "MemberPlan": "flowerbed.parallel.plan",
@@ -102,3 +94,24 @@ def __getattr__(name: str) -> Any:
         globals()[name] = value
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+MOVED_MODULES = {
+    "flowerbed.parallel.data": "flowerbed.parallel.job_data",
+    "flowerbed.parallel.partition": "flowerbed.parallel.pipeline.partition",
+    "flowerbed.parallel.makespan": "flowerbed.parallel.pipeline.makespan",
+    "flowerbed.parallel.planner": "flowerbed.parallel.pipeline.planner",
+    "flowerbed.parallel.recovery": "flowerbed.parallel.pipeline.recovery",
+    "flowerbed.parallel.optim": "flowerbed.parallel.large_batch.optimizers",
+    "flowerbed.parallel.allreduce": "flowerbed.parallel.large_batch.allreduce",
+    "flowerbed.parallel.tile_layout": "flowerbed.parallel.tiles.layout",
+    "flowerbed.parallel.tile_groups": "flowerbed.parallel.tiles.grouping",
+    "flowerbed.parallel.tile_model": "flowerbed.parallel.tiles.region_ops",
+    "flowerbed.parallel.tile_member": "flowerbed.parallel.tiles.exact_step",
+    "flowerbed.parallel.tiled": "flowerbed.parallel.tiles.runner",
+}
+"""Old module path -> its new home (deprecated aliases, for one release). The
+former modules ``pipeline``, ``large_batch`` and ``tiles`` are packages now; their
+names resolve from the packages (see each package's docstring)."""
+
+alias_modules(MOVED_MODULES)

@@ -1,7 +1,7 @@
 """What a collective costs on a link: the ring all-reduce (pure, no torch).
 
 One formula shared by every model of a job that spans devices: the fused-tile
-cost model (:mod:`flowerbed.parallel.tile_groups`), the network model and the
+cost model (:mod:`flowerbed.parallel.tiles.grouping`), the network model and the
 all-reduce clock of the simulator (:mod:`flowerbed.sims.links`) and the
 benchmark. ``parallel/`` may not import ``sims/``, so it lives here.
 

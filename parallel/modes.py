@@ -19,23 +19,23 @@ from typing import Any
 
 RUNNERS: dict[str, str] = {
     "probe": "flowerbed.parallel.probe:run",
-    "allreduce": "flowerbed.parallel.allreduce:run",
-    "tiles": "flowerbed.parallel.tiled:run",
-    "pipeline": "flowerbed.parallel.pipeline:run_segment",
+    "allreduce": "flowerbed.parallel.large_batch.allreduce:run",
+    "tiles": "flowerbed.parallel.tiles.runner:run",
+    "pipeline": "flowerbed.parallel.pipeline.stage:run_segment",
 }
 """Plan mode -> runner of a train message."""
 
 PROFILERS: dict[str, str] = {
     "probe": "flowerbed.parallel.probe:profile",
-    "allreduce": "flowerbed.parallel.allreduce:profile",
-    "tiles": "flowerbed.parallel.tiled:profile",
-    "pipeline": "flowerbed.parallel.pipeline:profile",
+    "allreduce": "flowerbed.parallel.large_batch.allreduce:profile",
+    "tiles": "flowerbed.parallel.tiles.runner:profile",
+    "pipeline": "flowerbed.parallel.pipeline.stage:profile",
 }
 """Query mode -> profiler of a query message."""
 
 EVALUATORS: dict[str, str] = {
-    "allreduce": "flowerbed.parallel.allreduce:evaluate",
-    "tiles": "flowerbed.parallel.tiled:evaluate",
+    "allreduce": "flowerbed.parallel.large_batch.allreduce:evaluate",
+    "tiles": "flowerbed.parallel.tiles.runner:evaluate",
 }
 """Mode -> evaluator of the whole model (evaluate messages). Modes without one
 (pipeline) get the span ClientApp's evaluation of the layered model named in the

@@ -4,12 +4,13 @@ Every member holds the whole model. A segment joins the plan's fresh gloo group
 (:func:`~flowerbed.parallel.group.joined_group`), wraps the model in
 ``torch.nn.parallel.DistributedDataParallel`` (CPU, no ``device_ids``) and runs
 steps ``start_step .. start_step + steps - 1``: the global batch of step ``t`` is
-:func:`~flowerbed.parallel.data.batch_indices` ``(seed, t)``; this member takes
+:func:`~flowerbed.parallel.job_data.batch_indices` ``(seed, t)``; this member takes
 samples ``batch_share = (first, stop)`` of it, scales its mean loss by
-``W * B_i / B`` (:func:`~flowerbed.parallel.large_batch.loss_scale`) so DDP's
-averaged gradient is the gradient of the whole batch, and applies the plan's
-large-batch optimiser (:class:`~flowerbed.parallel.optim.LargeBatchOptimizer`)
-at the schedule's rate (:class:`~flowerbed.parallel.large_batch.LrSchedule`).
+``W * B_i / B`` (:func:`~flowerbed.parallel.large_batch.recipe.loss_scale`) so
+DDP's averaged gradient is the gradient of the whole batch, and applies the
+plan's large-batch optimiser
+(:class:`~flowerbed.parallel.large_batch.optimizers.LargeBatchOptimizer`) at the
+schedule's rate (:class:`~flowerbed.parallel.large_batch.recipe.LrSchedule`).
 Every replica applies the same update to the same weights, so they stay equal.
 
 Plan options (:data:`OPTIMIZER` ...): the optimiser kind and its settings, the
@@ -50,14 +51,14 @@ from flowerbed import keys
 from flowerbed.models import build_sequential
 from torch import nn
 
-from .data import batch_indices, load_job_dataset
-from .emulation import TimedModule
-from .group import PeerFailure, joined_group
-from .large_batch import LrSchedule, loss_scale
-from .member import MemberContext, MemberResult, MetricValue, load_module_state
-from .optim import LargeBatchOptimizer
-from .plan import MemberPlan, PlanError
-from .store import MOMENTUM_PREFIX
+from ..emulation import TimedModule
+from ..group import PeerFailure, joined_group
+from ..job_data import batch_indices, load_job_dataset
+from ..member import MemberContext, MemberResult, MetricValue, load_module_state
+from ..plan import MemberPlan, PlanError
+from ..store import MOMENTUM_PREFIX
+from .optimizers import LargeBatchOptimizer
+from .recipe import LrSchedule, loss_scale
 
 MODE = "allreduce"
 LOCAL_DATASET = "local"
@@ -180,7 +181,8 @@ class Segment:
         self, module: nn.Module, indices: np.ndarray, scale: float
     ) -> float:
         """Forward and backward of one share, its mean loss scaled by ``scale``
-        (:func:`~flowerbed.parallel.large_batch.loss_scale`); the unscaled loss."""
+        (:func:`~flowerbed.parallel.large_batch.recipe.loss_scale`); the unscaled
+        loss."""
         idx = torch.from_numpy(indices)
         loss = nn.functional.cross_entropy(module(self.x[idx]), self.y[idx])
         (loss * scale).backward()

@@ -7,7 +7,7 @@ kept by parameter name, so it travels in an ArrayRecord and a checkpoint as it
 is (:meth:`LargeBatchOptimizer.state` / :meth:`load_state`). No torch here.
 
 With ``w`` a parameter tensor (a layer), ``g`` its gradient, ``lr`` the step's
-learning rate (:class:`flowerbed.parallel.large_batch.LrSchedule`), ``m`` the
+learning rate (:class:`flowerbed.parallel.large_batch.recipe.LrSchedule`), ``m`` the
 momentum and ``wd`` the weight decay:
 
 - ``"sgd"``, momentum SGD (as ``torch.optim.SGD``): ``v <- m v + (g + wd w)``;

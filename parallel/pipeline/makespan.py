@@ -38,7 +38,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .plan import SCHEDULES
+from ..plan import SCHEDULES
 
 
 def schedule_order(

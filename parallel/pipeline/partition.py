@@ -17,7 +17,7 @@ minimise the slowest stage or cut::
 cut forward and its gradient crosses back: the factor 2); ``bw[s-1]``: bytes/s of
 the link between stages ``s-1`` and ``s``; ``power[s]``: stage ``s``'s device time
 per reference second. In a synchronous pipeline a step takes about
-``(m + p - 1) x`` the bottleneck (:mod:`flowerbed.parallel.makespan`), so
+``(m + p - 1) x`` the bottleneck (:mod:`flowerbed.parallel.pipeline.makespan`), so
 minimising it maximises throughput.
 
 Many partitions share the optimal bottleneck (e.g. every split of the fast
@@ -34,7 +34,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .plan import PlanError, boundaries, stage_sizes
+from ..plan import PlanError, boundaries, stage_sizes
 
 
 @dataclass(frozen=True)

@@ -23,9 +23,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from ..plan import PlanError, boundaries, stage_sizes
 from .makespan import step_s
 from .partition import LayerCosts, Partition, evaluate, moved_layers, partition
-from .plan import PlanError, boundaries, stage_sizes
 
 MIN_MEASURED_SHARE = 0.1
 """Least share of the model's compute a stage needs for its measured time to

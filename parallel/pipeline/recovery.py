@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from .plan import SOURCE_CENTRAL, SOURCE_PEER, SOURCE_SELF, LayerSource
+from ..plan import SOURCE_CENTRAL, SOURCE_PEER, SOURCE_SELF, LayerSource
 
 
 @dataclass

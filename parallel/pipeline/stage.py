@@ -48,10 +48,10 @@ from flowerbed.models import build_sequential, layer_shapes
 from flwr.supercore import log
 from torch import nn
 
-from .data import batch_indices, load_job_dataset
-from .emulation import TimedModule
-from .group import PeerFailure, joined_group
-from .member import (
+from ..emulation import TimedModule
+from ..group import PeerFailure, joined_group
+from ..job_data import batch_indices, load_job_dataset
+from ..member import (
     MemberContext,
     MemberResult,
     MetricValue,
@@ -61,8 +61,8 @@ from .member import (
     result_arrays,
     send_state,
 )
-from .plan import SOURCE_CENTRAL, SOURCE_PEER, SOURCE_SELF, MemberPlan, PlanError
-from .store import OWN, REPLICA, LayerStore, State, layer_of
+from ..plan import SOURCE_CENTRAL, SOURCE_PEER, SOURCE_SELF, MemberPlan, PlanError
+from ..store import OWN, REPLICA, LayerStore, State, layer_of
 
 INPUT_SHAPE = "input-shape"
 """Plan/query option: the shape of one sample (e.g. ``[1, 32, 32]``)."""
@@ -432,7 +432,7 @@ def _maybe_replicate(
     store: LayerStore,
 ) -> None:
     """After step t with t % R == 0 (not the segment's last): ring replication."""
-    from .member import exchange_ring
+    from ..member import exchange_ring
 
     done = seg.step + 1
     every = plan.replicate_every

@@ -2,16 +2,17 @@
 
 The plan (mode ``tiles``) names a model, the number of tiled layers and their
 grouping, and every rank's tile weight; every member derives the same
-:class:`~flowerbed.parallel.tile_layout.Layout` from it. One training step, on
+:class:`~flowerbed.parallel.tiles.layout.Layout` from it. One training step, on
 rank ``r`` (Rama, Threadgill, Gerstlauer, arXiv 2409.09083; PARALLEL.md, "S2"):
 
 1. **forward, group by group**: take the input region of group 0 from the batch
    (every member reads the same batch: ``batch_indices(seed, step)``); run the
-   group's ops on the region with autograd (:func:`~flowerbed.parallel.
-   tile_model.run_group`): the result is exactly rank ``r``'s output tile. At a
-   boundary, every rank sends each other rank the part of its tile that rank's
-   next input region needs (the halo), receives the parts it needs, and starts
-   the next group from a fresh leaf tensor;
+   group's ops on the region with autograd
+   (:func:`~flowerbed.parallel.tiles.region_ops.run_group`): the result is
+   exactly rank ``r``'s output tile. At a boundary, every rank sends each
+   other rank the part of its tile that rank's next input region needs (the
+   halo), receives the parts it needs, and starts the next group from a fresh
+   leaf tensor;
 2. **head**: every rank sends its last tile to rank 0, which assembles the map,
    runs the rest of the model and the loss (cross-entropy, mean over the batch)
    and back-propagates to the map; it sends every rank the gradient of its tile;
@@ -34,16 +35,17 @@ for 6 boards on 100 Mb/s) while its 13x13x512 input is 0.35 MB per sample.
 Gathering the map on one board and keeping the head's gradients there moves
 orders of magnitude fewer bytes, and only one board holds the head's weights and
 momentum (memory is what forces tiling). The strategy makes the board with the
-most memory rank 0 (then the fastest). The planner (:mod:`~flowerbed.parallel.
-tile_groups`) decides how many layers to tile, so a conv layer whose compute
-outweighs the all-reduce of its weights is tiled rather than left to rank 0.
+most memory rank 0 (then the fastest). The planner
+(:mod:`~flowerbed.parallel.tiles.grouping`) decides how many layers to tile,
+so a conv layer whose compute outweighs the all-reduce of its weights is tiled
+rather than left to rank 0.
 
 Emulation on one machine: a member with an emulated speed
 (:class:`~flowerbed.parallel.emulation.DeviceSpeed`) sleeps after each group's
 forward/backward up to ``2 / 4 x MACs / rate`` (the group's MACs on its region,
 halo included); with ``tiles-emulate-link`` every exchange phase also lasts the
 busiest port's bytes over the link's speed plus its latency (the planner's
-model, :class:`~flowerbed.parallel.tile_groups.Cluster`), so local runs show
+model, :class:`~flowerbed.parallel.tiles.grouping.Cluster`), so local runs show
 the communication a 100 Mb/s network would cost.
 """
 
@@ -61,18 +63,18 @@ import torch.nn.functional as F
 from flowerbed.models import count_macs
 from torch import nn
 
-from .emulation import DeviceSpeed
-from .plan import MemberPlan, PlanError
-from .tile_groups import Cluster
-from .tile_layout import Layout
-from .tile_model import (
+from ..emulation import DeviceSpeed
+from ..plan import MemberPlan, PlanError
+from .grouping import Cluster
+from .layout import Layout
+from .region_ops import (
     NORM_SYNC,
     RegionOp,
     check_norm,
     layer_ops,
     run_group,
 )
-from .tiles import Rect, TileError
+from .regions import Rect, TileError
 
 INPUT_SHAPE = "input-shape"
 """Option: shape of one sample, ``[channels, height, width]``."""
@@ -83,7 +85,7 @@ WEIGHTS = "tiles-weights"
 BANDS = "tiles-bands"
 """Option: bands of rows of the tile grid."""
 NORM = "tiles-norm"
-"""Option: ``sync`` or ``frozen`` (batch norm in the front; see tile_model)."""
+"""Option: ``sync`` or ``frozen`` (batch norm in the front; see region_ops)."""
 EMULATE_LINK = "tiles-emulate-link"
 """Option: emulate the link's speed on one machine (bool)."""
 LINK_BYTES_PER_S = "tiles-link-bytes-per-s"

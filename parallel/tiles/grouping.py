@@ -6,7 +6,7 @@ tile from its own input region, recomputing the halo; at a group boundary the
 devices exchange the overlaps of their next input regions with each other's
 output tiles (and the gradients of those overlaps back), then start the next
 group with a small halo again. The weight-heavy rest of the model (the *head*)
-runs on one device, rank 0 (:mod:`flowerbed.parallel.tile_member` says why).
+runs on one device, rank 0 (:mod:`flowerbed.parallel.tiles.exact_step` says why).
 
 Deeper groups recompute more halo (it grows by ``d*(k-1)/2`` input pixels per
 window layer and doubles back through every stride-2 layer); more boundaries move
@@ -38,7 +38,7 @@ collective communication operations in MPICH", IJHPCA 2005; PARALLEL.md; one
 home for the formula: :mod:`flowerbed.parallel.collectives`.) Each
 device's link to the switch is full duplex, so a phase lasts as long as the
 busiest port's larger direction. ``tile_s(i)`` is the tile grid of map ``i``
-(:func:`flowerbed.parallel.tiles.tile_grid`), which depends only on the map, so
+(:func:`flowerbed.parallel.tiles.regions.tile_grid`), which depends only on the map, so
 the cost of a group depends only on ``(i, j)``.
 
 Memory per device (bytes; activations kept for backward, weights, gradients
@@ -63,9 +63,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .collectives import ring_allreduce_seconds
-from .plan import PlanError
-from .tile_layout import (
+from ..collectives import ring_allreduce_seconds
+from ..plan import PlanError
+from .layout import (
     FrontGeometry,
     check_bounds,
     exchange_pieces,
@@ -73,7 +73,7 @@ from .tile_layout import (
     map_tiles,
     port_bytes,
 )
-from .tiles import NORM, TileError, auto_bands
+from .regions import NORM, TileError, auto_bands
 
 MAX_LABELS = 128
 """Labels kept per layer in the DP (the fastest ones; plenty for <= 30 layers)."""
@@ -98,7 +98,7 @@ class Cluster:
         Seconds per message (gloo over TCP on a LAN: ~1 ms).
     bands : int or None
         Bands of rows of the tile grid (None:
-        :func:`~flowerbed.parallel.tiles.auto_bands`).
+        :func:`~flowerbed.parallel.tiles.regions.auto_bands`).
     bytes_per_element : int
         4 (float32).
     """

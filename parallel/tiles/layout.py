@@ -2,11 +2,11 @@
 regions, and the pieces that move at each group boundary (pure, no torch).
 
 :class:`FrontGeometry` is the planner's view of a model (what
-:func:`flowerbed.parallel.tile_model.front_geometry` reads from torch);
+:func:`flowerbed.parallel.tiles.region_ops.front_geometry` reads from torch);
 :func:`layout` turns a grouping and the tile weights into a :class:`Layout`,
 which every member of a job derives from its plan, so all agree on who sends
-which rectangle to whom (:mod:`flowerbed.parallel.tile_member`), and which the
-cost model (:mod:`flowerbed.parallel.tile_groups`) prices.
+which rectangle to whom (:mod:`flowerbed.parallel.tiles.exact_step`), and which the
+cost model (:mod:`flowerbed.parallel.tiles.grouping`) prices.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .plan import PlanError
-from .tiles import (
+from ..plan import PlanError
+from .regions import (
     GroupTrace,
     Op,
     Rect,
@@ -32,7 +32,7 @@ from .tiles import (
 @dataclass(frozen=True)
 class FrontGeometry:
     """What the planner knows of a model (built by
-    :func:`flowerbed.parallel.tile_model.front_geometry`).
+    :func:`flowerbed.parallel.tiles.region_ops.front_geometry`).
 
     Attributes
     ----------

@@ -1,16 +1,16 @@
 """A model's tiled front in torch: layer geometry, ops on regions, shared norms.
 
 :func:`front_geometry` reads an ``nn.Sequential`` into the pure description the
-planner uses (:class:`~flowerbed.parallel.tile_layout.FrontGeometry`): the
+planner uses (:class:`~flowerbed.parallel.tiles.layout.FrontGeometry`): the
 operations of every top-level layer that can be tiled, and the costs of the rest.
 :class:`RegionOp` runs one operation on the region a device holds
-(:class:`~flowerbed.parallel.tiles.OpRegion`): it slices what the op reads,
+(:class:`~flowerbed.parallel.tiles.regions.OpRegion`): it slices what the op reads,
 pads only at true image borders (zeros; ``-inf`` for max pooling) and applies the
 op with no padding of its own, so the result equals the same pixels of the
 full-map computation.
 
 Supported inside the tiled front (anything else ends the front; asking to tile it
-is a :class:`~flowerbed.parallel.tiles.TileError` naming the layer):
+is a :class:`~flowerbed.parallel.tiles.regions.TileError` naming the layer):
 
 - windows: ``Conv2d`` (zero padding, any stride/dilation/groups),
   ``MaxPool2d`` and ``AvgPool2d`` (no ``ceil_mode``; average pooling with
@@ -53,8 +53,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .tile_layout import FrontGeometry
-from .tiles import (
+from .layout import FrontGeometry
+from .regions import (
     NEG_INF,
     NORM,
     POINTWISE,

@@ -10,9 +10,9 @@ a device computes its tile from its region alone; the regions of neighbouring
 tiles overlap (the *halo*), and the overlap is computed redundantly. Rama,
 Threadgill, Gerstlauer ("Distributed Convolutional Neural Network Training on
 Mobile and Edge Clusters", arXiv 2409.09083) apply the same partitioning to the
-forward *and backward* passes of training; :mod:`flowerbed.parallel.tile_member` runs
-it, this module only does the geometry (no torch), so the planner, the
-strategy and the tests share it.
+forward *and backward* passes of training;
+:mod:`flowerbed.parallel.tiles.exact_step` runs it, this module only does the
+geometry (no torch), so the planner, the strategy and the tests share it.
 
 Geometry of one operation (rows and columns alike, half-open ranges)
 -------------------------------------------------------------------
@@ -58,7 +58,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .plan import PlanError
+from ..plan import PlanError
 
 WINDOW = "window"
 """Convolution or pooling: reads a window around each output position."""

@@ -1,7 +1,7 @@
 """The ``tiles`` mode of the boards' span ClientApp: run, profile, evaluate.
 
 :func:`run` (train messages) builds this member's part of the plan
-(:class:`~flowerbed.parallel.tile_member.TiledMember`: the exact tiled step,
+(:class:`~flowerbed.parallel.tiles.exact_step.TiledMember`: the exact tiled step,
 described there), joins the segment's gloo group and trains ``plan.steps``
 steps on the job's data, every member reading the same batches
 (:class:`JobData`); rank 0 replies with the whole model and its momentum, every
@@ -28,9 +28,9 @@ from flowerbed.models import build_sequential, count_macs
 from flowerbed.system import available_memory
 from torch import nn
 
-from .data import batch_indices, load_job_dataset
-from .group import PeerFailure, joined_group
-from .member import (
+from ..group import PeerFailure, joined_group
+from ..job_data import batch_indices, load_job_dataset
+from ..member import (
     MemberContext,
     MemberResult,
     MetricValue,
@@ -38,16 +38,16 @@ from .member import (
     module_state,
     result_arrays,
 )
-from .plan import MemberPlan, PlanError
-from .tile_layout import layout
-from .tile_member import (
+from ..plan import MemberPlan, PlanError
+from .exact_step import (
     INPUT_SHAPE,
     TiledMember,
     TileSettings,
     settings_of,
 )
-from .tile_model import front_geometry
-from .tiles import TileError
+from .layout import layout
+from .region_ops import front_geometry
+from .regions import TileError
 
 __all__ = ["MODE", "SYNTHETIC", "JobData", "evaluate", "prepare", "profile", "run"]
 
