@@ -188,23 +188,6 @@ class FedBuff(RuntimeWeightedFedAvg):
         self._topped_up = True
         self._inflight.push(messages, self.version)
 
-    def _evaluate_version(
-        self,
-        grid: Grid,
-        config: ConfigRecord,
-        result: Result,
-        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None,
-    ) -> None:
-        """Central evaluation now; federated evaluation collected as it arrives."""
-        assert self._inflight is not None
-        messages = self._driver.configure_evaluate(
-            self.version, self._global, config, grid
-        )
-        ids = self._inflight.push(messages, self.version)
-        if ids:
-            self._evaluations[self.version] = (set(ids), [])
-        self._central_evaluation(self.version, result, evaluate_fn)
-
     def _fold_evaluation(self, reply: Message, ticket: Ticket, result: Result) -> None:
         pending = self._evaluations.get(ticket.server_round)
         if pending is None:
@@ -302,79 +285,89 @@ class FedBuff(RuntimeWeightedFedAvg):
                 self._starved = True
                 return
 
-    def start(
-        self,
-        grid: Grid,
-        initial_arrays: ArrayRecord,
-        num_rounds: int = 3,
-        timeout: float = 3600,
-        train_config: ConfigRecord | None = None,
-        evaluate_config: ConfigRecord | None = None,
-        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
-    ) -> Result:
-        """Run until ``num_rounds`` model versions exist; FedAvg's contract.
-
-        Each version is one ``aggregate_train`` call over the replies that fill
-        the buffer; ``configure_train`` hands out work as nodes become idle;
-        ``configure_evaluate``/``aggregate_evaluate`` run every
-        ``evaluate_every`` versions. ``timeout`` bounds the clock seconds without
-        a usable reply before giving up. With ``fraction_train=0.0`` it runs
-        ``num_rounds`` evaluation-only rounds, as Flower's FedAvg does.
-        """
-        if self.fraction_train == 0.0:
-            return super().start(
-                grid,
-                initial_arrays,
-                num_rounds,
-                timeout,
-                train_config,
-                evaluate_config,
-                evaluate_fn,
-            )
-        result, done = self._begin(
-            grid,
-            initial_arrays,
-            num_rounds,
-            timeout,
-            train_config,
-            evaluate_config,
-            evaluate_fn,
-        )
-        assert self._inflight is not None
-        train_config = ConfigRecord() if train_config is None else train_config
-        evaluate_config = ConfigRecord() if evaluate_config is None else evaluate_config
+    # ------------------------------------------------------------ the round
+    # RoundLoop.start runs FedBuff: one round is one model version. With
+    # fraction_train=0.0 the hooks are RoundLoop's (evaluation-only rounds, as
+    # Flower's FedAvg does).
+    def _prepare_run(self, grid: Grid, done: int) -> None:
+        super()._prepare_run(grid, done)
         self.version = done
         self._versions = {self.version: self._global_np}
         self._evaluations = {}
         self._version_config = None
         self._topped_up = False
         self._starved = False
-        buffer_size = self.buffer_size or max(1, self._concurrency(grid) // 2)
-        while self.version < num_rounds:
-            log(INFO, "")
-            log(INFO, "[ROUND %s/%s]", self.version + 1, num_rounds)
-            self._dispatch(grid, train_config)
-            self._handed = []
-            replies = self._buffer_replies(grid, train_config, result, buffer_size)
-            arrays, metrics = self._aggregate_train(self.version + 1, replies)
-            self._arrivals.clear()
-            if self._starved:
-                log(
-                    WARNING,
-                    "no usable reply within %.0f s (or nothing in flight): stopping "
-                    "at version %d of %d",
-                    self._timeout,
-                    self.version,
-                    num_rounds,
-                )
-                break
-            self._new_version(arrays, metrics, result)
-            if self.version % self.evaluate_every == 0 or self.version >= num_rounds:
-                self._evaluate_version(grid, evaluate_config, result, evaluate_fn)
-            self._write_checkpoint(self.version, result)
+        self._buffer_size = self.buffer_size or max(1, self._concurrency(grid) // 2)
+
+    def _train_stage(
+        self, server_round: int, config: ConfigRecord, grid: Grid, result: Result
+    ) -> None:
+        """Version ``server_round``: ``aggregate_train`` over the replies that
+        fill the buffer; ``configure_train`` hands out work as nodes become idle.
+        No usable reply within ``timeout`` ends the run."""
+        if self.fraction_train == 0.0:
+            return super()._train_stage(server_round, config, grid, result)
+        assert self._inflight is not None
+        self._dispatch(grid, config)
+        self._handed = []
+        replies = self._buffer_replies(grid, config, result, self._buffer_size)
+        arrays, metrics = self._aggregate_train(self.version + 1, replies)
+        self._arrivals.clear()
+        if self._starved:
+            log(
+                WARNING,
+                "no usable reply within %.0f s (or nothing in flight): stopping "
+                "at version %d of %d",
+                self._timeout,
+                self.version,
+                self._num_rounds,
+            )
+            self._stop = True
+            return None
+        self._new_version(arrays, metrics, result)
+        return None
+
+    def _evaluation_due(self) -> bool:
+        """Every ``evaluate_every`` versions, and after the last."""
+        return (
+            self.version % self.evaluate_every == 0 or self.version >= self._num_rounds
+        )
+
+    def _evaluate_stage(
+        self, server_round: int, config: ConfigRecord, grid: Grid, result: Result
+    ) -> None:
+        """Send the version's evaluation when due; its replies are collected as
+        they arrive, while training goes on."""
+        if self.fraction_train == 0.0:
+            return super()._evaluate_stage(server_round, config, grid, result)
+        if not self._evaluation_due():
+            return None
+        assert self._inflight is not None
+        messages = self._driver.configure_evaluate(
+            self.version, self._global, config, grid
+        )
+        ids = self._inflight.push(messages, self.version)
+        if ids:
+            self._evaluations[self.version] = (set(ids), [])
+        return None
+
+    def _central_evaluation(
+        self,
+        server_round: int,
+        result: Result,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None,
+    ) -> None:
+        if self.fraction_train == 0.0 or self._evaluation_due():
+            super()._central_evaluation(server_round, result, evaluate_fn)
+
+    def _finish_run(self, result: Result) -> None:
+        """Collect outstanding evaluation replies; forget work still in flight."""
+        super()._finish_run(result)
+        if self.fraction_train == 0.0:
+            return
+        assert self._inflight is not None
         self._finish_evaluations(self._clock.now() + self._timeout, result)
         self._inflight.forget(list(self._inflight.tickets))
-        return self._end(result, self.version - done)
 
     def _new_version(
         self,

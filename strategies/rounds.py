@@ -8,8 +8,11 @@ grid's clock (:func:`flowerbed.clock.clock_of`). Around those calls it keeps wha
 subclass needs to decide when a round closes (:class:`~.inflight.Arrival` per reply),
 warns when no update has been applied for :data:`STALL_ROUNDS` rounds, and writes and
 resumes checkpoints. Subclasses fill in the hooks: ``_prepare_round``,
-``_train_replies``, ``_close_train``, ``_evaluate_wait``, ``_after_round``,
-``_stall_cause``, ``state``/``load_state``.
+``_prepare_run``, ``_prepare_round``, ``_train_stage`` (a round's work: the
+asynchronous FedBuff fills a buffer here), ``_train_replies``, ``_close_train``,
+``_evaluate_stage``, ``_evaluate_wait``, ``_central_evaluation``, ``_after_round``,
+``_write_checkpoint``, ``_finish_run``, ``_stall_cause``, ``state``/``load_state``;
+a round that sets ``_stop`` ends the run.
 """
 
 from __future__ import annotations
@@ -97,6 +100,9 @@ class RoundLoop(FedAvg):
         self._tally = RoundTally(0, 0, Counter(), 0, 0)
         self._stalled = 0
         self._updates_applied = 0
+        self._num_rounds = 0
+        self._stop = False
+        """Set by a round (``_train_stage``) to end the run after it."""
         self._driver: Strategy = self
         """Whose ``configure_*``/``aggregate_*`` the loop calls: this strategy,
         or a Flower wrapper around it (:meth:`start_wrapped`)."""
@@ -536,12 +542,28 @@ class RoundLoop(FedAvg):
         )
         train_config = ConfigRecord() if train_config is None else train_config
         evaluate_config = ConfigRecord() if evaluate_config is None else evaluate_config
+        self._num_rounds = num_rounds
+        self._stop = False
+        self._prepare_run(grid, done)
+        ran = 0
         for server_round in range(done + 1, num_rounds + 1):
             log(INFO, "")
             log(INFO, "[ROUND %s/%s]", server_round, num_rounds)
             self._train_stage(server_round, train_config, grid, result)
+            if self._stop:
+                break
             self._evaluate_stage(server_round, evaluate_config, grid, result)
             self._central_evaluation(server_round, result, evaluate_fn)
             self._after_round(server_round, result)
             self._write_checkpoint(server_round, result)
-        return self._end(result, num_rounds - done)
+            ran += 1
+        self._finish_run(result)
+        return self._end(result, ran)
+
+    def _prepare_run(self, grid: Grid, done: int) -> None:
+        """Hook run once before the first round (``done``: rounds a resumed run
+        had completed); a subclass sets up what its rounds share."""
+
+    def _finish_run(self, result: Result) -> None:
+        """Hook run once after the last round, before Flower's closing lines
+        (a subclass collects what is still outstanding)."""
