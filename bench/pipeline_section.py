@@ -153,7 +153,7 @@ def _homogeneous_sizes(settings: Mapping[str, Any], stages: int) -> list[int]:
     (the DP with equal powers on per-layer FLOPs)."""
     import torch
     from flowerbed.models import build_sequential, count_macs
-    from flowerbed.parallel.partition import LayerCosts, partition
+    from flowerbed.parallel.pipeline.partition import LayerCosts, partition
 
     model = build_sequential(settings["model"], settings["model_args"])
     micro = settings["batch_size"] // settings["micro_batches"]
@@ -252,7 +252,7 @@ def local(quick: bool) -> dict[str, Any]:
 
 def _even_sizes(settings: Mapping[str, Any], stages: int) -> list[int]:
     from flowerbed.models import build_sequential
-    from flowerbed.parallel.partition import even_partition
+    from flowerbed.parallel.pipeline.partition import even_partition
     from flowerbed.parallel.plan import stage_sizes
 
     layers = len(build_sequential(settings["model"], settings["model_args"]))
@@ -293,8 +293,8 @@ def virtual(local_data: Mapping[str, Any] | None) -> dict[str, Any]:
     """Predicted throughput of larger fleets, and the model's measured error."""
     import torch
     from flowerbed.models import build_sequential, count_macs
-    from flowerbed.parallel.makespan import replicate_s
-    from flowerbed.parallel.planner import Layout, PipelinePlanner
+    from flowerbed.parallel.pipeline.makespan import replicate_s
+    from flowerbed.parallel.pipeline.planner import Layout, PipelinePlanner
     from flowerbed.sims.devices import get_device
     from flowerbed.sims.pipeline_local import device_gflops
 

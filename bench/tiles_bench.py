@@ -1,6 +1,6 @@
 """Measuring fused-tile training on emulated boards (the "tiles" bench section).
 
-Every configuration runs the real members (:func:`flowerbed.parallel.tiled.run`)
+Every configuration runs the real members (:func:`flowerbed.parallel.tiles.runner.run`)
 in fresh local processes (one per board, one torch thread each) joined by gloo
 on 127.0.0.1, each emulating a Raspberry Pi 3's training rate
 (:class:`~flowerbed.parallel.emulation.DeviceSpeed`) and, with more than one
@@ -64,8 +64,8 @@ def _member(
     from flowerbed.parallel.emulation import DeviceSpeed
     from flowerbed.parallel.member import MemberContext
     from flowerbed.parallel.plan import MemberPlan
-    from flowerbed.parallel.tile_member import front_names
-    from flowerbed.parallel.tiled import run
+    from flowerbed.parallel.tiles.exact_step import front_names
+    from flowerbed.parallel.tiles.runner import run
 
     try:
         plan = MemberPlan.from_json(plan_json)
@@ -94,7 +94,7 @@ def _context() -> Any:
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "flowerbed.parallel.tiled"])
+    ctx.set_forkserver_preload(["torch", "flowerbed.parallel.tiles.runner"])
     return ctx
 
 
@@ -162,9 +162,9 @@ def measure(
         FORWARD_FLOPS_PER_MAC,
     )
     from flowerbed.parallel.plan import MemberPlan
-    from flowerbed.parallel.tile_groups import Cluster, plan_tiles
-    from flowerbed.parallel.tile_member import TileSettings
-    from flowerbed.parallel.tile_model import front_geometry
+    from flowerbed.parallel.tiles.exact_step import TileSettings
+    from flowerbed.parallel.tiles.grouping import Cluster, plan_tiles
+    from flowerbed.parallel.tiles.region_ops import front_geometry
 
     model = build_sequential("yolo-tiny", dict(model_args), seed=0)
     shape = (3, image, image)

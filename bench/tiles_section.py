@@ -2,7 +2,7 @@
 
 A YOLOv2-tiny-style network (``yolo-tiny``: 416x416 inputs, 6 conv layers with
 max-pooling, a weight-heavy 3x3 conv to 1024 channels, a classification head)
-trained by :mod:`flowerbed.parallel.tiled` on real local processes, each
+trained by :mod:`flowerbed.parallel.tiles.runner` on real local processes, each
 emulating a Raspberry Pi 3B, boards joined by an emulated 100 Mb/s link
 (:mod:`flowerbed.bench.tiles_bench`):
 

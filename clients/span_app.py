@@ -50,12 +50,12 @@ from flowerbed import keys
 from flowerbed.clients.board_app import chunked_evaluate
 from flowerbed.data import DataError
 from flowerbed.models import build_sequential
-from flowerbed.parallel.data import load_job_dataset
 from flowerbed.parallel.emulation import DeviceSpeed
 from flowerbed.parallel.group import RendezvousError
+from flowerbed.parallel.job_data import load_job_dataset
 from flowerbed.parallel.member import MemberContext, MemberResult
 from flowerbed.parallel.modes import EVALUATORS, PROFILERS, RUNNERS, resolve
-from flowerbed.parallel.pipeline import LOCAL_DATASET
+from flowerbed.parallel.pipeline.stage import LOCAL_DATASET
 from flowerbed.parallel.plan import MemberPlan, PlanError, check_address
 from flowerbed.parallel.store import MOMENTUM_PREFIX
 from flwr.app import (

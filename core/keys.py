@@ -104,7 +104,7 @@ SPAN_RECORD = "span"
 SPAN_OPTIMIZER = "optimizer"
 """Reply/train ArrayRecord with optimiser state (momentum), model state names."""
 
-# Fused-tile jobs (flowerbed.parallel.tiled; span ClientApp replies) ---------------
+# Fused-tile jobs (flowerbed.parallel.tiles.runner; span ClientApp replies) ------
 TILES_SPEED = "tiles-speed"
 """Profile reply: forward multiply-accumulates per second of forward + backward on
 the model's first layers (the tile planner's device speed)."""

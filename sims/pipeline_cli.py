@@ -111,7 +111,7 @@ def _index_at(text: str, what: str, count: int) -> tuple[int, str]:
 
 def build(args: argparse.Namespace) -> tuple[list[Any], dict[str, Any]]:
     """Nodes and strategy settings from the options; ``ValueError`` if bad."""
-    from flowerbed.parallel.partition import even_partition
+    from flowerbed.parallel.pipeline.partition import even_partition
     from flowerbed.parallel.plan import stage_sizes
 
     from .pipeline_local import nodes_for
@@ -158,7 +158,7 @@ def test_accuracy(settings: dict[str, Any], arrays: Any) -> float:
     import torch
     from flowerbed.clients.board_app import chunked_evaluate
     from flowerbed.models import build_sequential
-    from flowerbed.parallel.data import load_job_dataset
+    from flowerbed.parallel.job_data import load_job_dataset
 
     model = build_sequential(settings["model"], settings["model_args"])
     model.load_state_dict({k: torch.from_numpy(v.numpy()) for k, v in arrays.items()})

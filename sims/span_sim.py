@@ -4,9 +4,10 @@
 :class:`~flowerbed.sims.engine.FleetGrid` whose nodes are simulated boards or
 phones (:func:`span_grid`). A segment's train messages all arrive in one push;
 :class:`SegmentRunner` (the grid's ``batch_train``) trains the whole group in this
-process with :func:`flowerbed.parallel.allreduce.run_group` -- the same
-:class:`~flowerbed.parallel.allreduce.Segment` code a DDP member runs: data, batch
-shares, loss scale, optimiser, schedule -- and answers each member as the span
+process with :func:`flowerbed.parallel.large_batch.allreduce.run_group` -- the
+same :class:`~flowerbed.parallel.large_batch.allreduce.Segment` code a DDP member
+runs: data, batch shares, loss scale, optimiser, schedule -- and answers each
+member as the span
 ClientApp would (:func:`flowerbed.clients.span_app.member_reply`), with virtual
 times in place of measured ones.
 
@@ -79,7 +80,7 @@ from flowerbed.clients.span_app import (
     message_config,
     span_query,
 )
-from flowerbed.parallel import allreduce
+from flowerbed.parallel.large_batch import allreduce
 from flowerbed.parallel.member import MemberContext, MemberResult
 from flowerbed.parallel.plan import MemberPlan, PlanError
 from flwr.app import ArrayRecord, Context, Message, MetricRecord
@@ -135,7 +136,7 @@ def node_config(
 @functools.lru_cache(maxsize=32)
 def _macs(model: str, model_args: str, dataset: str) -> int:
     from flowerbed.models import build_sequential, count_macs
-    from flowerbed.parallel.data import load_job_dataset
+    from flowerbed.parallel.job_data import load_job_dataset
 
     built = build_sequential(model, json.loads(model_args), seed=0)
     x = load_job_dataset(dataset).x_train[:1]

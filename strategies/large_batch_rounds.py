@@ -6,7 +6,7 @@ client that honours ``batch-size``, ``local-steps`` and ``lr``):
 
 1. every sampled node gets its share ``B_i`` of one large batch ``B``,
    proportional to its measured speed (samples per second, smoothed;
-   :func:`flowerbed.parallel.large_batch.batch_shares`), and trains ``k``
+   :func:`flowerbed.parallel.large_batch.recipe.batch_shares`), and trains ``k``
    (``local_steps``, default 1) plain SGD steps at ``client_lr`` on it;
 2. the server averages the replies by examples and reads the result as a
    pseudo-gradient (Reddi et al., "Adaptive Federated Optimization", ICLR 2021,
@@ -16,12 +16,13 @@ client that honours ``batch-size``, ``local-steps`` and ``lr``):
 
    With ``k = 1``, ``x_i = x - client_lr g_i`` and ``n_i = B_i``, so ``g`` is
    exactly the gradient of the whole batch ``sum_i (B_i / B) g_i``
-   (:mod:`flowerbed.parallel.large_batch`); with ``k > 1`` it is the
+   (:mod:`flowerbed.parallel.large_batch.recipe`); with ``k > 1`` it is the
    examples-weighted mean of each node's average step;
-3. the server applies momentum SGD, LARS or LAMB (:mod:`flowerbed.parallel.optim`)
-   at the rate of Goyal et al.'s linear scaling with warm-up
-   (:class:`flowerbed.parallel.large_batch.LrSchedule`), one server step per
-   round.
+3. the server applies momentum SGD, LARS or LAMB
+   (:mod:`flowerbed.parallel.large_batch.optimizers`) at the rate of Goyal et
+   al.'s linear scaling with warm-up
+   (:class:`flowerbed.parallel.large_batch.recipe.LrSchedule`), one server step
+   per round.
 
 It is a :class:`DeadlineFedAvg`, so one slow phone does not stall the cluster:
 over-selection closes the round at the first ``K`` usable replies (their
@@ -43,8 +44,12 @@ from typing import Any, ClassVar
 
 import numpy as np
 from flowerbed import keys
-from flowerbed.parallel.large_batch import LrSchedule, batch_shares
-from flowerbed.parallel.optim import OPTIMIZERS, STEP_KEY, LargeBatchOptimizer
+from flowerbed.parallel.large_batch.optimizers import (
+    OPTIMIZERS,
+    STEP_KEY,
+    LargeBatchOptimizer,
+)
+from flowerbed.parallel.large_batch.recipe import LrSchedule, batch_shares
 from flowerbed.strategies.accumulation import to_arrayrecord, to_numpy
 from flowerbed.strategies.checkpoints import (
     FINITE,

@@ -5,17 +5,17 @@ Flower is the control plane, DDP over gloo the data plane (docs/architecture.md,
 gives each member its rank, the rendezvous, its share of the global batch and
 the optimiser settings with the weights; members run ``DistributedDataParallel``
 for a segment of ``steps_per_round`` steps (one Flower round,
-:mod:`flowerbed.parallel.allreduce`) and reply with the weights and per-step
+:mod:`flowerbed.parallel.large_batch.allreduce`) and reply with the weights and per-step
 compute and communication seconds.
 
 - **Shares by speed**: ``B_i = B s_i / sum_j s_j`` with ``s_i`` the member's
   measured samples per second (profiled, then smoothed over segments:
   ``s <- a s_new + (1 - a) s``), so unequal devices finish each step together
-  (:func:`flowerbed.parallel.large_batch.batch_shares`); the loss is scaled so
+  (:func:`flowerbed.parallel.large_batch.recipe.batch_shares`); the loss is scaled so
   the gradient is exactly the large batch's.
 - **Recipe**: linear LR scaling with gradual warm-up (Goyal et al. 2017) and
   momentum SGD, LARS (You et al. 2017) or LAMB (You et al. 2020),
-  :mod:`flowerbed.parallel.optim`; optional fp16 or PowerSGD gradient
+  :mod:`flowerbed.parallel.large_batch.optimizers`; optional fp16 or PowerSGD gradient
   compression (DDP's communication hooks).
 - **Failures**: a member lost mid-segment makes the segment fail fast (the
   survivors' collectives raise within ``timeout_s``); the strategy drops the lost
@@ -35,8 +35,8 @@ from typing import Any
 
 import numpy as np
 from flowerbed import keys
-from flowerbed.parallel.large_batch import LrSchedule, batch_shares, share_bounds
-from flowerbed.parallel.optim import OPTIMIZERS
+from flowerbed.parallel.large_batch.optimizers import OPTIMIZERS
+from flowerbed.parallel.large_batch.recipe import LrSchedule, batch_shares, share_bounds
 from flowerbed.parallel.plan import MemberPlan
 from flowerbed.replies import ReplyRejected
 from flwr.app import (
@@ -93,7 +93,7 @@ class LargeBatchSync(SpanJobStrategy):
     model_args : dict, optional
         Its arguments.
     dataset : str (default: "digits")
-        A job dataset (``flowerbed.parallel.data``) or ``"local"`` (each board's
+        A job dataset (``flowerbed.parallel.job_data``) or ``"local"`` (each board's
         node_config ``dataset-path``).
     batch_size : int (default: 256)
         ``B``, the global batch per step.

@@ -4,12 +4,12 @@ FTPipeHD (Chen, Yang, He, Shi, Chen, arXiv 2110.02781; IEEE TMC 2023) on Flower:
 the ServerApp is FTPipeHD's central node (it profiles, partitions, holds the
 central copy of the weights, detects failures and re-plans); the boards run
 ``torch.distributed.pipelining`` stages peer-to-peer over gloo
-(:mod:`flowerbed.parallel.pipeline`). One Flower round is one segment of ``K``
+(:mod:`flowerbed.parallel.pipeline.stage`). One Flower round is one segment of ``K``
 synchronous steps (1F1B with a flush per step); when a loss interrupts it, the
 round goes on from the recovered step until its ``K`` steps are done. The
 decisions (partition, re-partition, restart step, layer sources) are pure
-functions in :mod:`flowerbed.parallel.planner` and
-:mod:`flowerbed.parallel.recovery`; this class moves plans, weights and
+functions in :mod:`flowerbed.parallel.pipeline.planner` and
+:mod:`flowerbed.parallel.pipeline.recovery`; this class moves plans, weights and
 measurements.
 """
 
@@ -27,16 +27,21 @@ import numpy as np
 import torch
 from flowerbed import keys
 from flowerbed.models import build_sequential, layer_shapes
-from flowerbed.parallel.makespan import replications, step_s, throughput
-from flowerbed.parallel.pipeline import INPUT_SHAPE, LOCAL_DATASET
-from flowerbed.parallel.plan import SCHEDULES, LayerSource, MemberPlan, PlanError
-from flowerbed.parallel.planner import KEEP, REPARTITION, Layout, PipelinePlanner
-from flowerbed.parallel.recovery import (
+from flowerbed.parallel.pipeline.makespan import replications, step_s, throughput
+from flowerbed.parallel.pipeline.planner import (
+    KEEP,
+    REPARTITION,
+    Layout,
+    PipelinePlanner,
+)
+from flowerbed.parallel.pipeline.recovery import (
     Holdings,
     MemberReport,
     layer_sources,
     recover,
 )
+from flowerbed.parallel.pipeline.stage import INPUT_SHAPE, LOCAL_DATASET
+from flowerbed.parallel.plan import SCHEDULES, LayerSource, MemberPlan, PlanError
 from flowerbed.parallel.store import layer_of
 from flowerbed.replies import ReplyRejected
 from flwr.app import (
@@ -113,13 +118,13 @@ class PipelineTraining(SpanJobStrategy):
     measured: ``link_bandwidth``).
 
     **Partition.** FTPipeHD's dynamic programme (Sec. 4.2;
-    :func:`flowerbed.parallel.partition.partition`)::
+    :func:`flowerbed.parallel.pipeline.partition.partition`)::
 
         dp[j][s] = min_{i<j} max(dp[i][s-1], 2 * out_bytes[i] / bw[s-1],
                                  (T_fwd(i+1..j) + T_bwd(i+1..j)) * power[s])
 
     run over the ``k`` fastest members for every ``k``, keeping the best
-    predicted step time (:mod:`flowerbed.parallel.makespan`): a board so slow
+    predicted step time (:mod:`flowerbed.parallel.pipeline.makespan`): a board so slow
     that one layer on it would pace the pipeline below what the others reach
     alone waits on standby.
 
@@ -137,7 +142,7 @@ class PipelineTraining(SpanJobStrategy):
     first; its segment-end state also reaches the ServerApp with the reply, the
     central copy). When members are lost mid-segment, the ServerApp picks the
     newest step every layer still has a copy at among the survivors
-    (:mod:`flowerbed.parallel.recovery`; at most R steps lost after one loss or
+    (:mod:`flowerbed.parallel.pipeline.recovery`; at most R steps lost after one loss or
     several non-adjacent ones, back to the central copy after adjacent ones),
     re-partitions over the survivors and tells each new stage where each layer
     comes from (itself, a peer, or the central copy in the message). A member
@@ -160,7 +165,7 @@ class PipelineTraining(SpanJobStrategy):
         Keyword arguments of the model factory (JSON values).
     dataset : str (default: "digits")
         The first stage's training data: a name of
-        ``flowerbed.parallel.data.JOB_DATASETS``, or ``"local"`` for the board's
+        ``flowerbed.parallel.job_data.JOB_DATASETS``, or ``"local"`` for the board's
         own ``dataset-path``.
     steps_per_round : int (default: 20)
         K, synchronous steps per round (segment).

@@ -3,9 +3,10 @@
 The Flower side of S2 (Rama, Threadgill, Gerstlauer, "Distributed Convolutional
 Neural Network Training on Mobile and Edge Clusters", arXiv 2409.09083): the
 feature-map-heavy early layers of one model are split into spatial tiles, one per
-board, fused into groups, and trained exactly (:mod:`flowerbed.parallel.tile_member`);
-the weight-heavy rest runs on one board. Flower is the control plane
-(docs/architecture.md, "Jobs that span devices"): per round this strategy
+board, fused into groups, and trained exactly
+(:mod:`flowerbed.parallel.tiles.exact_step`); the weight-heavy rest runs on one
+board. Flower is the control plane (docs/architecture.md, "Jobs that span
+devices"): per round this strategy
 
 1. (first round, and after a loss) selects co-located boards: the connected
    nodes that answer a ``tiles`` profiling query (their training speed on the
@@ -13,9 +14,9 @@ the weight-heavy rest runs on one board. Flower is the control plane
    (``subnet_prefix``), at most ``max_devices``;
 2. plans: rank 0 is the board with the most memory (it holds the head), tiles
    are sized to the measured speeds, the grouping and the number of tiled layers
-   come from the cost model's DP (:func:`flowerbed.parallel.tile_groups.
-   plan_tiles`) under every board's memory; a plan that fits nowhere is a clear
-   error before anything is sent;
+   come from the cost model's DP
+   (:func:`flowerbed.parallel.tiles.grouping.plan_tiles`) under every board's
+   memory; a plan that fits nowhere is a clear error before anything is sent;
 3. sends each member its plan and weights (rank 0 the whole model and momentum,
    the others the tiled front's), runs one segment of ``steps_per_round`` steps
    and takes the new weights from rank 0's reply;
@@ -42,9 +43,9 @@ from typing import Any
 import numpy as np
 from flowerbed import keys
 from flowerbed.parallel.plan import MemberPlan, PlanError
-from flowerbed.parallel.tile_groups import Cluster, TilePlan, plan_tiles
-from flowerbed.parallel.tile_layout import layout
-from flowerbed.parallel.tiles import TileError
+from flowerbed.parallel.tiles.grouping import Cluster, TilePlan, plan_tiles
+from flowerbed.parallel.tiles.layout import layout
+from flowerbed.parallel.tiles.regions import TileError
 from flowerbed.replies import ReplyRejected
 from flowerbed.strategies.accumulation import to_numpy
 from flwr.app import (
@@ -155,7 +156,7 @@ class TiledTraining(SpanJobStrategy):
         Shape of one sample, ``(channels, height, width)``.
     dataset : str (default: "synthetic")
         A job dataset every board reads (``digits32`` ...,
-        :mod:`flowerbed.parallel.data`) or ``"synthetic"`` (Gaussian images,
+        :mod:`flowerbed.parallel.job_data`) or ``"synthetic"`` (Gaussian images,
         uniform labels: timing runs).
     num_classes : int, optional
         Classes of the synthetic labels (default: ``model_args["num_classes"]``
@@ -268,7 +269,7 @@ class TiledTraining(SpanJobStrategy):
             timeout_s=timeout_s,
             reply_margin_s=reply_margin_s,
         )
-        from flowerbed.parallel.tile_model import check_norm
+        from flowerbed.parallel.tiles.region_ops import check_norm
 
         self.model = model
         self.model_args = dict(model_args or {})
@@ -354,7 +355,7 @@ class TiledTraining(SpanJobStrategy):
         """The planner's view of the model (built once, on the server)."""
         if self._geometry is None:
             from flowerbed.models import build_sequential
-            from flowerbed.parallel.tile_model import front_geometry
+            from flowerbed.parallel.tiles.region_ops import front_geometry
 
             model = build_sequential(self.model, self.model_args, seed=self.seed)
             self._geometry = front_geometry(model, self.input_shape, self.norm)
@@ -463,7 +464,7 @@ class TiledTraining(SpanJobStrategy):
         return SegmentPlan(tile_plan, ordered)
 
     def member_plans(self, segment: SegmentPlan) -> dict[int, MemberPlan]:
-        from flowerbed.parallel.tile_member import TileSettings
+        from flowerbed.parallel.tiles.exact_step import TileSettings
 
         number, port = self.next_segment()
         tp = segment.tile_plan

@@ -2,7 +2,7 @@
 
 A synchronous pipeline (a flush per step) must end where plain SGD on one
 process ends after the same steps on the same batches (the batch of global step
-``t`` is :func:`flowerbed.parallel.data.batch_indices` of ``t``).
+``t`` is :func:`flowerbed.parallel.job_data.batch_indices` of ``t``).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 from flowerbed.models import build_sequential
-from flowerbed.parallel.data import batch_indices, load_job_dataset
+from flowerbed.parallel.job_data import batch_indices, load_job_dataset
 
 
 def single_process(

@@ -8,16 +8,16 @@ import numpy as np
 import pytest
 import torch
 from flowerbed.models import build_sequential
-from flowerbed.parallel.allreduce import (
+from flowerbed.parallel.group import free_port
+from flowerbed.parallel.job_data import batch_indices, load_job_dataset
+from flowerbed.parallel.large_batch.allreduce import (
     build_member_model,
     evaluate,
     make_optimizer,
     profile,
     run,
 )
-from flowerbed.parallel.data import batch_indices, load_job_dataset
-from flowerbed.parallel.group import free_port
-from flowerbed.parallel.large_batch import LrSchedule, share_bounds
+from flowerbed.parallel.large_batch.recipe import LrSchedule, share_bounds
 from flowerbed.parallel.member import MemberContext
 from flowerbed.parallel.plan import MemberPlan, PlanError
 from ranks import run_ranks

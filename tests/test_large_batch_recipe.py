@@ -7,13 +7,13 @@ import math
 import numpy as np
 import pytest
 import torch
-from flowerbed.parallel.large_batch import (
+from flowerbed.parallel.large_batch.optimizers import LargeBatchOptimizer
+from flowerbed.parallel.large_batch.recipe import (
     LrSchedule,
     batch_shares,
     loss_scale,
     share_bounds,
 )
-from flowerbed.parallel.optim import LargeBatchOptimizer
 
 
 # --------------------------------------------------------------------- shares

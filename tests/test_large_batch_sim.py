@@ -6,8 +6,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from flowerbed.parallel.allreduce import run_group
 from flowerbed.parallel.emulation import DeviceSpeed
+from flowerbed.parallel.large_batch.allreduce import run_group
 from flowerbed.parallel.member import MemberContext
 from flowerbed.parallel.plan import MemberPlan, PlanError
 from flowerbed.sims.links import SwitchedEthernet, WifiMedium
@@ -260,7 +260,7 @@ def test_members_evaluate_the_model_and_the_server_scores_it() -> None:
     job dataset); simulate(evaluate=True) scores the same model server side."""
     s = strategy(fraction_evaluate=1.0)
     run = simulate(s, [1.0, 0.5], 2, evaluate=True)
-    from flowerbed.parallel.data import load_job_dataset
+    from flowerbed.parallel.job_data import load_job_dataset
 
     tests = len(load_job_dataset("digits").x_test)
     for r in (1, 2):

@@ -42,7 +42,7 @@ def test_ring_allreduce_by_hand() -> None:
 def test_one_ring_formula_for_the_simulator_and_the_tile_cost_model() -> None:
     """The same 4 devices, 1 MB, 100 Mbit/s (12.5 MB/s), 1 ms: 0.126 s both ways."""
     from flowerbed.parallel import collectives
-    from flowerbed.parallel.tile_groups import Cluster
+    from flowerbed.parallel.tiles.grouping import Cluster
 
     assert ring_allreduce_seconds is collectives.ring_allreduce_seconds
     cluster = Cluster(speeds=(1.0,) * 4, link_bytes_per_s=12.5e6, latency_s=1e-3)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from flowerbed.parallel.makespan import (
+from flowerbed.parallel.pipeline.makespan import (
     recovery_s,
     replicate_s,
     replications,
@@ -17,16 +17,16 @@ from flowerbed.parallel.makespan import (
     segment_cost,
     step_s,
 )
-from flowerbed.parallel.partition import (
+from flowerbed.parallel.pipeline.partition import (
     LayerCosts,
     evaluate,
     even_partition,
     moved_layers,
     partition,
 )
+from flowerbed.parallel.pipeline.planner import Layout, PipelinePlanner
+from flowerbed.parallel.pipeline.recovery import Holdings, layer_sources, restart_step
 from flowerbed.parallel.plan import PlanError
-from flowerbed.parallel.planner import Layout, PipelinePlanner
-from flowerbed.parallel.recovery import Holdings, layer_sources, restart_step
 
 
 def uniform(layers: int, out_bytes: list[float] | None = None) -> LayerCosts:

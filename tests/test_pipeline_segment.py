@@ -17,9 +17,9 @@ import reference
 from flowerbed.models import build_sequential
 from flowerbed.parallel.group import free_port
 from flowerbed.parallel.member import MemberContext
-from flowerbed.parallel.pipeline import run_segment
+from flowerbed.parallel.pipeline.recovery import Holdings, layer_sources, restart_step
+from flowerbed.parallel.pipeline.stage import run_segment
 from flowerbed.parallel.plan import LayerSource, MemberPlan
-from flowerbed.parallel.recovery import Holdings, layer_sources, restart_step
 from flowerbed.parallel.store import LayerStore
 from ranks import run_ranks
 

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from flowerbed.models import build_sequential
 from flowerbed.parallel.group import free_port
-from flowerbed.parallel.tiled import JobData
+from flowerbed.parallel.tiles.runner import JobData
 from procs import Federation
 
 pytestmark = pytest.mark.slow

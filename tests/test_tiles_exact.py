@@ -8,7 +8,7 @@ in turn (one fresh group each), to keep the test's cost to a few spawns:
 - gradients: after one step the (all-reduced) gradients of every rank's
   weights equal single-device gradients;
 - training: three SGD steps (momentum, weight decay) through the board's
-  runner (:func:`flowerbed.parallel.tiled.run`) end with rank 0 holding the
+  runner (:func:`flowerbed.parallel.tiles.runner.run`) end with rank 0 holding the
   weights single-device training reaches on the same batches.
 
 The model has every kind of window the tracer handles: 3x3 "same" convs, a
@@ -29,10 +29,10 @@ from flowerbed.models import build_sequential
 from flowerbed.parallel.group import free_port, joined_group
 from flowerbed.parallel.member import MemberContext
 from flowerbed.parallel.plan import MemberPlan
-from flowerbed.parallel.tile_layout import layout
-from flowerbed.parallel.tile_member import TiledMember, TileSettings, front_names
-from flowerbed.parallel.tile_model import freeze_front_norms, front_geometry
-from flowerbed.parallel.tiled import JobData, run
+from flowerbed.parallel.tiles.exact_step import TiledMember, TileSettings, front_names
+from flowerbed.parallel.tiles.layout import layout
+from flowerbed.parallel.tiles.region_ops import freeze_front_norms, front_geometry
+from flowerbed.parallel.tiles.runner import JobData, run
 from ranks import run_ranks
 from torch import nn
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from flowerbed.parallel.tile_model import SUPPORTED, front_geometry, op_of
-from flowerbed.parallel.tiles import (
+from flowerbed.parallel.tiles.region_ops import SUPPORTED, front_geometry, op_of
+from flowerbed.parallel.tiles.regions import (
     NEG_INF,
     POINTWISE,
     WINDOW,
@@ -203,7 +203,7 @@ def test_the_front_stops_at_the_first_layer_it_cannot_tile() -> None:
 def test_regions_of_a_real_stack_reproduce_the_full_map() -> None:
     # One device per band of a conv/pool/conv stack with stride and padding:
     # each tile computed from its region alone equals the full map's pixels.
-    from flowerbed.parallel.tile_model import RegionOp, layer_ops, run_group
+    from flowerbed.parallel.tiles.region_ops import RegionOp, layer_ops, run_group
 
     torch.manual_seed(0)
     model = nn.Sequential(

@@ -29,9 +29,9 @@ import math
 
 import pytest
 from flowerbed.parallel.plan import PlanError
-from flowerbed.parallel.tile_groups import Cluster, evaluate, group_cost, plan_tiles
-from flowerbed.parallel.tile_layout import FrontGeometry, exchange_pieces, layout
-from flowerbed.parallel.tiles import WINDOW, Op, Rect, TileError
+from flowerbed.parallel.tiles.grouping import Cluster, evaluate, group_cost, plan_tiles
+from flowerbed.parallel.tiles.layout import FrontGeometry, exchange_pieces, layout
+from flowerbed.parallel.tiles.regions import WINDOW, Op, Rect, TileError
 
 CONV = Op("conv1x3", WINDOW, (1, 3), (1, 1), (0, 1), macs_per_pixel=3, params=4)
 
@@ -160,7 +160,7 @@ def test_the_planner_imports_no_torch() -> None:
 
     code = (
         "import sys\n"
-        "import flowerbed.parallel.tile_groups, flowerbed.parallel.tile_layout\n"
+        "import flowerbed.parallel.tiles.grouping, flowerbed.parallel.tiles.layout\n"
         "print('torch' in sys.modules)\n"
     )
     out = subprocess.run(

@@ -17,8 +17,8 @@ from flowerbed.parallel.member import (
     result_arrays,
 )
 from flowerbed.parallel.plan import MemberPlan, PlanError
-from flowerbed.parallel.tile_member import TileSettings, settings_of
-from flowerbed.parallel.tiled import JobData, evaluate
+from flowerbed.parallel.tiles.exact_step import TileSettings, settings_of
+from flowerbed.parallel.tiles.runner import JobData, evaluate
 from torch import nn
 
 SETTINGS = TileSettings(

@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 from flowerbed.parallel.group import free_port
 from flowerbed.parallel.plan import PlanError
-from flowerbed.parallel.tiles import TileError
+from flowerbed.parallel.tiles.regions import TileError
 from flowerbed.sims.process_grid import ProcessGrid
 from flowerbed.strategies import TiledTraining
 from flowerbed.strategies.accumulation import to_arrayrecord, to_numpy
@@ -247,7 +247,7 @@ def test_co_located_boards_share_a_subnet() -> None:
 def test_tiles_follow_the_boards_measured_speeds() -> None:
     # Rank 0 is the board with the most memory (node 2); the others follow by
     # node id. A board twice as fast gets a tile twice as large, on every map.
-    from flowerbed.parallel.tile_layout import layout
+    from flowerbed.parallel.tiles.layout import layout
 
     strategy = tiled(bands=1)
     segment = strategy.plan_segment(
