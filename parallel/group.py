@@ -1,7 +1,8 @@
 """Joining a fresh gloo process group for one segment, and failing fast.
 
-PARALLEL.md: a gloo group cannot shrink, so every segment (and every retry after a
-loss) starts a new group on a new rendezvous port. Rank 0 hosts the rendezvous (a
+A gloo group cannot shrink (docs/references.md, "torch.distributed and gloo"), so
+every segment (and every retry after a loss) starts a new group on a new
+rendezvous port. Rank 0 hosts the rendezvous (a
 ``torch.distributed.TCPStore``) on its advertised address; every member binds
 gloo to its own advertised address (so a board with several interfaces, or a
 Debian host name resolving to 127.0.1.1, still works without

@@ -76,7 +76,7 @@ from .span import (
 
 MODE = "tiles"
 DEFAULT_LINK_MBPS = 100.0
-"""Raspberry Pi 3 Ethernet (PARALLEL.md)."""
+"""Raspberry Pi 3 Ethernet (docs/references.md, "Devices")."""
 DEFAULT_LATENCY_S = 1e-3
 DEFAULT_SUBNET_PREFIX = 24
 DEFAULT_MAX_DEVICES = 6

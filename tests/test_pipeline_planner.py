@@ -45,8 +45,8 @@ def uniform(layers: int, out_bytes: list[float] | None = None) -> LayerCosts:
 def test_a_ten_times_slower_device_gets_one_layer_of_twelve() -> None:
     # Stage times: 5 and 6 layers at 1 s on the fast devices, 1 layer at 10 s on
     # the slow one: bottleneck 10 s. The even split [4, 4, 4] puts 4 x 10 = 40 s
-    # on the slow device: the DP is 4x better. (PARALLEL.md measured [5, 6, 1]
-    # at 3.6x the even split's samples/s on three local processes.)
+    # on the slow device: the DP is 4x better. (Measured on three local processes:
+    # [5, 6, 1] at 3.6x the even split's samples/s; docs/references.md.)
     best = partition(uniform(12), power=[1, 1, 10])
     assert best.sizes == [5, 6, 1]
     assert best.stage_s == pytest.approx((5.0, 6.0, 10.0))

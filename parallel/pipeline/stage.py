@@ -2,9 +2,10 @@
 
 The engine is ``torch.distributed.pipelining``: the member wraps its layers
 (``plan.layers``, full-model names kept) in a :class:`PipelineStage` with static
-input/output metadata (no shape inference; PARALLEL.md's pitfalls) and runs
-``Schedule1F1B`` or ``ScheduleGPipe`` once per step, then its optimiser (SGD with
-optional momentum and weight decay). With the flush per step, K steps on p
+input/output metadata (no shape inference: docs/references.md,
+"torch.distributed and gloo") and runs ``Schedule1F1B`` or ``ScheduleGPipe``
+once per step, then its optimiser (SGD with optional momentum and weight
+decay). With the flush per step, K steps on p
 members give exactly the weights of K steps of single-process training on the
 same batches (loss averaged over the micro-batches, ``scale_grads``).
 
@@ -259,7 +260,7 @@ def _pipeline_stage(
     first, last = plan.rank == 0, plan.rank == plan.world_size - 1
     layers = plan.layers
     # Static metadata: the activations crossing a cut must be marked as needing
-    # gradients, or the stage's backward fails (PARALLEL.md).
+    # gradients, or the stage's backward fails (docs/references.md).
     inputs = torch.empty(shapes[layers.start], device="meta", requires_grad=not first)
     outputs = torch.empty(shapes[layers.stop], device="meta", requires_grad=not last)
     return PipelineStage(

@@ -3,7 +3,7 @@
 The plan (mode ``tiles``) names a model, the number of tiled layers and their
 grouping, and every rank's tile weight; every member derives the same
 :class:`~flowerbed.parallel.tiles.layout.Layout` from it. One training step, on
-rank ``r`` (Rama, Threadgill, Gerstlauer, arXiv 2409.09083; PARALLEL.md, "S2"):
+rank ``r`` (Rama, Threadgill, Gerstlauer, arXiv 2409.09083; docs/tiles.md):
 
 1. **forward, group by group**: take the input region of group 0 from the batch
    (every member reads the same batch: ``batch_indices(seed, step)``); run the

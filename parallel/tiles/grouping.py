@@ -34,10 +34,10 @@ profiler)::
     ring(B) = 2 (D - 1) / D * B / bw + 2 (D - 1) a
 
 (``ring``: the ring all-reduce, Thakur, Rabenseifner, Gropp, "Optimization of
-collective communication operations in MPICH", IJHPCA 2005; PARALLEL.md; one
-home for the formula: :mod:`flowerbed.parallel.collectives`.) Each
-device's link to the switch is full duplex, so a phase lasts as long as the
-busiest port's larger direction. ``tile_s(i)`` is the tile grid of map ``i``
+collective communication operations in MPICH", IJHPCA 2005; one home for the
+formula: :mod:`flowerbed.parallel.collectives`.) Each device's link to the
+switch is full duplex, so a phase lasts as long as the busiest port's larger
+direction. ``tile_s(i)`` is the tile grid of map ``i``
 (:func:`flowerbed.parallel.tiles.regions.tile_grid`), which depends only on the map, so
 the cost of a group depends only on ``(i, j)``.
 
