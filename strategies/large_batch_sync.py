@@ -129,6 +129,24 @@ class LargeBatchSync(SpanJobStrategy):
         How long to wait for profiling answers.
     rendezvous_port, rendezvous_ports, join_timeout_s, timeout_s, reply_margin_s
         As in :class:`~flowerbed.strategies.span.SpanJobStrategy`.
+
+    Attributes
+    ----------
+    model, model_args, dataset, seed
+        The parameters of the same names, as given.
+    schedule : flowerbed.parallel.large_batch.recipe.LrSchedule
+        The learning-rate schedule built from ``base_lr``, ``base_batch``,
+        ``batch_size``, ``warmup_steps`` and ``decay_steps``.
+    speeds : dict of int to float
+        Smoothed samples per second of each member.
+    cohort : list of int
+        The members of the last planned segment, in rank order.
+    lost : set of int
+        Members dropped after a failed segment, no longer planned.
+    refused : dict of int to str
+        Nodes that cannot take part, and why.
+    step : int
+        Global steps completed.
     """
 
     mode = "allreduce"

@@ -203,6 +203,29 @@ class PipelineTraining(SpanJobStrategy):
         Seed of the batch order (and of the model built on the server).
     rendezvous_port, rendezvous_ports, join_timeout_s, timeout_s, reply_margin_s
         See :class:`flowerbed.strategies.span.SpanJobStrategy`.
+
+    Attributes
+    ----------
+    model, model_args, input_shape, dataset, seed
+        The parameters of the same names, as given (``input_shape`` a tuple).
+    planner : flowerbed.parallel.pipeline.planner.PipelinePlanner
+        The planning state: reference per-layer times, every member's computing
+        power, measured links, the current layout.
+    members : dict of int to SpanMember
+        Nodes admitted to the job (profiled, with an address).
+    lost : set of int
+        Members that died or failed a plan the others could run.
+    refused : dict of int to str
+        Nodes that cannot take part, and why.
+    step : int
+        The global step the next segment starts from: the steps completed, or
+        after a loss the step recovery restarts from.
+    events : list of str
+        Re-partitions and recoveries, as logged.
+    layouts : dict of int to list of dict
+        Round -> its stages: ``{"node": id, "device": label, "layers": [a, b]}``.
+    profiled_power : dict of int to float
+        Node -> computing power measured when it was admitted.
     """
 
     mode = "pipeline"

@@ -203,6 +203,17 @@ class TiledTraining(SpanJobStrategy):
     ``tiles-predicted-step-s``, and the slowest member's ``span-step-s``,
     ``tiles-compute-s``, ``tiles-link-s``, ``tiles-activation-bytes``,
     ``tiles-peak-rss-bytes``.
+
+    Attributes
+    ----------
+    model, model_args, input_shape, dataset, seed
+        The parameters of the same names, as given (``input_shape`` a tuple).
+    boards : list of Board
+        The selected members, with their measured speed and memory budget.
+    segment : SegmentPlan or None
+        The last planned segment: its tile plan and its boards in rank order.
+    step : int
+        Global steps completed.
     """
 
     mode = MODE

@@ -88,6 +88,17 @@ class PipelinePlanner:
         Least relative step-time improvement worth a re-partition.
     fixed_sizes : sequence of int, optional
         A fixed partition (layers per stage) used instead of the DP.
+
+    Attributes
+    ----------
+    reference_forward, reference_backward : tuple of float
+        Per layer: forward and backward seconds of one micro-batch on the
+        reference member (the fastest at the first profile; empty until then).
+    power : dict of int to float
+        Member -> computing power: its time over the reference's for the same
+        layers (FTPipeHD Sec. 4.1), profiled, then updated from segments.
+    links : dict of (int, int) to float
+        Measured bytes/s from one member to the next.
     """
 
     out_bytes: Sequence[float]
