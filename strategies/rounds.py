@@ -102,7 +102,8 @@ class RoundLoop(FedAvg):
         self._updates_applied = 0
         self._num_rounds = 0
         self._stop = False
-        """Set by a round (``_train_stage``) to end the run after it."""
+        """Set by a round's hook to end the run: after ``_train_stage``, before
+        the round's evaluation; after ``_after_round``, once the round is done."""
         self._driver: Strategy = self
         """Whose ``configure_*``/``aggregate_*`` the loop calls: this strategy,
         or a Flower wrapper around it (:meth:`start_wrapped`)."""
@@ -557,6 +558,8 @@ class RoundLoop(FedAvg):
             self._after_round(server_round, result)
             self._write_checkpoint(server_round, result)
             ran += 1
+            if self._stop:
+                break
         self._finish_run(result)
         return self._end(result, ran)
 
