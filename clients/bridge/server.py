@@ -15,7 +15,9 @@ Nothing a client sends can pin the server (docs/bridge.md, "Security"):
   ``503`` when every connection is busy;
 - heads over :data:`MAX_HEAD_BYTES`, bodies over the endpoint's limit, malformed
   request lines, headers or ``Content-Length``, chunked bodies, JSON that is invalid,
-  too deep or holds NaN: all answered with a 4xx JSON error;
+  too deep or holds NaN: all answered with a 4xx JSON error; a JSON body is checked
+  and decoded in time linear in its length, under a CPU budget
+  (:mod:`flowerbed.clients.bridge.json_body`);
 - a body is read whole before the request is answered, or the connection is
   closed with the answer, so keep-alive never reads a stale body as a request;
 - a phone may have ``max_requests_per_phone`` requests in progress; more get 429;
@@ -42,7 +44,6 @@ from http import HTTPStatus
 from typing import Any, TypeVar
 from urllib.parse import parse_qs, urlsplit
 
-import numpy as np
 from flowerbed.clients.bridge.codec import CONTENT_TYPE
 from flowerbed.clients.bridge.gateway import (
     PATH_VERSION,
@@ -50,6 +51,7 @@ from flowerbed.clients.bridge.gateway import (
     Gateway,
     Phone,
 )
+from flowerbed.clients.bridge.json_body import parse_json
 from flowerbed.clients.bridge.tasks import ProtocolError
 
 log = logging.getLogger("flowerbed.bridge")
@@ -60,9 +62,6 @@ MAX_JSON_BYTES = 64 * 1024
 MAX_HEAD_BYTES = 16 * 1024
 """Largest request head (request line and headers)."""
 MAX_HEADERS = 64
-MAX_JSON_DEPTH = 32
-"""Deepest JSON nesting accepted (the protocol's bodies nest 2 levels)."""
-_JSON_STRING_RE = re.compile(rb'"(?:[^"\\]|\\.)*"')
 _VERSION_RE = re.compile(r"^/v(\d{1,6})(/|$)")
 _RANGE_RE = re.compile(r"^bytes=([0-9]{1,15})-([0-9]{0,15})$")
 _DIGITS_RE = re.compile(r"^[0-9]{1,15}$")
@@ -119,40 +118,6 @@ def _integer(query: dict[str, list[str]], name: str) -> int:
             400, f"{name} must be a non-negative integer (decimal digits), got {raw!r}"
         )
     return int(raw)
-
-
-def _no_constants(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
-
-
-def json_depth(raw: bytes) -> int:
-    """Deepest nesting of ``[``/``{`` in JSON text, strings skipped; linear time."""
-    text = np.frombuffer(_JSON_STRING_RE.sub(b'""', raw), dtype=np.uint8)
-    if text.size == 0:
-        return 0
-    opens = (text == ord("[")) | (text == ord("{"))
-    closes = (text == ord("]")) | (text == ord("}"))
-    return int(np.cumsum(opens.astype(np.int64) - closes).max())
-
-
-def parse_json(raw: bytes) -> Any:
-    """Decode a JSON request body; :class:`ProtocolError` 400 for anything invalid.
-
-    NaN and Infinity literals are refused (they are not JSON), and so is nesting
-    deeper than :data:`MAX_JSON_DEPTH`, checked before parsing: the parser would
-    otherwise recurse into a ``RecursionError``, which in CPython 3.11 can leave
-    the interpreter unable to compile code afterwards.
-    """
-    if not raw:
-        return {}
-    if json_depth(raw) > MAX_JSON_DEPTH:
-        raise ProtocolError(
-            400, f"body JSON is nested too deeply (more than {MAX_JSON_DEPTH} levels)"
-        )
-    try:
-        return json.loads(raw.decode("utf-8"), parse_constant=_no_constants)
-    except (UnicodeDecodeError, ValueError) as err:
-        raise ProtocolError(400, f"body is not UTF-8 JSON: {err}") from None
 
 
 def _status_line(status: int) -> str:
