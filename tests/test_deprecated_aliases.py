@@ -25,3 +25,17 @@ def test_an_unknown_name_is_an_attribute_error() -> None:
 
     with pytest.raises(AttributeError, match="no attribute 'nonsense'"):
         _ = utils.nonsense
+
+
+def test_cluster_selection_training_imports_as_selector_with_a_warning(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import sys
+
+    from flowerbed.strategies.cluster_selection import selector
+
+    old = "flowerbed.strategies.cluster_selection.training"
+    monkeypatch.delitem(sys.modules, old, raising=False)
+    with pytest.warns(DeprecationWarning, match="cluster_selection.selector"):
+        from flowerbed.strategies.cluster_selection.training import SelectedGrid
+    assert SelectedGrid is selector.SelectedGrid

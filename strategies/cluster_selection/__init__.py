@@ -10,11 +10,16 @@ Heterogeneous Computing Platforms", 2019. Four ideas, one module each:
 - :mod:`.refine`: refinement (rehearse the nodes the choice hinges on) and racing
   (train some rounds on rivals);
 - :mod:`.strategy`: the Flower strategy, with :mod:`.observe` (reading replies) and
-  :mod:`.training` (the chosen configuration during training).
+  :mod:`.selector` (the chosen configuration during training).
 
 The cost model, search and refinement use no Flower machinery, so the benchmark's
 evaluation (``flowerbed.bench.selection_eval``) shares them with the strategy.
+
+``flowerbed.strategies.cluster_selection.training`` (now :mod:`.selector`) still
+imports for one release, with a :class:`DeprecationWarning`.
 """
+
+from flowerbed.moved import alias_modules
 
 from .model import (
     MODES,
@@ -54,14 +59,14 @@ from .search import (
     search_masks,
     select,
 )
-from .strategy import ClusterSelection
-from .training import (
+from .selector import (
     SELECTION_ESTIMATED_S,
     SELECTION_MEASURED_S,
     SELECTION_SIZE,
     SelectedGrid,
     SelectionRecord,
 )
+from .strategy import ClusterSelection
 
 __all__ = [
     "CONFIDENCE_DRAWS",
@@ -104,3 +109,11 @@ __all__ = [
     "settled_confidence",
     "timed_exchange",
 ]
+
+alias_modules(
+    {
+        "flowerbed.strategies.cluster_selection.training": (
+            "flowerbed.strategies.cluster_selection.selector"
+        )
+    }
+)

@@ -46,7 +46,7 @@ from .refine import (
     settled_confidence,
 )
 from .search import CONFIDENCE_DRAWS, EXHAUSTIVE_MAX_NODES, Confidence, search_masks
-from .training import (
+from .selector import (
     SELECTION_ESTIMATED_S,
     SELECTION_MEASURED_S,
     SELECTION_SIZE,
