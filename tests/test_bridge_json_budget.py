@@ -1,23 +1,36 @@
-"""JSON request bodies cost time linear in their size.
+"""JSON request bodies cost time linear in their size, and never stall the gateway.
 
 A body is checked for nesting depth and decoded in time proportional to its length
-whatever its bytes, under a CPU budget.
+whatever its bytes, under a CPU budget, in the server's worker pool: a phone
+sending 64 KiB hostile bodies four at a time leaves other requests as fast as
+they were (docs/bridge.md, "Security").
 """
 
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import math
 import random
+import threading
 import time
 from collections.abc import Callable
 
 import pytest
+from bridge_fakes import (
+    TOKENS,
+    running_bridge,
+    task_identity,  # noqa: F401 (fixture)
+)
 from flowerbed.clients.bridge import json_body
 from flowerbed.clients.bridge.json_body import json_depth, parse_json
 from flowerbed.clients.bridge.server import MAX_JSON_BYTES
 from flowerbed.clients.bridge.tasks import ProtocolError
+
+pytestmark = pytest.mark.usefixtures("task_identity")
+
+ALICE = next(t for t, n in TOKENS.items() if n == "alice")
 
 HOSTILE: dict[str, Callable[[int], bytes]] = {
     # About n bytes each.
@@ -138,3 +151,61 @@ def test_a_body_over_the_cpu_budget_is_refused_with_413_naming_the_limit():
     assert err.value.status == 413
     assert "CPU" in err.value.reason and "the limit is 0.001 ms" in err.value.reason
     assert len(parse_json(body)) == MAX_JSON_BYTES // 4 + 1  # the default budget
+
+
+# -- the running gateway ---------------------------------------------------------------
+
+
+def _slowest(requests: list[Callable[[], object]]) -> float:
+    """Seconds the slowest of ``requests`` took."""
+    slowest = 0.0
+    for request in requests:
+        start = time.perf_counter()
+        request()
+        slowest = max(slowest, time.perf_counter() - start)
+    return slowest
+
+
+def test_hostile_bodies_four_at_a_time_leave_other_requests_fast():
+    """An enrolled phone sends 64 KiB hostile bodies to /v1/hello on four
+    connections, over and over; the slowest of another phone's hellos and polls
+    meanwhile is within 100 ms of the slowest without that load."""
+    bodies = [make(MAX_JSON_BYTES - 16) for make in HOSTILE.values()]
+    assert all(MAX_JSON_BYTES - 32 < len(body) <= MAX_JSON_BYTES for body in bodies)
+    with running_bridge() as (_, _, server, phone):
+        bob = phone("bob")
+        healthy = [bob.hello, lambda: bob.poll(0)] * 4
+        bob.hello()
+        calm = _slowest(healthy)
+
+        stop = threading.Event()
+        sent = [threading.Event() for _ in range(4)]
+        answers: list[tuple[int, str]] = []
+
+        def attack(i: int) -> None:
+            conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+            headers = {"Authorization": f"Bearer {ALICE}"}
+            try:
+                while not stop.is_set():
+                    body = bodies[(i + len(answers)) % len(bodies)]
+                    conn.request("POST", "/v1/hello", body, headers)
+                    sent[i].set()
+                    resp = conn.getresponse()
+                    answers.append((resp.status, json.loads(resp.read())["error"]))
+            finally:
+                conn.close()
+
+        attackers = [threading.Thread(target=attack, args=(i,)) for i in range(4)]
+        for t in attackers:
+            t.start()
+        try:
+            for event in sent:
+                assert event.wait(10)
+            loaded = _slowest(healthy)
+        finally:
+            stop.set()
+            for t in attackers:
+                t.join()
+    assert loaded < calm + 0.1, f"{calm * 1e3:.1f} ms calm, {loaded * 1e3:.1f} loaded"
+    assert len(answers) >= 4
+    assert {status for status, _ in answers} == {400}, answers[:4]

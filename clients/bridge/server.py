@@ -2,8 +2,9 @@
 
 An ``asyncio`` server in one background thread. Every connection is a coroutine,
 not a thread, so idle, slow and long-polling phones cost a socket and a little
-memory each; the blocking work of a request (registering a node with the SuperLink,
-decoding a result) runs in a bounded pool of ``workers`` threads.
+memory each; the blocking work of a request (checking and decoding a JSON body,
+registering a node with the SuperLink, decoding a result) runs in a bounded pool of
+``workers`` threads.
 
 Nothing a client sends can pin the server (docs/bridge.md, "Security"):
 
@@ -16,7 +17,7 @@ Nothing a client sends can pin the server (docs/bridge.md, "Security"):
 - heads over :data:`MAX_HEAD_BYTES`, bodies over the endpoint's limit, malformed
   request lines, headers or ``Content-Length``, chunked bodies, JSON that is invalid,
   too deep or holds NaN: all answered with a 4xx JSON error; a JSON body is checked
-  and decoded in time linear in its length, under a CPU budget
+  and decoded in time linear in its length, under a CPU budget, off the event loop
   (:mod:`flowerbed.clients.bridge.json_body`);
 - a body is read whole before the request is answered, or the connection is
   closed with the answer, so keep-alive never reads a stale body as a request;
@@ -425,9 +426,8 @@ class _Protocol:
             return
         await self._read_body(request, reader, writer, MAX_JSON_BYTES)
         if method == "POST" and parts == ["hello"]:
-            answer = await self._call(
-                self.gateway.hello, phone, parse_json(request.body)
-            )
+            body = await self._call(parse_json, request.body)
+            answer = await self._call(self.gateway.hello, phone, body)
             await self._send_json(writer, 200, answer)
         elif method == "GET" and parts == ["task"]:
             await self._poll(writer, phone, query)
@@ -441,14 +441,14 @@ class _Protocol:
             method == "POST" and len(parts) == 3 and parts[::2] == ["task", "complete"]
         ):
             task = self.gateway.task(phone, parts[1])
-            body = parse_json(request.body)
+            body = await self._call(parse_json, request.body)
             metrics = body.get("metrics") if isinstance(body, dict) else None
             await self._call(task.complete, metrics)
             log.info("phone %s: task %s accepted", phone.name, task.task_id)
             await self._send_json(writer, 200, {"status": "accepted"})
         elif method == "POST" and len(parts) == 3 and parts[::2] == ["task", "fail"]:
             task = self.gateway.task(phone, parts[1])
-            body = parse_json(request.body)
+            body = await self._call(parse_json, request.body)
             reason = body.get("reason") if isinstance(body, dict) else None
             await self._call(task.fail, f"{reason or 'no reason given'!s:.500}")
             log.info(
