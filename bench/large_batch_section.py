@@ -22,7 +22,7 @@ Three parts:
   named (``--large-batch sync``), then with 8 and 16 phones.
 - ``rounds`` (the in-process engine): :class:`LargeBatchRounds` with 138
   simulated phones on each network; virtual seconds per round, samples per
-  virtual second, and the wall time of the run (requirement 4: minutes).
+  virtual second, and the wall time of the run.
 - ``accuracy``: time to accuracy of the large-batch recipe (LAMB, warm-up) and
   of Flower's FedAvg over the same samples (every phone its 4 samples per
   round: one SGD step on all 4, or four steps of one, the way a FedAvg user
@@ -106,6 +106,7 @@ def run(ctx: SectionRun) -> dict[str, Any]:
         data[part] = {
             "measured": measured,
             "load_average": load,
+            "quick": ctx.quick,  # toy sizes: the page judges no target on them
             **{
                 "scaling": scaling,
                 "sync": sync,
@@ -289,7 +290,7 @@ def _rounds_strategy(phones: int) -> Any:
     from flowerbed.strategies import LargeBatchRounds
 
     batch = phones * ROUND_BATCH_PER_PHONE
-    return LargeBatchRounds(
+    return LargeBatchRounds.from_settings(
         fraction_evaluate=0.0,
         min_train_nodes=phones,
         min_available_nodes=phones,
@@ -434,7 +435,8 @@ def _provenance(d: Mapping[str, Any]) -> str:
         if load
         else ""
     )
-    return f"Part measured {d['measured']} (UTC){at_load}."
+    toy = " at toy size (`--quick`)" if d.get("quick") else ""
+    return f"Part measured {d['measured']} (UTC){toy}{at_load}."
 
 
 def _render_scaling(d: Mapping[str, Any]) -> list[str]:
@@ -560,7 +562,7 @@ def _render_accuracy(d: Mapping[str, Any]) -> list[str]:
         for name in names
     }
     large, *fedavg = names
-    if fedavg:
+    if fedavg and not d.get("quick"):
         best = max(fedavg, key=lambda n: finals[n])
         diff = 100 * (finals[large] - finals[best])
         lines += [

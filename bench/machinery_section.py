@@ -33,8 +33,8 @@ default scenario."""
 THROUGHPUT_ROUNDS = 2
 THROUGHPUT_RAY_NODES = (10, 100)
 """Fleet sizes run on Flower's simulation engine (``flwr run``, Ray) each time.
-Not 1000: that one run took 339 of the part's 780 s (2026-11-27), more than the
-rest of the part; its last measurement is carried over with its date
+Not 1000: that one run costs more than the rest of the part (339 of its 780 s
+when it was last run); its last measurement is carried over with its date
 (:func:`carry_ray_points`)."""
 QUICK_THROUGHPUT_NODES = (10,)
 QUICK_THROUGHPUT_MODES = ("legacy", "per-node", "batched")
@@ -133,6 +133,8 @@ def run(ctx: SectionRun) -> dict[str, Any]:
         out[part] = {
             "measured": measured,
             "load_average": load,
+            "cores": os.cpu_count(),
+            "quick": ctx.quick,  # toy sizes: the page judges no target on them
             **run_part(part, ctx.quick, app_root()),
         }
         if part == "throughput" and not ctx.quick:

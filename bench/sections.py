@@ -17,6 +17,12 @@ Adding a section
        def render(data: Mapping[str, Any]) -> list[str]:
            '''Markdown lines of the section, its own "## ..." heading first.'''
 
+   ``render`` formats every figure and verdict from ``data``; its other text
+   must be true of every run (no figures, dates or verdicts of one run written
+   into it). A section whose figures a target judges records ``ctx.quick`` in
+   its data where those figures live, and ``render`` judges no target on
+   quick data: toy sizes check structure, they measure nothing.
+
    and, when the section has options of its own::
 
        def add_arguments(parser: argparse.ArgumentParser) -> None: ...
