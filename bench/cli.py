@@ -3,9 +3,10 @@
 Each section (:mod:`flowerbed.bench.sections`) measures one thing and renders its
 part of BENCHMARKS.md. A run updates the sections it ran in
 ``<out>/benchmarks/results.json`` and keeps the others, then rebuilds
-``<out>/BENCHMARKS.md`` from every section present. ``--out`` defaults to
-``outputs/bench``; ``--publish`` writes into the checkout's ``docs/`` instead
-(the committed page).
+``<out>/BENCHMARKS.md`` from every section present; ``--rebuild`` only rebuilds
+the page. ``--out`` defaults to ``outputs/bench``; ``--publish`` writes into the
+checkout's ``docs/`` instead (the committed page). The page and the console
+name the command that wrote them (:func:`command_line`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import platform
 import shlex
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,14 @@ from typing import Any
 from .sections import SECTIONS, SectionRun, app_root, section_module
 
 DEFAULT_OUT = Path("outputs") / "bench"
+
+
+QUICK_TIME = (
+    "about 45 CPU seconds: 3 to 3.5 minutes on a 2-core machine busy with other jobs"
+)
+"""What ``--quick`` took when timed (``/usr/bin/time -v flowerbed bench --quick``,
+twice: 2:52 and 3:32 of wall time, 45 and 43 CPU seconds, load average 8-12
+on 2 cores)."""
 
 
 def register(subparsers: Any) -> None:
@@ -36,15 +45,28 @@ def register(subparsers: Any) -> None:
         "from every section present. --publish regenerates the checkout's "
         "docs/BENCHMARKS.md instead.",
     )
+    add_options(p)
+    p.set_defaults(func=run)
+
+
+def add_options(p: argparse.ArgumentParser) -> None:
+    """``flowerbed bench``'s options, the sections' own included."""
     p.add_argument(
         "--quick",
         action="store_true",
-        help="toy sizes that prove every section works, in under a minute (no Ray, "
-        "no gateway, no pipeline baselines or failure runs)",
+        help="toy sizes that check every section runs and renders, not how fast "
+        f"anything is: no targets judged, no duration estimated ({QUICK_TIME}; no "
+        "Ray, no gateway, no pipeline baselines or failure runs)",
     )
     p.add_argument(
         "--sections",
         help=f"comma-separated subset of: {', '.join(SECTIONS)} (default all)",
+    )
+    p.add_argument(
+        "--rebuild",
+        action="store_true",
+        help="run nothing: rebuild BENCHMARKS.md from the results.json already in "
+        "the output folder (after the page's text changed)",
     )
     p.add_argument(
         "--list",
@@ -65,7 +87,21 @@ def register(subparsers: Any) -> None:
         hook = getattr(section_module(name), "add_arguments", None)
         if hook is not None:
             hook(p)
-    p.set_defaults(func=run)
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """The ``flowerbed bench`` command that ``args`` were parsed from, each option
+    given a value other than its default (in the parser's order)."""
+    parser = argparse.ArgumentParser(prog="flowerbed bench", add_help=False)
+    add_options(parser)
+    words = ["flowerbed", "bench"]
+    for action in parser._actions:  # argparse lists its options nowhere public
+        value = getattr(args, action.dest, action.default)
+        if not action.option_strings or value is None or value == action.default:
+            continue
+        flag = max(action.option_strings, key=len)
+        words += [flag] if action.nargs == 0 else [flag, str(value)]
+    return shlex.join(words)
 
 
 def sections_from_args(args: argparse.Namespace) -> list[str]:
@@ -156,7 +192,8 @@ def run_section(
     started = time.monotonic()
     entry: dict[str, Any] = {
         "created": started_at.isoformat(timespec="seconds"),
-        "command": "flowerbed " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+        "command": command_line(args),
+        "quick": bool(args.quick),
         "machine": machine_info(),
         "versions": versions(),
     }
@@ -209,7 +246,7 @@ def bench(
             previous = results["sections"].get(name)
             entry = run_section(name, args, data_dir, previous, progress)
             results["sections"][name] = entry
-            report.write(results, out)
+            report.write(results, out, command_line(args))
     return results
 
 
@@ -223,40 +260,87 @@ def list_choices() -> list[str]:
     return lines
 
 
-def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
+def rebuild(args: argparse.Namespace, out: Path) -> int:
+    """``--rebuild``: the page from the results.json in ``out``, nothing run."""
+    from . import report
 
-    if args.list:
-        print("\n".join(list_choices()))
-        return 0
-    console = Console()
+    if args.quick or args.sections:
+        print(
+            "flowerbed bench: error: --rebuild runs nothing; drop --quick and "
+            "--sections",
+            file=sys.stderr,
+        )
+        return 2
     try:
-        names = sections_from_args(args)
-        out = out_dir(args)
-        writable(out)
+        results = report.load(out)
     except ValueError as err:
         print(f"flowerbed bench: error: {err}", file=sys.stderr)
         return 2
-    started = time.monotonic()
-    results = bench(names, args, out, console)
-    from .report import PAGE, headline_sentence, target_lines
+    if not results["sections"]:
+        print(
+            f"flowerbed bench: error: --rebuild found no results in "
+            f"{out / report.RESULTS_DIR / 'results.json'}; run the bench first",
+            file=sys.stderr,
+        )
+        return 2
+    page = report.write(results, out, command_line(args))
+    print(f"wrote {page} from {out / report.RESULTS_DIR / 'results.json'}")
+    return 0
 
+
+def summary(
+    names: Sequence[str], results: Mapping[str, Any], quick: bool
+) -> tuple[list[str], list[str]]:
+    """The console's lines after a run of ``names`` (rich markup), and the
+    sections that failed. A quick run says first that it checks structure only
+    and judges no target."""
+    from .report import PAGE, QUICK_DETAIL, QUICK_TITLE, headline_sentence, target_lines
+
+    lines = [f"[bold]{QUICK_TITLE}[/bold] {QUICK_DETAIL}"] if quick else []
     failed = []
     for name in names:
         data = results["sections"][name]["data"]
         if "error" in data:
             failed.append(f"{name} ({data['error']})")
         if name == "suite" and "headline" in data:
-            console.print(headline_sentence(data["headline"]))
-            for line in target_lines(data["targets"]):
-                console.print(line)
+            lines.append(headline_sentence(data["headline"], quick))
+            if not quick:
+                lines += target_lines(data["targets"])
             if data["errors"]:
-                console.print(
+                lines.append(
                     f"[yellow]{len(data['errors'])} suite runs failed; see "
                     f"{PAGE}[/yellow]"
                 )
     if failed:
-        console.print(f"[red]sections that failed:[/red] {'; '.join(failed)}")
+        lines.append(f"[red]sections that failed:[/red] {'; '.join(failed)}")
+    return lines, failed
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from .report import PAGE, QUICK_DETAIL, QUICK_TITLE
+
+    if args.list:
+        print("\n".join(list_choices()))
+        return 0
+    console = Console()
+    try:
+        out = out_dir(args)
+        if args.rebuild:
+            return rebuild(args, out)
+        names = sections_from_args(args)
+        writable(out)
+    except ValueError as err:
+        print(f"flowerbed bench: error: {err}", file=sys.stderr)
+        return 2
+    if args.quick:
+        console.print(f"[bold]{QUICK_TITLE}[/bold] {QUICK_DETAIL}")
+    started = time.monotonic()
+    results = bench(names, args, out, console)
+    lines, failed = summary(names, results, args.quick)
+    for line in lines:
+        console.print(line)
     console.print(
         f"wrote {out / PAGE} and {out / 'benchmarks'} "
         f"({', '.join(names)}) in {(time.monotonic() - started) / 60:.1f} min"

@@ -1,13 +1,16 @@
 """Write a bench's results: ``results.json``, one PNG per fleet and BENCHMARKS.md.
 
-Every number in the page is formatted from the results dictionary it is given; none
-is written by hand. Files are written to a temporary name and renamed into place.
+Every number and every verdict in the page is formatted from the results
+dictionary it is given; the rest is text true of every run. A page with sections
+from ``--quick`` runs says so first, judges no target for them and estimates no
+full-run duration. Files are written to a temporary name and renamed into place.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -38,13 +41,17 @@ def _ci(c: Mapping[str, Any], key: str, spec: str) -> str:
     return text
 
 
-def headline_sentence(h: Mapping[str, Any]) -> str:
-    """One sentence of the headline, for the console and the page."""
+def headline_sentence(h: Mapping[str, Any], quick: bool = False) -> str:
+    """One sentence of the headline, for the console and the page; a quick
+    run's is labelled as the toy-size check it is."""
+    label = "Quick run (toy sizes, not a measurement)" if quick else "Headline"
     if not h.get("available"):
-        return f"Headline: not available ({h.get('reason', 'no data')})."
+        return f"{label}: not available ({h.get('reason', 'no data')})."
+    seeds = len(h["seeds"])
     return (
-        f"Headline on {h['workload']} ({len(h['seeds'])} seeds): the best flowerbed "
-        f"default, {h['flowerbed']}, reaches {100 * h['target_fraction']:.0f}% of "
+        f"{label} on {h['workload']} ({seeds} seed{'s' * (seeds != 1)}): the best "
+        f"flowerbed default, {h['flowerbed']}, reaches "
+        f"{100 * h['target_fraction']:.0f}% of "
         f"the converged accuracy ({100 * h['target_accuracy']:.1f}%) "
         f"{_ci(h['speedup'], 'geomean', '.2f')}x as fast as the best-tuned Flower "
         f"configuration, {h['flower']} (geometric mean of per-seed speed-ups, "
@@ -61,10 +68,24 @@ def headline_sentence(h: Mapping[str, Any]) -> str:
     )
 
 
+QUICK_TITLE = (
+    "Quick run (`--quick`): toy sizes that check the benchmark's structure only."
+)
+QUICK_DETAIL = (
+    "Its figures are not measurements of the methods: no target is judged and no "
+    "full-run duration is estimated. Run `flowerbed bench` without `--quick` for "
+    "figures."
+)
+QUICK_NOTICE = f"**{QUICK_TITLE}** {QUICK_DETAIL}"
+"""What a page of a quick run says first (the console says it too)."""
+QUICK_TARGETS = "- not judged: a quick run's toy sizes check structure only"
+"""The Targets list of a quick run."""
+
+
 def target_lines(targets: Sequence[Mapping[str, Any]]) -> list[str]:
-    """One line per target: met or not, with its figures, and for a target not met
-    what was tried and what would close it (:data:`TARGET_NOTES`)."""
-    from flowerbed.bench.suite import TARGET_CAVEATS, TARGET_NOTES
+    """One line per target, met or not, with the figures it was judged on (and
+    the target's caveat, :data:`flowerbed.bench.suite.TARGET_CAVEATS`)."""
+    from flowerbed.bench.suite import TARGET_CAVEATS
 
     lines = []
     for t in targets:
@@ -74,9 +95,6 @@ def target_lines(targets: Sequence[Mapping[str, Any]]) -> list[str]:
             if k not in ("name", "text", "met")
         )
         line = f"- **{'met' if t['met'] else 'not met'}**: {t['text']} ({figures})."
-        note = TARGET_NOTES.get(t["name"])
-        if not t["met"] and note:
-            line += f" What was tried: {note}"
         if t["name"] in TARGET_CAVEATS:
             line += f" {TARGET_CAVEATS[t['name']]}"
         lines.append(line)
@@ -194,10 +212,12 @@ def _suite_tables(results: Mapping[str, Any]) -> list[str]:
     for name in settings["workloads"]:
         summary = results["summary"].get(name)
         desc = settings["workload_descriptions"][name]
+        # a workload's description speaks of its full size
+        about = "Toy size" if settings.get("quick") else desc["description"]
         lines += [
             f"### {name}",
             "",
-            f"{desc['description']}. Model `{desc['model']}` trained for real; "
+            f"{about}. Model `{desc['model']}` trained for real; "
             + (
                 f"the clock charges every task as `{desc['charge_as']}` "
                 "(bytes and compute, see below). "
@@ -300,10 +320,10 @@ def _comparison_line(c: Mapping[str, Any]) -> str:
 
 
 AGGREGATION_TARGET = 0.5
-"""Issue 15, requirement 3: aggregation at >= 50% of the measured bandwidth."""
+"""Target: aggregation at >= this share of the measured memory-bandwidth limit."""
 THROUGHPUT_TARGET = 5.0
-"""Issue 15, requirement 1: >= 5x the node-tasks per CPU-second of the per-node
-path before batching."""
+"""Target: batched node-tasks per CPU-second >= this many times the per-node
+path's before batching, on the default scenario."""
 
 AGGREGATION_NAMES = {
     "streaming": "flowerbed streaming, one reply at a time (`add`)",
@@ -361,9 +381,11 @@ def _aggregation_lines(agg: Mapping[str, Any]) -> list[str]:
     lines.append("")
     ours = [p for p in agg["points"] if p["method"] != "flower" and "of_limit" in p]
     if ours:
-        lines += [
-            f"Issue 15's target, at least {AGGREGATION_TARGET:.0%} of the limit, "
-            "per method and node count: "
+        verdicts = (
+            ""
+            if agg.get("quick")
+            else f"Target: at least {AGGREGATION_TARGET:.0%} of the limit, per "
+            "method and node count: "
             + "; ".join(
                 f"{AGGREGATION_NAMES.get(p['method'], p['method']).split(', ')[-1]} "
                 f"at {p['nodes']} nodes "
@@ -374,7 +396,10 @@ def _aggregation_lines(agg: Mapping[str, Any]) -> list[str]:
                 )
                 for p in ours
             )
-            + ". A fold of *updates* (`x - base`, whose norm and NaN/Inf check "
+            + ". "
+        )
+        lines += [
+            verdicts + "A fold of *updates* (`x - base`, whose norm and NaN/Inf check "
             "it returns) also reads the base, so a lone fold can reach at most "
             "3/4 of the limit; a group of 4, folded together element by "
             "element, reads the base and the sum once for the four. "
@@ -424,11 +449,12 @@ def _run_spread(point: Mapping[str, Any]) -> str:
     return f" ({min(rates):.0f}-{max(rates):.0f}, {len(rates)} runs)"
 
 
-def _default_nodes() -> int:
-    """Nodes a round in the default scenario (``num-nodes``, all sampled)."""
+def _default_scenario() -> Any:
+    """The default scenario (:class:`flowerbed.sims.config.Scenario`): the
+    throughput part runs it at each fleet size."""
     from flowerbed.sims.config import Scenario
 
-    return Scenario().num_nodes
+    return Scenario()
 
 
 def _throughput_lines(t: Mapping[str, Any]) -> list[str]:
@@ -442,17 +468,36 @@ def _throughput_lines(t: Mapping[str, Any]) -> list[str]:
         "workers": "in-process, batched over worker processes",
         "ray": "`flwr run` on Flower's simulation engine (Ray)",
     }
+    s = _default_scenario()
+    measured = [p for p in t["points"] if "tasks_per_cpu_s" in p]
+    tasks = [int(p["tasks"]) for p in measured if p.get("tasks") and p["mode"] != "ray"]
+    runs = max((len(p.get("rates") or []) for p in measured), default=1)
     lines = [
-        f"The default scenario (LeNet-5 on digits, `mixed` fleet, FedAvg, 10 local "
-        f"steps of 16 samples, fewer where a node holds fewer) at each fleet size, "
-        f"every node sampled, at least {t['rounds']} rounds (more for small fleets: "
-        "at least 200 node-tasks a point), no dropouts, Flower's INFO log off as "
-        "`flowerbed sim` runs. CPU seconds: the measuring process and its workers "
-        "after a warm-up run; in-process points are the median of runs with the "
-        "modes interleaved; for Ray, the SuperLink and everything it started, "
-        'start-up included. A row marked "measured DATE" was not rerun with '
-        "this part (Ray at 1,000 nodes: one run costs more than the rest of the "
-        "part) and carries its own date.",
+        f"The default scenario (`{s.model}` on {s.dataset}, `{s.fleet}` fleet, "
+        f"`{s.strategy}`, {s.local_steps} local steps of {s.batch_size} samples, "
+        "fewer where a node holds fewer) at each fleet size, every node sampled, "
+        f"at least {t['rounds']} round{'s' * (t['rounds'] != 1)} a point"
+        + (f" and {min(tasks)} node-tasks or more in process" if tasks else "")
+        + ", no dropouts, Flower's INFO log off as `flowerbed sim` runs. CPU "
+        "seconds: the measuring process and its workers after a warm-up run; "
+        + (
+            f"in-process points are the median of {runs} runs with the modes "
+            "interleaved"
+            if runs > 1
+            else "in-process points are one run each"
+        )
+        + (
+            "; for Ray, the SuperLink and everything it started, start-up included"
+            if any(p["mode"] == "ray" for p in t["points"])
+            else ""
+        )
+        + "."
+        + (
+            ' A row marked "measured DATE" was not rerun with this part and '
+            "carries its own date."
+            if any("carried_from" in p for p in t["points"])
+            else ""
+        ),
         "",
         "| nodes per round | engine | rounds | node-tasks per CPU-second (runs) "
         "| wall s per round | CPU s | final accuracy (%) |",
@@ -474,20 +519,34 @@ def _throughput_lines(t: Mapping[str, Any]) -> list[str]:
         )
     lines.append("")
     if t.get("speedup_vs_legacy"):
-        default = _default_nodes()
+        default = s.num_nodes
+        judged = not t.get("quick")
         lines += [
-            "Batched over the per-node path as it was before batching (the "
-            f"baseline of issue 15's {THROUGHPUT_TARGET:.0f}x target), node-tasks "
+            "Batched over the per-node path as it was before batching, node-tasks "
             "per CPU-second: "
             + ", ".join(
                 f"{n} nodes"
                 + (" (the default scenario)" if int(n) == default else "")
                 + f" {x:.1f}x"
-                + (" (met)" if x >= THROUGHPUT_TARGET else " (**not met**)")
+                + (
+                    (" (met)" if x >= THROUGHPUT_TARGET else " (**not met**)")
+                    if judged and int(n) == default
+                    else ""
+                )
                 for n, x in t["speedup_vs_legacy"].items()
             )
-            + f". The target is on the default scenario, {default} nodes a round "
-            "(`num-nodes`); the larger fleets show how the gain grows with them.",
+            + "."
+            + (
+                f" Target: at least {THROUGHPUT_TARGET:g}x on the default "
+                f"scenario, {default} nodes a round (`num-nodes`)"
+                + (
+                    "; the other fleet sizes show how the gain changes with the fleet."
+                    if len(t["speedup_vs_legacy"]) > 1
+                    else "."
+                )
+                if judged
+                else ""
+            ),
             "",
         ]
     if t.get("speedup"):
@@ -558,8 +617,17 @@ def _selection_lines(sel: Mapping[str, Any]) -> list[str]:
     setup = sel.get("setup", {})
     noise = sel.get("noise", {})
     target = 100 * float(setup.get("target_confidence", 0))
+    sizes = sel.get("fleet_sizes") or []
+    fleets = sel.get("num_fleets")
+    nodes = (
+        ""
+        if not sizes
+        else f" of {min(sizes)} nodes"
+        if min(sizes) == max(sizes)
+        else f" of {min(sizes)}–{max(sizes)} nodes"
+    )
     lines = [
-        f"{sel.get('num_fleets')} random fleets of 2–12 nodes (seed "
+        f"{fleets} random fleet{'s' * (fleets != 1)}{nodes} (seed "
         f"{sel.get('seed')}), from `{sel.get('source')}`. Ground truth: every "
         "configuration's expected cost on the virtual clock with run-time jitter "
         f"({setup.get('truth_rounds')} simulated rounds each; the "
@@ -628,6 +696,50 @@ def _selection_lines(sel: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def _ordinal(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10)
+    return f"{n}{suffix or 'th'}"
+
+
+def _quantiles_text() -> str:
+    """The timeout sweep's percentiles
+    (:data:`flowerbed.bench.suite.TIMEOUT_QUANTILES`) in words: "25th, 50th and
+    75th"."""
+    from flowerbed.bench.suite import TIMEOUT_QUANTILES
+
+    names = [_ordinal(round(100 * q)) for q in TIMEOUT_QUANTILES]
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
+def _margin_text() -> str:
+    from flowerbed.bench.suite import TIMEOUT_MARGIN
+
+    return f"{100 * (TIMEOUT_MARGIN - 1):g}%"
+
+
+def _availability_text() -> str:
+    """The suite's availability model, from
+    :class:`flowerbed.sims.availability.DiurnalAvailability`'s defaults (the
+    suite uses them): mean, peak/trough = (1 + a) / (1 - a), peak hour, slot."""
+    from flowerbed.sims.availability import DiurnalAvailability as D
+
+    ratio = (1 + D.amplitude) / (1 - D.amplitude)
+    peak = D.peak_hour % 24
+    return (
+        "devices are eligible (idle, charging, on Wi-Fi) by "
+        f"`flowerbed.sims.availability.DiurnalAvailability` ({100 * D.mean:g}% "
+        f"on average, {ratio:.3g}x more at {_clock(peak)} local than at "
+        f"{_clock((peak + 12) % 24)}, redrawn every {D.slot_s / 60:g} virtual "
+        "minutes)"
+    )
+
+
+def _clock(hour: float) -> str:
+    """``hour`` of the day as HH:MM."""
+    minutes = round(hour * 60)
+    return f"{minutes // 60:02d}:{minutes % 60:02d}"
+
+
 def _definitions(results: Mapping[str, Any]) -> list[str]:
     s = results["settings"]
     lines = [
@@ -663,16 +775,15 @@ def _definitions(results: Mapping[str, Any]) -> list[str]:
         "devices working back to back, each task costing its full virtual time "
         "(download, local steps, upload): ideal = updates / (cohort x mean over "
         "the fleet of 1 / task time).",
-        "- Flower's timeout sweep: `start(timeout=...)` at the 25th, 50th and "
-        "75th percentiles of the population's task times (1% above them; a "
+        "- Flower's timeout sweep: `start(timeout=...)` at the "
+        f"{_quantiles_text()} percentiles of the population's task times "
+        f"({_margin_text()} above them; a "
         "percentile whose time equals a lower one's is the same run and is "
         "skipped); the best Flower configuration per workload is picked with "
         "hindsight by median time to the headline target. flowerbed's "
         "strategies run with their defaults (`flowerbed sim --strategy NAME`), "
         "one setting for every workload.",
-        "- Availability: devices are eligible (idle, charging, on Wi-Fi) by "
-        "`flowerbed.sims.availability.DiurnalAvailability` (30% on average, 4x "
-        "more at 02:00 local than at 14:00, redrawn every 10 virtual minutes); "
+        f"- Availability: {_availability_text()}; "
         "each task then fails as its device profile says (per-task fault plus the "
         "end of an exponential online session, half of the failures silent).",
         "",
@@ -692,8 +803,8 @@ def _definitions(results: Mapping[str, Any]) -> list[str]:
 
 
 def suite_lines(data: Mapping[str, Any]) -> list[str]:
-    """The suite section: headline, targets, one table per workload, errors,
-    definitions."""
+    """The suite section: headline, targets (judged on a full run only), one
+    table per workload, errors, definitions."""
     if "settings" not in data:
         return ["## Headline", "", f"Not measured: {data.get('error')}", ""]
     if "workloads" not in data["settings"]:
@@ -701,12 +812,16 @@ def suite_lines(data: Mapping[str, Any]) -> list[str]:
             "## Headline",
             "",
             "The suite section holds results of an earlier format: rerun "
-            "`flowerbed bench --sections suite --publish`.",
+            "`flowerbed bench --sections suite`.",
             "",
         ]
-    lines = ["## Headline", "", headline_sentence(data["headline"]), ""]
+    quick = bool(data["settings"].get("quick"))
+    lines = ["## Headline", "", headline_sentence(data["headline"], quick), ""]
     lines += ["## Targets", ""]
-    lines += target_lines(data["targets"]) or ["- no target could be evaluated"]
+    if quick:
+        lines.append(QUICK_TARGETS)
+    else:
+        lines += target_lines(data["targets"]) or ["- no target could be evaluated"]
     lines += ["", "## Strategies on unequal fleets", ""]
     lines += _suite_tables(data)
     if data["errors"]:
@@ -722,7 +837,7 @@ def suite_lines(data: Mapping[str, Any]) -> list[str]:
 
 
 MACHINERY_PARTS = (
-    ("aggregation", "Aggregation throughput and memory (ResNet-50-sized update)"),
+    ("aggregation", "Aggregation throughput and memory"),
     ("throughput", "Node tasks: per node, batched, workers, Ray"),
     ("startup", "Start-up"),
     ("client", "Client-side metering overhead"),
@@ -731,8 +846,21 @@ MACHINERY_PARTS = (
 """Machinery parts and their headings, in the order of the page."""
 
 
+def _aggregation_heading(agg: Mapping[str, Any]) -> str:
+    """The aggregation part's heading, naming the update it measured."""
+    from flowerbed.bench.aggregation import RESNET50_FLOATS
+
+    heading = dict(MACHINERY_PARTS)["aggregation"]
+    if "floats" not in agg:
+        return heading
+    if agg["floats"] == RESNET50_FLOATS:
+        return f"{heading} (ResNet-50-sized update)"
+    return f"{heading} ({agg['floats']:,}-float update)"
+
+
 def machinery_lines(mach: Mapping[str, Any]) -> list[str]:
-    """The machinery section: one subsection per part."""
+    """The machinery section: one subsection per part, each with when, at which
+    load and (if recorded) on how many cores it was measured."""
     renderers = {
         "aggregation": _aggregation_lines,
         "throughput": _throughput_lines,
@@ -743,7 +871,7 @@ def machinery_lines(mach: Mapping[str, Any]) -> list[str]:
     lines = [
         "## Machinery cost",
         "",
-        "Figures depend on this machine and its load (see the top): aggregation "
+        "Figures depend on the machine and its load (see the top): aggregation "
         "throughput and node-task rates are per CPU second, the others wall-clock.",
         "",
     ]
@@ -751,15 +879,20 @@ def machinery_lines(mach: Mapping[str, Any]) -> list[str]:
         return [*lines, f"Not measured: {mach['error']}", ""]
     for part, heading in MACHINERY_PARTS:
         data = mach.get(part, {"skipped": "not run"})
+        if part == "aggregation":
+            heading = _aggregation_heading(data)
         lines += [f"### {heading}", ""]
         if "measured" in data:
             load = data.get("load_average")
+            cores = data.get("cores")
             lines += [
                 f"Measured {data['measured']} (UTC)"
+                + (" at toy size (`--quick`)" if data.get("quick") else "")
                 + (
                     ", load average at the start of the part "
                     + " / ".join(f"{x:.2f}" for x in load)
-                    + " (1/5/15 min) on 2 cores"
+                    + " (1/5/15 min)"
+                    + (f" on {cores} cores" if cores else "")
                     if load
                     else ""
                 )
@@ -775,10 +908,20 @@ def selection_lines(sel: Mapping[str, Any]) -> list[str]:
     return _selection_lines(sel)
 
 
+def is_quick(entry: Mapping[str, Any]) -> bool:
+    """Whether a section's entry comes from a ``--quick`` run: its ``quick``
+    field, or for entries written before it, its command."""
+    if "quick" in entry:
+        return bool(entry["quick"])
+    return "--quick" in shlex.split(str(entry.get("command", "")))
+
+
 def _provenance(name: str, title: str, entry: Mapping[str, Any]) -> str:
     m, v = entry["machine"], entry["versions"]
     return (
-        f"- **{title}** (`{name}`): {entry['created']} (UTC), "
+        f"- **{title}** (`{name}`"
+        + (", quick: toy sizes" if is_quick(entry) else "")
+        + f"): {entry['created']} (UTC), "
         f"{entry['wall_s'] / 60:.1f} minutes, `{entry['command']}`; "
         f"{m['cpu_model']}, {m['cpu_count']} cores, "
         f"{m['memory_bytes'] / 2**30:.1f} GiB RAM, load average at start "
@@ -788,7 +931,7 @@ def _provenance(name: str, title: str, entry: Mapping[str, Any]) -> str:
 
 
 FULL_BENCH_TARGET_MIN = 60.0
-"""Issue 14: the full benchmark fits in 60 minutes on this 2-core machine."""
+"""Target: a full ``flowerbed bench`` takes at most this many minutes."""
 
 
 def full_run_minutes(results: Mapping[str, Any]) -> dict[str, float]:
@@ -811,25 +954,32 @@ def full_run_minutes(results: Mapping[str, Any]) -> dict[str, float]:
     return out
 
 
-def cost_line(results: Mapping[str, Any]) -> str:
-    """The full benchmark's estimated minutes against issue 14's target."""
+def cost_line(results: Mapping[str, Any]) -> str | None:
+    """A full ``flowerbed bench``'s minutes, estimated from the runs on the page,
+    against :data:`FULL_BENCH_TARGET_MIN`; None when a section on the page ran
+    ``--quick`` (toy sizes say nothing of a full run's time)."""
     from .sections import SECTIONS, section_module
 
+    if any(is_quick(e) for e in results["sections"].values()):
+        return None
+    missing = [s for s in SECTIONS if s not in results["sections"]]
+    if missing:
+        return (
+            f"Full `flowerbed bench`: not estimated; not run yet: {', '.join(missing)}."
+        )
     minutes = full_run_minutes(results)
     total = sum(minutes.values())
-    missing = [s for s in SECTIONS if s not in minutes]
-    verdict = "met" if total <= FULL_BENCH_TARGET_MIN and not missing else "not met"
+    verdict = "met" if total <= FULL_BENCH_TARGET_MIN else "**not met**"
     text = (
-        f"Full `flowerbed bench` on this machine: about {total:.0f} minutes ("
+        f"Full `flowerbed bench`, estimated from the runs above: about {total:.0f} "
+        "minutes ("
         + ", ".join(f"{s} {m:.1f}" for s, m in minutes.items())
-        + f"); issue 14's target is {FULL_BENCH_TARGET_MIN:.0f} minutes: {verdict}. "
-        "Each section counts as its last run above, under the load given there, "
-        "except the suite (its default configurations' cells at their own run "
-        "times over its worker processes; resumed cells included) and machinery "
-        "(the sum of its parts' own times), which are rerun in part."
+        + f"); target at most {FULL_BENCH_TARGET_MIN:.0f} minutes: {verdict}. "
+        "Each section counts as its last run above, on its machine and under the "
+        "load given there, except the suite (its default configurations' cells at "
+        "their own run times over its worker processes; resumed cells included) "
+        "and machinery (the sum of its parts' own times), which are rerun in part."
     )
-    if missing:
-        text += f" Not run yet: {', '.join(missing)}."
     suite = results["sections"].get("suite")
     if suite and "error" not in suite["data"]:
         extra = section_module("suite").opt_in_seconds(suite["data"]) / 60
@@ -841,19 +991,39 @@ def cost_line(results: Mapping[str, Any]) -> str:
     return text
 
 
-def render(results: Mapping[str, Any]) -> str:
-    """BENCHMARKS.md for ``results`` (format 2): every section present, in the
-    order of :data:`flowerbed.bench.sections.SECTIONS`."""
+def quick_notice(results: Mapping[str, Any]) -> str | None:
+    """What the page says first when some of its sections ran ``--quick``."""
+    from .sections import SECTIONS
+
+    quick = [s for s in SECTIONS if s in results["sections"]]
+    quick = [s for s in quick if is_quick(results["sections"][s])]
+    if not quick:
+        return None
+    if len(quick) == len(results["sections"]):
+        return QUICK_NOTICE
+    return (
+        f"**Sections {', '.join(f'`{s}`' for s in quick)} ran `--quick`: toy sizes "
+        "that check the benchmark's structure only.** Their figures are not "
+        "measurements of the methods: no target is judged for them and no "
+        "full-run duration is estimated."
+    )
+
+
+def render(results: Mapping[str, Any], command: str) -> str:
+    """BENCHMARKS.md for ``results`` (format 2), written by ``command`` (the
+    ``flowerbed bench`` command line): every section present, in the order of
+    :data:`flowerbed.bench.sections.SECTIONS`."""
     from .sections import SECTIONS, section_module
 
     present = [s for s in SECTIONS if s in results["sections"]]
     unknown = [s for s in results["sections"] if s not in SECTIONS]
-    lines = [
-        "# flowerbed benchmarks",
-        "",
-        "Generated by `flowerbed bench --publish`; do not edit by hand. Each section "
-        "can be rerun on its own (`flowerbed bench --sections NAME --publish`); the "
-        "others keep their figures. Raw data: "
+    lines = ["# flowerbed benchmarks", ""]
+    notice = quick_notice(results)
+    if notice:
+        lines += [notice, ""]
+    lines += [
+        f"Generated by `{command}`; do not edit by hand. Each section can be rerun "
+        "on its own (`--sections NAME`); the others keep their figures. Raw data: "
         f"[{RESULTS_DIR}/results.json]({RESULTS_DIR}/results.json).",
         "",
         "Sections and the run that produced each:",
@@ -865,9 +1035,11 @@ def render(results: Mapping[str, Any]) -> str:
     for s in SECTIONS:
         if s not in present:
             lines.append(f"- `{s}`: not run yet")
-    lines += ["", cost_line(results)]
     for s in unknown:
         lines.append(f"- `{s}`: in results.json but not a registered section")
+    cost = cost_line(results)
+    if cost:
+        lines += ["", cost]
     lines.append("")
     for s in present:
         lines += modules[s].render(results["sections"][s]["data"])
@@ -876,7 +1048,8 @@ def render(results: Mapping[str, Any]) -> str:
 
 FORMAT = 2
 """results.json layout: ``{"format": 2, "sections": {name: entry}}``, each entry
-``{"created", "command", "machine", "versions", "wall_s", "data"}``."""
+``{"created", "command", "quick", "machine", "versions", "wall_s", "data"}``
+(``quick`` since it was added; older entries say it in ``command``)."""
 
 
 def from_legacy(old: Mapping[str, Any]) -> dict[str, Any]:
@@ -913,13 +1086,13 @@ def load(out_dir: str | Path) -> dict[str, Any]:
     return results
 
 
-def write(results: Mapping[str, Any], out_dir: str | Path) -> Path:
-    """Write ``BENCHMARKS.md`` into ``out_dir`` and results.json into
-    ``benchmarks/``; return the page's path."""
+def write(results: Mapping[str, Any], out_dir: str | Path, command: str) -> Path:
+    """Write ``BENCHMARKS.md`` (generated by ``command``) into ``out_dir`` and
+    results.json into ``benchmarks/``; return the page's path."""
     out = Path(out_dir)
     data = out / RESULTS_DIR
     data.mkdir(parents=True, exist_ok=True)
     _atomic_write(data / "results.json", json.dumps(results, indent=1) + "\n")
     page = out / PAGE
-    _atomic_write(page, render(results))
+    _atomic_write(page, render(results, command))
     return page
