@@ -237,10 +237,13 @@ def _strategy_round(
 
 
 def measure_strategy(nodes: int, floats: int) -> dict[str, Any]:
+    from flowerbed.sims.engine import FleetGrid, SimNode
     from flowerbed.strategies import RuntimeWeightedFedAvg
     from flowerbed.strategies.accumulation import to_arrayrecord
     from flowerbed.strategies.robust import MIN_REFERENCE
     from flowerbed.strategies.runtime_weighted import FOLD_GROUP
+    from flwr.app import ConfigRecord
+    from flwr.clientapp import ClientApp
     from flwr.common.constant import SUPERLINK_NODE_ID
     from flwr.supercore.task_identity import TaskIdentity
 
@@ -249,7 +252,10 @@ def measure_strategy(nodes: int, floats: int) -> dict[str, Any]:
     first = kernel_first_use(GROUP)
     base = _base(floats)
     strategy = RuntimeWeightedFedAvg.from_settings(weighting="examples")
-    strategy._set_global(to_arrayrecord(base))  # the model the replies trained from
+    # The model the replies trained from reaches the strategy as in a run, through
+    # configure_train (its messages are not sent).
+    fleet = FleetGrid(ClientApp(), [SimNode(n, {}) for n in (1, 2)], {})
+    strategy.configure_train(1, to_arrayrecord(base), ConfigRecord(), fleet)
     _strategy_round(strategy, base, 1, MIN_REFERENCE + 1)  # warm-up (docstring)
     before = measure_bandwidth(floats)
     _reset_peak()
