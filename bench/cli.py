@@ -27,12 +27,11 @@ from .sections import SECTIONS, SectionRun, app_root, section_module
 DEFAULT_OUT = Path("outputs") / "bench"
 
 
-QUICK_TIME = (
-    "about 45 CPU seconds: 3 to 3.5 minutes on a 2-core machine busy with other jobs"
-)
-"""What ``--quick`` took when timed (``/usr/bin/time -v flowerbed bench --quick``,
-twice: 2:52 and 3:32 of wall time, 45 and 43 CPU seconds, load average 8-12
-on 2 cores)."""
+QUICK_TIME = "39-45 CPU seconds: 1.4 to 3.5 minutes on 2 cores shared with other work"
+"""What ``--quick`` took, timed three times by ``/usr/bin/time -v flowerbed bench
+--quick`` (the processes it waits for included) on a 2-core machine shared with
+other jobs: 1:23, 2:52 and 3:32 of wall time at load averages 7, 9 and 11;
+39, 45 and 43 CPU seconds."""
 
 
 def register(subparsers: Any) -> None:
