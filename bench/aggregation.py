@@ -7,10 +7,11 @@ counted afresh just before the aggregation, without the bandwidth measurement's
 arrays.
 
 - ``streaming``: replies arrive one at a time and are folded into
-  :class:`flowerbed.strategies.accumulation.UpdateAccumulator` (float32 running sum of the
-  updates, O(model) memory, NaN/Inf check and update norm in the same pass) through
-  zero-copy views of the reply's bytes (:func:`flowerbed.arrays.array_view`),
-  as the flowerbed strategies do; each reply is dropped after folding. The fold
+  :class:`flowerbed.strategies.accumulation.UpdateAccumulator` (float32 running sum
+  of the updates, O(model) memory, NaN/Inf check and update norm in the same
+  pass) through zero-copy views of the reply's bytes
+  (:func:`flowerbed.arrays.array_view`), as the flowerbed strategies do; each
+  reply is dropped after folding. The fold
   is numba's compiled one-pass kernel (:mod:`flowerbed.strategies.fold_kernel`)
   where numba is installed, else NumPy chunks: each point says which
   (``kernel``) and what the kernel's first use cost the process
@@ -80,7 +81,7 @@ METHODS = ("streaming", "grouped", "strategy", "flower", "bandwidth")
 GROUP = 4
 """Replies folded per pass by the ``grouped`` method."""
 RESNET50_FLOATS = 25_557_032
-"""Parameters of ResNet-50 (torchvision ``resnet50``), the issue's 25.6 M update."""
+"""Parameters of ResNet-50 (torchvision ``resnet50``): a 25.6 M update."""
 NUM_ARRAYS = 16
 """Arrays the update is split into (a model's layers)."""
 

@@ -3,17 +3,17 @@
 Wall-clock measurements, so they depend on this machine and on its load at the
 time; the report prints both beside them. Each part returns plain JSON-able data.
 
-- :func:`aggregation_cost` (issue 4, 3a): streaming vs Flower's list-based
+- :func:`aggregation_cost`: streaming vs Flower's list-based
   aggregation for a ResNet-50-sized update, one fresh process per point
   (:mod:`flowerbed.bench.aggregation`), with the memory bandwidth as the limit.
-- :func:`node_throughput` (issue 15, 1): node-tasks per CPU-second and wall
+- :func:`node_throughput`: node-tasks per CPU-second and wall
   seconds per round of the in-process engine (per node, batched, over workers)
   and of ``flwr run`` on Flower's simulation runtime (Ray), same scenarios.
-- :func:`startup_seconds` (issue 15, 4): wall and CPU seconds of imports, ``--help``
+- :func:`startup_seconds`: wall and CPU seconds of imports, ``--help``
   and a short ``flowerbed sim``.
 - :func:`client_overhead` (3c): what :func:`flowerbed.clients.timed.timed_train`
   and :func:`flowerbed.clients.telemetry.read_telemetry` add to training.
-- :func:`gateway_memory` (issue 6, 3): gateway RSS per connected phone.
+- :func:`gateway_memory`: gateway RSS per connected phone.
 """
 
 from __future__ import annotations
@@ -337,7 +337,7 @@ def node_throughput(
     subset of :data:`flowerbed.bench.throughput.MODES`); with the
     sizes in ``ray_counts``, ``flwr run`` on Flower's simulation engine too.
     ``speedup_vs_legacy`` is batched over the original per-node path's
-    node-tasks per CPU-second (``legacy``: the baseline of issue 15's target),
+    node-tasks per CPU-second (``legacy``: the per-node baseline),
     ``speedup`` batched over today's per-node path.
     """
     from flowerbed.bench.throughput import MODES, scenario
@@ -545,7 +545,7 @@ def gateway_memory(phones: int) -> dict[str, Any]:
     }
 
 
-# --- issue 7: cluster selection -------------------------------------------------------
+# --- cluster selection ----------------------------------------------------------------
 
 
 SENSITIVITY_GAIN_ERROR = 0.01

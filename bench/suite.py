@@ -393,8 +393,7 @@ def _configs() -> list[Config]:
         (
             "deadline-p80",
             {"deadline_percentile": 80.0, "min_batch_size": 0},
-            "deadline_percentile=80 and no work sizing (min_batch_size=0): the "
-            "default before issue 14's changes",
+            "deadline_percentile=80 and no work sizing (min_batch_size=0)",
         ),
         (
             "deadline-p80-sized",
@@ -1048,65 +1047,10 @@ TARGET_CAVEATS: dict[str, str] = {
     "says the strategy used the fleet well, not that it is near a bound.",
 }
 """Per target name: a caveat shown whether the target is met or not."""
-TARGET_NOTES: dict[str, str] = {
-    "device-correlated": "issue 14's changes to DeadlineFedAvg, measured on "
-    "these seeds (rows below; on mnist1d and digits the Flower, FedBuff, "
-    "RuntimeWeightedFedAvg and fixed-percentile rows are the 2026-11-23 run's "
-    "cells, resumed: the change does not alter them; `deadline`, "
-    "`deadline-p80-sized`, `deadline-two-pacer` and all of synthetic were run "
-    "for this one, before da15461's written-out batched backward pass, which "
-    "computes the same gradients up to float rounding). The default now has two "
-    "speeds: each round the "
-    "80th percentile of recent task times while it is at most 5x the 30th, else "
-    "the 30th (the pacer off). Here the low-end phones need ~8x the fast ones' "
-    "time, so after one patient round it runs at p30 with work sized to the "
-    "deadline (row `deadline`); on the README's 20-round digits example they "
-    "need 3.4x, so it keeps p80 there and issue 16's equal-rounds guard "
-    "(tests/test_deadline_sweep.py) passes as before. The previous default (p80 "
-    "with work sizing, row `deadline-p80-sized`) reached no target above 80%. "
-    "The bar moved with the default: the converged accuracy is the best any "
-    "baseline or default holds at the end, and the new default's lifts the 95% "
-    "target from 58.7% to 64.6%, above where Flower's best timeout levels off "
-    "(62.1%), so Flower's runs count at the budget and the speed-up above is a "
-    "lower bound; to the previous page's 58.7% the default is 1.93x (median; "
-    "1.94 [1.59, 2.37]) as fast as Flower's best. It uses 15% more energy than "
-    "Flower's best. `deadline-p30` (p30 from the first round, with the pacer) "
-    "is faster, 1.88x at 64.6%, but ends 1-2 points below Flower's FedAvg at "
-    "equal rounds on the digits example; with the pacer, the two speeds "
-    "(row `deadline-two-pacer`) were slower (1.56x): its factor follows noisy "
-    "accuracy differences and wanders (148 to 720 rounds in the budget over the "
-    "seeds, 282 without it). A deadline that "
-    "starts fast and slows when progress per round falls (the earlier "
-    "suggestion) cannot pass the guard: one round at p30 before p80 already "
-    "ended 1.1-1.4 points below FedAvg at 20 and 50 nodes. Earlier, not adopted "
-    "(p50 with work sizing): over-selection 1.3 (0.73x the time), max_staleness "
-    "10 (1.07x); FedBuff with concurrency twice the cohort (row `fedbuff-c2`). "
-    "What would close it: a first round that applies the two-speed rule as "
-    "replies arrive (the patient first round costs ~300 s here), and rounds "
-    "that overlap (the next round's work to idle fast phones while slow phones "
-    "finish).",
-    "iid": "as above. The default meets the time half (1.36x [1.28, 1.45] as "
-    "fast as Flower's best to 95%) but spends ~11% more energy (Flower spends "
-    "0.90x of it): at p30 with work sizing every sampled low-end phone computes "
-    "a sized step each round. p30 without sizing (row `deadline-p30-nosizing`) "
-    "is as fast on IID data with 5% less energy than Flower's best, but 8.5 "
-    "points lower on the slow phones' "
-    "data of the device-correlated workload, so sizing stays on. What would "
-    "close it: not sampling devices whose work at the deadline is below "
-    "`min_batch_size` when their data is not needed, which the server cannot "
-    "tell from what replies report.",
-    "ideal": "the ideal keeps every cohort slot busy with full tasks, which no "
-    "synchronous strategy does while slow phones' tasks take 9x longer than the "
-    "fast ones'; FedBuff (asynchronous, concurrency = cohort and 2x cohort) was "
-    "measured further from it. What would close it: overlapping deadline rounds "
-    "(the next round's work to idle fast phones while slow phones finish).",
-}
-"""Per target name: what was tried and what would close it, shown when the target
-is not met (prose about the last published run; the figures come from the run)."""
 
 
 def check_targets(comparisons: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """The issue's three targets, each met or not, with the figures behind it."""
+    """The suite's three targets, each met or not, with the figures behind it."""
     out: list[dict[str, Any]] = []
     dev = comparisons.get(HEADLINE_WORKLOAD, {})
     if dev.get("available"):

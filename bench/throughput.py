@@ -4,8 +4,8 @@ Run as ``python -m flowerbed.bench.throughput MODE POPULATION COHORT ROUNDS``;
 prints one JSON line. ``MODE`` is how node tasks use the machine
 (:func:`flowerbed.sims.scenario.run_scenario`):
 
-- ``legacy``: the per-node path as it was before batching (commit 9049e98's
-  parent), reproduced here as the baseline: one ClientApp call per message that
+- ``legacy``: the per-node path as it was before batching, reproduced here as
+  the baseline: one ClientApp call per message that
   builds and He-initialises a fresh model and decodes the round's arrays for
   every message (:func:`legacy_train`);
 - ``per-node``: one ClientApp call per message, one after another (``batch=False``),
