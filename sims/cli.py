@@ -130,7 +130,7 @@ def register(subparsers: Any) -> None:
         help="check the run config, the data and its partition (every node gets "
         "samples), the memory of the population and a round, and the output "
         "folder, then exit without training or writing anything (0: the same run "
-        "would start; in about a second, where flwr run needs Ray's start-up to "
+        "would start; under a second of CPU, where flwr run needs Ray's start-up to "
         "refuse a value and refuses an unknown key without naming it)",
     )
     p.add_argument("-v", "--verbose", action="store_true", help="show Flower's log")
@@ -202,11 +202,9 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as err:
         print(f"flowerbed sim: error: {error_line(err, args)}", file=sys.stderr)
         return 2
-    if not args.verbose:
-        logging.getLogger("flwr").setLevel(logging.WARNING)
     if args.check:
         return check(scenario)
-    return simulate(scenario, console)
+    return simulate(scenario, console, verbose=args.verbose)
 
 
 def check(scenario: Scenario) -> int:
@@ -226,10 +224,20 @@ def check(scenario: Scenario) -> int:
     return 0
 
 
-def simulate(scenario: Scenario, console: Any) -> int:
+def simulate(scenario: Scenario, console: Any, *, verbose: bool = False) -> int:
+    """Train ``scenario`` on the in-process engine with a progress bar, then print
+    the per-round table, the closing line and why tasks failed
+    (:mod:`flowerbed.sims.summary`). Flower's log only with ``verbose``."""
     from flowerbed.sims.preflight import FAILURES, failure_line, preflight
     from flowerbed.sims.recorder import RoundRecord
     from flowerbed.sims.scenario import default_workers, run_scenario
+    from flowerbed.sims.summary import (
+        closing_line,
+        failure_lines,
+        round_row,
+        round_table,
+    )
+    from flwr.common.logger import LOGGER_NAME  # sets Flower's level on import
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -237,38 +245,26 @@ def simulate(scenario: Scenario, console: Any) -> int:
         TextColumn,
         TimeElapsedColumn,
     )
-    from rich.table import Table
 
-    table = Table(title=f"{scenario.strategy} on {scenario.fleet}")
-    for column in ("round", "virtual time (s)", "accuracy", "participants"):
-        table.add_column(column, justify="right")
-    table.add_column("failed", justify="right")
-    table.add_column("stragglers", justify="right")
-    table.add_column("energy (J)", justify="right")
+    if not verbose:
+        logging.getLogger(LOGGER_NAME).setLevel(logging.WARNING)
+    table = round_table(f"{scenario.strategy} on {scenario.fleet}")
     progress = Progress(
         TextColumn("[bold]simulating"),
-        BarColumn(),
+        BarColumn(bar_width=None),
         MofNCompleteColumn(),
-        TextColumn("rounds  acc {task.fields[acc]}  vtime {task.fields[vtime]}"),
+        TextColumn("rounds  acc {task.fields[acc]}  virtual {task.fields[vtime]}"),
         TimeElapsedColumn(),
         console=console,
     )
 
     def on_round(r: RoundRecord) -> None:
-        table.add_row(
-            str(r.round),
-            f"{r.virtual_time_s:.1f}",
-            f"{100 * r.accuracy:.1f}%",
-            str(len(r.participants)),
-            str(len(r.failed)),
-            str(r.stragglers),
-            f"{r.energy_j:.1f}",
-        )
+        table.add_row(*round_row(r))
         progress.update(
             task,
             advance=1,
             acc=f"{100 * r.accuracy:.1f}%",
-            vtime=f"{r.virtual_time_s:.1f}s",
+            vtime=f"{r.virtual_time_s:.1f} s",
         )
 
     try:  # fail before any training
@@ -279,7 +275,7 @@ def simulate(scenario: Scenario, console: Any) -> int:
     try:
         with progress:
             task = progress.add_task(
-                "sim", total=scenario.num_rounds, acc="-", vtime="0s"
+                "sim", total=scenario.num_rounds, acc="-", vtime="0 s"
             )
             outcome = run_scenario(
                 scenario.to_run_config(), on_round=on_round, workers=default_workers()
@@ -288,26 +284,12 @@ def simulate(scenario: Scenario, console: Any) -> int:
         print(f"flowerbed sim: error: {failure_line(err, scenario)}", file=sys.stderr)
         return 1
     console.print(table)
-    res = outcome.results
-    ttt = res["time_to_target_s"]
-    final = res["final_accuracy"]
-    console.print(
-        (
-            "no round completed"
-            if final is None
-            else f"final accuracy {100 * final:.1f}%"
-        )
-        + f"  |  time to {100 * scenario.target_accuracy:.0f}%: "
-        + (f"{ttt:.1f} s (virtual)" if ttt is not None else "not reached")
-        + f"  |  energy {res['total_energy_j']:.1f} J"
-    )
-    if res["failed_tasks"]:
-        console.print(
-            f"[yellow]{res['failed_tasks']} of "
-            f"{res['failed_tasks'] + res['trained_tasks']} train tasks failed:[/yellow]"
-        )
-        for error in res["errors"][:5]:
-            console.print(f"  {error['count']} x {error['example']}", markup=False)
+    console.print(closing_line(outcome.results))
+    lines = failure_lines(outcome.results)
+    if lines:
+        console.print(f"[yellow]{lines[0]}[/yellow]")
+    for line in lines[1:]:
+        console.print(line, markup=False, highlight=False)
     console.print(f"run folder: {outcome.run_dir}")
     if outcome.problem is not None:
         print(f"flowerbed sim: error: {outcome.problem}", file=sys.stderr)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from logging import INFO
 
 import numpy as np
 import torch
@@ -49,7 +48,6 @@ from flwr.app import (
 from flwr.clientapp import ClientApp
 from flwr.clientapp.typing import ClientAppCallable
 from flwr.common.constant import ErrorCode
-from flwr.supercore import log
 from torch import nn
 
 OFFLINE = "offline"
@@ -187,7 +185,9 @@ def _identity(context: Context) -> tuple[Scenario, NodeSetup]:
     n = int(context.node_config.get("num-partitions", scenario.num_nodes))
     device = str(context.node_config.get(DEVICE_KEY, ""))
     if device == OFFLINE:
-        raise vclock.NodeDropout(f"node {pid} is offline", silent=True, after_s=0.0)
+        raise vclock.NodeDropout(
+            f"offline device (partition {pid})", silent=True, after_s=0.0
+        )
     return scenario, _node_setup(scenario, pid, n, device)
 
 
@@ -230,8 +230,7 @@ def _maybe_drop(
     if rng.random() < p:
         silent = bool(rng.random() < 0.5)
         raise vclock.NodeDropout(
-            f"node {node.partition_id} ({node.device.name}) dropped out in round "
-            f"{server_round}",
+            f"{node.device.name} (partition {node.partition_id}) dropped out",
             silent=silent,
             after_s=float(rng.random() * duration_s),
         )
@@ -507,18 +506,18 @@ def profile(message: Message, context: Context) -> Message:
     return Message(RecordDict({keys.METRICS: metrics}), reply_to=message)
 
 
-DROPOUT_KIND = {True: "vanished", False: "failed"}
-
-
 def _reply_on_dropout(task: ClientAppCallable) -> ClientAppCallable:
     """``task`` whose simulated dropout becomes the reply Flower would deliver.
 
     A vanished node answers as Flower's SuperLink does once the message expires
     (``REPLY_MESSAGE_UNAVAILABLE``), a failed one with
     ``CLIENT_APP_RAISED_EXCEPTION``; the reason keeps the dropout's tag, from
-    which :class:`~flowerbed.sims.virtual_grid.VirtualTimeGrid` times it. One log
-    line per dropout, instead of the traceback Flower's simulation engine prints
-    for a raising ClientApp.
+    which :class:`~flowerbed.sims.virtual_grid.VirtualTimeGrid` times it.
+    Quietly: no traceback and no line of its own. Under ``flwr run`` a node's
+    lines reach the run's log whenever Ray forwards them, rounds after the
+    event; the strategy's log names each failure when its round takes it
+    ("Received error in reply from node N: ..."), and the run folder counts
+    them.
     """
 
     @functools.wraps(task)
@@ -530,12 +529,6 @@ def _reply_on_dropout(task: ClientAppCallable) -> ClientAppCallable:
                 ErrorCode.REPLY_MESSAGE_UNAVAILABLE
                 if drop.silent
                 else ErrorCode.CLIENT_APP_RAISED_EXCEPTION
-            )
-            log(
-                INFO,
-                "simulated dropout: %s (%s)",
-                drop.reason,
-                DROPOUT_KIND[drop.silent],
             )
             return Message(Error(code, str(drop)), reply_to=message)
 

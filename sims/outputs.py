@@ -16,10 +16,12 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
+from statistics import median
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from flowerbed.sims.recorder import RoundRecord
+    from matplotlib.figure import Figure
 
 CSV_COLUMNS = (
     "round",
@@ -146,26 +148,64 @@ def summarise(
     }
 
 
-def _plot(records: Sequence[RoundRecord], title: str, path: Path) -> None:
-    import matplotlib
+UNEVEN_ROUNDS = 10.0
+"""A run with a round lasting over this many times its median round gets a second
+panel, accuracy per round: on a linear time axis, a few round timeouts (3,600 s)
+among rounds of seconds leave the other rounds' points in a few piles."""
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
-    ax.plot(
-        [r.virtual_time_s for r in records],
-        [100 * r.accuracy for r in records],
-        marker="o",
-        markersize=3,
-    )
-    ax.set_xlabel("virtual time (s)")
-    ax.set_ylabel("test accuracy (%)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
+def round_durations(records: Sequence[RoundRecord]) -> list[float]:
+    """Virtual seconds each round lasted (the first from time 0)."""
+    ends = [r.virtual_time_s for r in records]
+    return [b - a for a, b in zip([0.0, *ends], ends, strict=False)]
+
+
+def long_rounds(records: Sequence[RoundRecord]) -> list[RoundRecord]:
+    """The rounds lasting over :data:`UNEVEN_ROUNDS` times the median round."""
+    durations = round_durations(records)
+    if len(durations) < 2:
+        return []
+    limit = UNEVEN_ROUNDS * median(durations)
+    return [r for r, d in zip(records, durations, strict=True) if d > limit]
+
+
+def accuracy_figure(records: Sequence[RoundRecord], title: str) -> Figure:
+    """Test accuracy against virtual time; beside it, when some rounds are long
+    (:func:`long_rounds`), accuracy against the round, the long ones marked in
+    both panels."""
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    long = long_rounds(records)
+    fig = Figure(figsize=(10 if long else 6, 4), dpi=100)
+    axes = fig.subplots(1, 2 if long else 1, sharey=True, squeeze=False)[0]
+    panels = [(axes[0], "virtual time (s)", lambda r: r.virtual_time_s)]
+    if long:
+        panels.append((axes[1], "round", lambda r: r.round))
+        axes[1].xaxis.set_major_locator(MaxNLocator(integer=True))
+    for ax, label, x in panels:
+        ax.plot(
+            [x(r) for r in records],
+            [100 * r.accuracy for r in records],
+            marker="o",
+            markersize=3,
+        )
+        if long:
+            ax.plot(
+                [x(r) for r in long],
+                [100 * r.accuracy for r in long],
+                "o",
+                color="tab:red",
+                label=f"rounds over {UNEVEN_ROUNDS:g}x the median round's length",
+            )
+        ax.set_xlabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("test accuracy (%)")
+    if long:
+        axes[1].legend(loc="best")
+    fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    return fig
 
 
 def write_run_folder(
@@ -205,11 +245,9 @@ def write_run_folder(
                     ]
                 )
         cfg = results["config"]
-        _plot(
-            records,
-            f"{cfg['strategy']} on {cfg['fleet']} ({cfg['num-nodes']} nodes)",
-            partial / "accuracy.png",
-        )
+        accuracy_figure(
+            records, f"{cfg['strategy']} on {cfg['fleet']} ({cfg['num-nodes']} nodes)"
+        ).savefig(partial / "accuracy.png")
         os.replace(partial, final)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from .devices import get_device
+from .notices import our_settings
 
 SPAN_APP = "flowerbed.clients.span_app:app"
 
@@ -153,7 +154,8 @@ def run_local(
         "reply_margin_s": 3.0,
     }
     settings.update(strategy_kwargs)
-    strategy = PipelineTraining(**settings)
+    with our_settings():  # Flower's notice of the fraction_evaluate chosen above
+        strategy = PipelineTraining(**settings)
     model = build_sequential(strategy.model, strategy.model_args, seed=strategy.seed)
     initial = ArrayRecord(model.state_dict())
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:

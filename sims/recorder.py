@@ -59,9 +59,49 @@ class _Sent:
 @dataclass
 class _Bucket:
     participants: list[int] = field(default_factory=list)
+    """Partition ids of the nodes whose update arrived (the same on every engine)."""
     failed: list[int] = field(default_factory=list)
+    """Node ids (the grid's, as Flower's log names them) of the failed tasks."""
     energy_j: float = 0.0
     slowest_s: float = 0.0
+
+
+@dataclass
+class FailureKind:
+    """Failed train tasks of one kind: how many, on which nodes, in which rounds.
+
+    ``kind`` is the error's reason with its numbers replaced by ``#``; the
+    example is the first such failure, in full. Node ids are the grid's
+    (``message.metadata.dst_node_id``): the ids Flower's own log names.
+    """
+
+    kind: str
+    example_node: int
+    example_round: int
+    example_reason: str
+    tasks: int = 0
+    nodes: Counter[int] = field(default_factory=Counter)
+    """Failed tasks of each node."""
+    rounds: set[int] = field(default_factory=set)
+
+    def add(self, node: int, round_: int) -> None:
+        self.tasks += 1
+        self.nodes[node] += 1
+        self.rounds.add(round_)
+
+    def as_dict(self) -> dict[str, object]:
+        """The kind as results.json's ``errors`` hold it."""
+        return {
+            "kind": self.kind,
+            "count": self.tasks,
+            "nodes": {str(n): c for n, c in sorted(self.nodes.items())},
+            "rounds": sorted(self.rounds),
+            "example": {
+                "node": self.example_node,
+                "round": self.example_round,
+                "reason": self.example_reason,
+            },
+        }
 
 
 class RecordingGrid(GridWrapper):
@@ -102,13 +142,13 @@ class RunRecorder:
         self.records: list[RoundRecord] = []
         self.initial_accuracy = float("nan")
         self._sent: dict[str, _Sent] = {}
-        self._partition_of: dict[int, int] = {}
         self._bucket = _Bucket()
         self._round = 1
         self._virtual_s = 0.0
         self._wall_start = time.monotonic()
-        self.error_counts: Counter[str] = Counter()
-        self.error_examples: dict[str, str] = {}
+        self.errors: dict[str, FailureKind] = {}
+        """Failed train tasks by kind of error, in the order each kind first
+        failed."""
 
     def sent(self, message_id: str, message: Message) -> None:
         if message.metadata.message_type.startswith("train"):
@@ -120,35 +160,25 @@ class RunRecorder:
             return  # not a train reply
         bucket = self._bucket
         if reply.has_error():
-            node = self._partition_of.get(sent.node_id, sent.node_id)
-            bucket.failed.append(node)
-            self._note_error(node, reply.error.reason or f"code {reply.error.code}")
+            bucket.failed.append(sent.node_id)
+            reason = reply.error.reason or f"code {reply.error.code}"
+            kind = _error_kind(reason)
+            if kind not in self.errors:
+                self.errors[kind] = FailureKind(kind, sent.node_id, sent.round, reason)
+            self.errors[kind].add(sent.node_id, sent.round)
             return
         metrics = next(iter(metric_records(reply)), MetricRecord())
         pid = int(metrics.get(keys.PARTITION_ID, sent.node_id))  # type: ignore[arg-type]
-        self._partition_of[sent.node_id] = pid
         bucket.participants.append(pid)
         energy = metrics.get(keys.ENERGY_J, 0.0)
         bucket.energy_j += float(energy) if isinstance(energy, (int, float)) else 0.0
         bucket.slowest_s = max(bucket.slowest_s, reply_duration(reply))
 
-    def _note_error(self, node: int, reason: str) -> None:
-        kind = _error_kind(reason)
-        self.error_counts[kind] += 1
-        self.error_examples.setdefault(
-            kind, f"round {self._round}, node {node}: {reason}"
-        )
-
     def error_summary(self) -> list[dict[str, object]]:
-        """Failed train tasks grouped by kind of error, most frequent first.
-
-        Each entry: ``kind`` (the reason with its numbers replaced by ``#``),
-        ``count`` and ``example`` (one full reason, with its node and round).
-        """
-        return [
-            {"kind": kind, "count": count, "example": self.error_examples[kind]}
-            for kind, count in self.error_counts.most_common()
-        ]
+        """Failed train tasks grouped by kind of error, most tasks first
+        (:meth:`FailureKind.as_dict`)."""
+        kinds = sorted(self.errors.values(), key=lambda k: -k.tasks)
+        return [kind.as_dict() for kind in kinds]
 
     def evaluate_fn(self, server_round: int, arrays: ArrayRecord) -> MetricRecord:
         """Central evaluation on the held-out test set; closes the round's record."""
@@ -256,6 +286,7 @@ def _load(
 
 
 def _error_kind(reason: str) -> str:
-    """``reason`` with its numbers (node ids, rounds, seconds) replaced by ``#``."""
+    """``reason`` with its numbers (node ids, rounds, seconds) replaced by ``#``;
+    numbers inside names stay (``rpi3b``, ``galaxy-s10``)."""
     first = reason.strip().splitlines()[-1] if reason.strip() else reason
-    return re.sub(r"\d+(\.\d+)?(e[-+]?\d+)?", "#", first)[:300]
+    return re.sub(r"(?<![\w.])\d+(\.\d+)?(e[-+]?\d+)?", "#", first)[:300]

@@ -21,6 +21,7 @@ from flowerbed.models import build_model
 from flowerbed.sims.config import Scenario
 from flowerbed.sims.engine import FleetGrid, SimNode
 from flowerbed.sims.node import DEVICE_KEY, make_client_app, train_batch
+from flowerbed.sims.notices import our_settings
 from flowerbed.sims.outputs import check_output_dir, summarise, write_run_folder
 from flowerbed.sims.population import cached_dataset, check_population
 from flowerbed.sims.recorder import RoundRecord, RunRecorder
@@ -51,7 +52,7 @@ def flowerbed_strategy(name: str, **options: Any) -> StrategyFactory:
 
         cls = getattr(strategies, name)
         kwargs = {k: (v(s) if callable(v) else v) for k, v in options.items()}
-        return cls(**flower_args(s), seed=s.seed, **kwargs)  # type: ignore[no-any-return]
+        return cls.from_settings(**flower_args(s), seed=s.seed, **kwargs)  # type: ignore[no-any-return]
 
     return factory
 
@@ -73,7 +74,10 @@ STRATEGIES: dict[str, StrategyFactory] = {
 
 
 def build_strategy(scenario: Scenario) -> Strategy:
-    return STRATEGIES[scenario.strategy](scenario)
+    """The scenario's strategy, without Flower's notices about the settings
+    flowerbed chose for it (:func:`~flowerbed.sims.notices.our_settings`)."""
+    with our_settings():
+        return STRATEGIES[scenario.strategy](scenario)
 
 
 @dataclass

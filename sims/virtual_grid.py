@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 POLL_INTERVAL_S = 0.05
 """Wall seconds between polls of the wrapped grid while replies are in flight."""
 PATIENCE_LOG_S = 60.0
-"""Wall seconds of waiting between two 'still waiting' log lines."""
+"""Wall seconds of waiting between two 'waits for N replies' log lines."""
 
 
 class VirtualTimeGrid(GridWrapper):
@@ -121,7 +121,8 @@ class VirtualTimeGrid(GridWrapper):
                 if time.monotonic() - last_log > PATIENCE_LOG_S:
                     last_log = time.monotonic()
                     log.warning(
-                        "virtual clock: %d replies still being computed after %.0f s",
+                        "the virtual clock waits for %d replies still being "
+                        "computed, %.0f s of wall time so far",
                         len(self._in_flight),
                         last_log - started,
                     )

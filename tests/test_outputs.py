@@ -20,6 +20,39 @@ def test_time_to_target_is_the_first_round_at_or_above_it() -> None:
     assert outputs.time_to_target(rounds, 0.96) is None
 
 
+def rounds_lasting(*seconds: float) -> list[RoundRecord]:
+    """Records of rounds that last ``seconds``, one after the other."""
+    ends = [sum(seconds[: i + 1]) for i in range(len(seconds))]
+    return [record(i + 1, t, 0.1 * (i + 1)) for i, t in enumerate(ends)]
+
+
+def test_round_durations_are_the_gaps_between_round_ends() -> None:
+    assert outputs.round_durations(rounds_lasting(2.0, 3.0, 5.0)) == [2.0, 3.0, 5.0]
+
+
+def test_two_round_timeouts_among_short_rounds_add_a_panel_per_round() -> None:
+    # eight rounds of 2 s and two 3,600 s timeouts: the median round is 2 s
+    records = rounds_lasting(2, 2, 3600, 2, 2, 2, 2, 3600, 2, 2)
+    assert [r.round for r in outputs.long_rounds(records)] == [3, 8]
+    figure = outputs.accuracy_figure(records, "deadline on phones-10x")
+    time_axis, round_axis = figure.axes
+    assert time_axis.get_xlabel() == "virtual time (s)"
+    assert round_axis.get_xlabel() == "round"
+    assert round_axis.get_xlim()[1] < 11  # one unit per round, not per second
+    marked = round_axis.lines[1].get_xdata()
+    assert list(marked) == [3, 8]
+
+
+def test_even_rounds_keep_one_time_axis() -> None:
+    # a round 10x the median is not yet uneven: 20 s against a median of 2 s
+    records = rounds_lasting(2, 2, 20, 2, 2)
+    assert outputs.long_rounds(records) == []
+    [axis] = outputs.accuracy_figure(records, "fedavg on mixed").axes
+    assert axis.get_xlabel() == "virtual time (s)"
+    assert outputs.long_rounds(rounds_lasting(2, 2, 20.5, 2, 2)) != []
+    assert outputs.long_rounds(rounds_lasting(3600)) == []
+
+
 def test_a_run_writes_results_csv_and_plot(tmp_path: Path) -> None:
     out = run_scenario(
         {
@@ -63,7 +96,7 @@ def test_a_failed_write_leaves_no_folder(
     def broken_plot(*_args: object) -> None:
         raise OSError("disk full")
 
-    monkeypatch.setattr(outputs, "_plot", broken_plot)
+    monkeypatch.setattr(outputs, "accuracy_figure", broken_plot)
     results = outputs.summarise(
         {
             "target-accuracy": 0.9,

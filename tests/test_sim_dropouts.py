@@ -4,8 +4,8 @@
 ``flowerbed sim`` runs the same node on the in-process ``FleetGrid``. For each
 task both must report the same failure: a node that vanished answers as Flower's
 SuperLink does once the message expires (``REPLY_MESSAGE_UNAVAILABLE``), a node
-that failed with ``CLIENT_APP_RAISED_EXCEPTION``; a node whose deadline leaves no
-time for one step is not a failure at all.
+that failed with ``CLIENT_APP_RAISED_EXCEPTION``, quietly; a node whose deadline
+leaves no time for one step is not a failure at all.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def outcome(reply: Message) -> str:
     }[reply.error.code]
 
 
-def test_both_engines_report_the_same_dropouts_and_flwr_run_logs_one_line_each(
+def test_both_engines_report_the_same_dropouts_and_nodes_log_nothing(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     grid = build_fleet_grid(RUN)
@@ -80,11 +80,9 @@ def test_both_engines_report_the_same_dropouts_and_flwr_run_logs_one_line_each(
     # A vanished node's error arrives when its message expires, as on a SuperLink.
     assert all(t == TTL for o, t in in_process.values() if o == "vanished")
     assert all(t < TTL for o, t in in_process.values() if o != "vanished")
-    dropouts = [
-        r for r in caplog.records if r.getMessage().startswith("simulated dropout")
-    ]
-    assert len(dropouts) == sum(o != "ok" for o in flower.values())
-    assert not any(r.exc_info or "Traceback" in r.getMessage() for r in caplog.records)
+    # No line from the node: under flwr run Ray forwards a node's lines when it
+    # likes (after the round's evaluation, say); the strategy names each failure.
+    assert [r.getMessage() for r in caplog.records if r.name == "flwr"] == []
 
 
 def test_a_node_with_no_time_for_one_step_answers_zero_steps_not_an_error() -> None:
