@@ -1,11 +1,16 @@
-"""DeadlineFedAvg with every option on never starves, at any fleet size.
+"""DeadlineFedAvg never starves, and is never behind FedAvg at equal time.
 
-The README's deadline example (``phones-10x``, 20 rounds) at 10, 20, 50 and 100
-nodes on the in-process engine: adaptive deadline, 1.3x over-selection, partial
-work, late updates and work balancing together. Once the first round has
-finished, every round must have usable replies and update the model, and the
-final accuracy must be within one point of Flower's FedAvg on the same fleet and
-seed (FedAvg waits for every node, so it is the accuracy to match, not the time).
+A strategy that trades rounds for time is lower per round by design, so the guard
+is accuracy at equal *time*: on the in-process engine, Flower's FedAvg (waiting for
+every node, no dropouts) runs ``ROUNDS`` rounds, and the recommended default
+(``strategy = "deadline"``) must, at FedAvg's last round's virtual time, be no more
+than half a point below FedAvg's final accuracy. Fleets of several sizes and
+spreads: ``phones-10x`` at 10, 20, 50 and 100 nodes, the ``uniform`` control
+(nothing to gain, nothing may be lost), ``boards`` and ``mixed``.
+
+Separately, with every option on (adaptive deadline, 1.3x over-selection, partial
+work, late updates, work balancing), every round after the first has usable
+replies and updates the model.
 """
 
 from __future__ import annotations
@@ -67,7 +72,7 @@ def every_option_on() -> Recorded:
 @pytest.mark.slow
 @pytest.mark.usefixtures("quiet_single_threaded")
 @pytest.mark.parametrize("nodes", [10, 20, 50, 100])
-def test_every_round_trains_and_accuracy_matches_fedavg(nodes: int) -> None:
+def test_every_round_trains_with_every_option_on(nodes: int) -> None:
     config: dict[str, Any] = {
         "fleet": "phones-10x",
         "num-nodes": nodes,
@@ -75,11 +80,40 @@ def test_every_round_trains_and_accuracy_matches_fedavg(nodes: int) -> None:
         "seed": 1,
     }
     deadline = every_option_on()
-    ours = run_scenario(config, strategy=deadline, write=False).records
-    flower = run_scenario(config, strategy=FedAvg(**SHARED), write=False).records
-
+    run_scenario(config, strategy=deadline, write=False)
     train = deadline.result.train_metrics_clientapp
     assert sorted(train) == list(range(1, ROUNDS + 1))  # every round updated
     for r in range(2, ROUNDS + 1):
         assert train[r][ROUND_PARTICIPANTS] + train[r][ROUND_LATE_UPDATES] > 0
-    assert ours[-1].accuracy >= flower[-1].accuracy - 0.01
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("quiet_single_threaded")
+@pytest.mark.parametrize(
+    ("fleet", "nodes"),
+    [
+        ("phones-10x", 10),
+        ("phones-10x", 20),
+        ("phones-10x", 50),
+        ("phones-10x", 100),
+        ("uniform", 20),
+        ("boards", 20),
+        ("mixed", 20),
+    ],
+)
+def test_the_default_is_not_behind_fedavg_at_equal_time(fleet: str, nodes: int) -> None:
+    config: dict[str, Any] = {
+        "fleet": fleet,
+        "num-nodes": nodes,
+        "num-rounds": ROUNDS,
+        "seed": 1,
+        "dropout": 0.0,
+    }
+    flower = run_scenario(config, strategy=FedAvg(**SHARED), write=False).records
+    budget = flower[-1].virtual_time_s
+    ours = run_scenario(
+        {**config, "strategy": "deadline", "num-rounds": 3 * ROUNDS}, write=False
+    ).records
+    assert ours[-1].virtual_time_s >= budget  # it ran at least as long
+    at_budget = [r for r in ours if r.virtual_time_s <= budget][-1]
+    assert at_budget.accuracy >= flower[-1].accuracy - 0.005
