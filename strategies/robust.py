@@ -17,6 +17,17 @@ bounds limit any one reply, both relative to what the fleet recently sent:
   Without a global model (``aggregate_train`` called on its own) replies are
   whole models, not updates, and only the weight cap applies.
 
+With ``pull_bound`` (opt-in: ``Robustness.hardened()``), the two are bounded
+together, on the reply's pull, weight times length: an update is clipped to
+``C_i = clip_factor * median(recent ||u_j||) * min(1, w_med / w_i)`` (``w_i`` its
+weight after the cap, ``w_med`` the median of recent weights), so
+``w_i ||u_i||`` is at most ``clip_factor * w_med * median ||u_j||`` however the
+reply splits it between weight and length. Bounded apart, a reply can take both
+maxima at once, ``weight_cap * clip_factor`` typical pulls, round after round
+(tests/test_drift_attack.py measures what that costs). Not the default: it also
+clips honest replies of above-median weight, so Flower's own FedAvg tests (with
+uneven weights) no longer give FedAvg's average.
+
 "Recent" is the last :data:`HISTORY` accepted replies, this round's included,
 so the bounds follow the fleet as training converges; the median is robust to a
 minority of outliers. Until :data:`MIN_REFERENCE` replies have been seen in a
@@ -153,8 +164,11 @@ class BoundedSum:
         norms: Reference,
         memory: Mapping[str, np.ndarray] | None = None,
         spare: Mapping[str, np.ndarray] | None = None,
+        *,
+        pull_bound: bool = False,
     ) -> None:
         self.sum = UpdateAccumulator(memory, spare)
+        self.pull_bound = pull_bound
         self.weight_cap = weight_cap
         self.clip_factor = clip_factor
         self.weights = weights
@@ -336,6 +350,11 @@ class BoundedSum:
         if cap is not None and weight > cap:
             weight = cap
             self.capped += 1
+        if self.pull_bound and bound and cap is not None and self.weight_cap:
+            # the pull w_i ||u_i|| at most clip_factor x w_med x median norm
+            typical = cap / self.weight_cap  # w_med
+            if weight > typical:
+                bound *= typical / weight
         # ``bound`` is on ||c_i d_i||: on ||d_i|| it is bound / c_i
         return weight, bound / update.scale if bound and update.scale > 0 else None
 

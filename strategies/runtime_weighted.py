@@ -230,6 +230,7 @@ class RuntimeWeightedFedAvg(RoundLoop):
     trim_fraction: float
     quarantine_after: int
     quarantine_rounds: int
+    pull_bound: bool
 
     DEFAULT_WORK = WorkBalance()
     """The work balance when none is given (subclasses may choose another)."""
@@ -881,6 +882,7 @@ class RuntimeWeightedFedAvg(RoundLoop):
             self.recent_norms,
             memory,
             spare,
+            pull_bound=self.pull_bound,
         )
 
     def _server_step_size(self) -> float:

@@ -1,13 +1,18 @@
 """A patient attacker: one node of ten pulls against the fleet for 30 rounds.
 
 The default scenario (scikit-learn digits, LeNet, ten nodes of the ``mixed``
-fleet) trained by RuntimeWeightedFedAvg with its defaults for 30 rounds on the
-in-process engine. Node 0 is hostile (:class:`flowerbed.sims.attackers.HostileGrid`):
-every round it sends its honest update reversed, as long as the influence bound
-lets it through, and claims more examples than it trained on. With the default
-bound the run must end within 2 points of accuracy of the same seed's honest
-run (the mean over three seeds: one seed's round-30 accuracy moves by about a
-point between two honest runs that differ in float rounding only).
+fleet) trained by RuntimeWeightedFedAvg for 30 rounds on the in-process engine.
+Node 0 is hostile (:class:`flowerbed.sims.attackers.HostileGrid`): every round it
+sends its honest update reversed, as long as the influence bound lets it through,
+and claims more examples than it trained on. With the hardened bound
+(``Robustness.hardened()``: weight and length bounded together) the run must end
+within 2 points of accuracy of the same seed's honest run (the mean over three
+seeds: one seed's round-30 accuracy moves by about a point between two honest
+runs that differ in float rounding only). The default bound, weight and length
+each on its own, lets the same node cost up to 12 points (docs/strategies/index.md,
+"Bounded influence: what is and is not bounded"); it stays the default because
+bounding them together also clips honest replies of above-median weight, which
+Flower's own FedAvg tests (tests/test_flower_contract.py) refuse.
 
 The helpers' own behaviour (what the hostile node sends) is checked by hand on
 one-float models first.
@@ -24,7 +29,7 @@ from flowerbed.sims.attackers import DriftAttack, HostileGrid
 from flowerbed.sims.config import Scenario
 from flowerbed.sims.scenario import build_fleet_grid, run_server
 from flowerbed.strategies import RuntimeWeightedFedAvg
-from flowerbed.strategies.robust import DEFAULT_CLIP_FACTOR
+from flowerbed.strategies.options import Robustness
 from flwr.app import Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Strategy
@@ -111,7 +116,7 @@ def final_accuracy(
         outcome = run_server(
             grid,
             scenario,
-            strategy=strategy or RuntimeWeightedFedAvg(**SHARED, seed=seed),
+            strategy=strategy or hardened(seed),
             engine="in-process",
             write=False,
         )
@@ -121,6 +126,14 @@ def final_accuracy(
         # it trains every round it does not drop out (its device's own rate)
         assert grid.attacked >= ROUNDS - 5
     return outcome.records[-1].accuracy
+
+
+HARDENED = Robustness.hardened()
+CLIP = HARDENED.clip_factor
+
+
+def hardened(seed: int) -> RuntimeWeightedFedAvg:
+    return RuntimeWeightedFedAvg(**SHARED, seed=seed, robustness=HARDENED)
 
 
 @pytest.fixture(scope="module")
@@ -133,9 +146,9 @@ def honest(quiet_single_threaded: None) -> dict[int, float]:
     "attack",
     [
         # just under the norm bound, with the median weight
-        DriftAttack(norm_factor=0.98 * DEFAULT_CLIP_FACTOR, weight_factor=1.0),
+        DriftAttack(norm_factor=0.98 * CLIP, weight_factor=1.0),
         # the same length, twice the weight
-        DriftAttack(norm_factor=0.98 * DEFAULT_CLIP_FACTOR, weight_factor=2.0),
+        DriftAttack(norm_factor=0.98 * CLIP, weight_factor=2.0),
         # 2.95x the median length, twice the weight: just under a weight cap of
         # 2 and a length bound of 3 medians taken separately
         DriftAttack(norm_factor=2.95, weight_factor=2.0),

@@ -94,3 +94,25 @@ def test_large_batch_rounds_keeps_example_weighting() -> None:
     recipe = LargeBatchRecipe(batch_size=512, optimizer="lamb")
     rounds = LargeBatchRounds(recipe=recipe)
     assert rounds.batch_size == 512 and rounds.server_optimizer.kind == "lamb"
+
+
+def test_the_hardened_bound_caps_a_replys_pull_not_weight_and_length_apart() -> None:
+    # References: weights [1, 1, 1], norms [1, 1, 1]. A reply of weight 2 and
+    # update +10: the default counts it as weight 2, length 3 (pull 6); the
+    # hardened bound as weight 2, length 1.5 x 1/2 = 0.75 (pull 1.5).
+    import numpy as np
+    from flowerbed.strategies.robust import BoundedSum, Reference
+
+    base = {"w": np.zeros(1, np.float32)}
+    for pull_bound, clip, length in ((False, 3.0, 3.0), (True, 1.5, 0.75)):
+        total = BoundedSum(
+            2.0, clip, Reference([1, 1, 1]), Reference([1, 1, 1]), pull_bound=pull_bound
+        )
+        total.add({"w": np.array([10.0], np.float32)}, base, 2.0)
+        assert float(total.result(base)["w"][0]) == pytest.approx(length)
+    hardened = Robustness.hardened()
+    assert (hardened.pull_bound, hardened.clip_factor, hardened.weight_cap) == (
+        True,
+        1.5,
+        2.0,
+    )
