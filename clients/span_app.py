@@ -3,7 +3,7 @@
 Point a Flower App's ``clientapp`` at ``flowerbed.clients.span_app:app`` and start
 each board's SuperNode with the address its peers reach::
 
-    flower-supernode --superlink SERVER:9092 \\
+    flower-supernode --superlink SERVER:8000 \\
         --node-config "address='192.168.1.12' device='rpi4b'"
 
 node_config (per board):
