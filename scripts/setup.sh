@@ -2,8 +2,8 @@
 # Install flowerbed into the current Python environment (make a virtual environment
 # first: python3 -m venv .venv && . .venv/bin/activate).
 #   bash scripts/setup.sh          the package (simulation, strategies, clients)
-#   bash scripts/setup.sh --dev    plus what the tests need: pytest, ruff, mypy,
-#                                  ExecuTorch's Python runtime, a JDK and JUnit 4
+#   bash scripts/setup.sh --dev    plus what the tests need: pytest, pytest-xdist, ruff,
+#                                  mypy, ExecuTorch's Python runtime, a JDK and JUnit 4
 # FLOWERBED_TORCH_INDEX=URL takes torch from that index, e.g. PyTorch's CPU wheels:
 #   FLOWERBED_TORCH_INDEX=https://download.pytorch.org/whl/cpu bash scripts/setup.sh
 # Exits non-zero, with pip's own output, when anything fails to install.

@@ -11,6 +11,7 @@ import importlib.util
 import math
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,11 +38,17 @@ from flowerbed.data import load_dataset
 from torch import nn
 from torch.nn import functional as F
 
-needs_executorch = pytest.mark.skipif(
+_executorch_installed = pytest.mark.skipif(
     importlib.util.find_spec("executorch") is None,
     reason="ExecuTorch is not installed: pip install --no-deps executorch==1.5.1 "
     "&& pip install flatbuffers pyyaml ruamel.yaml packaging numpy tabulate",
 )
+
+
+def needs_executorch(test: Callable[..., None]) -> Callable[..., None]:
+    """A test of programs run in ExecuTorch's runtime: skipped without it, and in
+    the integration lane (``slow``: each export takes seconds)."""
+    return pytest.mark.slow(_executorch_installed(test))
 
 
 class Program:
