@@ -30,6 +30,7 @@ from bridge_fakes import (
     train_once,
 )
 from flowerbed.clients.bridge import cli
+from flowerbed.clients.bridge.gateway import Gateway
 from flowerbed.clients.bridge.relay import StateDirError, SuperLinkConnector
 from flowerbed.clients.bridge.tokens import TokenTable, load_tokens
 
@@ -85,6 +86,16 @@ def _answers(raw: bytes) -> list[tuple[int, dict[str, str], bytes]]:
         out.append((int(lines[0].split()[1]), headers, rest[:length]))
         raw = rest[length:]
     return out
+
+
+def _await_in_flight(gateway: Gateway, counts: dict[str, int]) -> None:
+    """Wait until each named phone has this many requests being served."""
+    deadline = time.monotonic() + 10
+    while any(gateway.phone(n).in_flight != c for n, c in counts.items()):
+        assert time.monotonic() < deadline, {
+            n: gateway.phone(n).in_flight for n in counts
+        }
+        time.sleep(0.01)
 
 
 def _request(method: str, path: str, body: bytes = b"", extra: str = "") -> bytes:
@@ -274,14 +285,14 @@ def _closed_by_server(s: socket.socket) -> bool:
 
 def test_a_full_gateway_refuses_new_connections_with_503():
     settings = replace(SETTINGS, max_connections=2, max_poll_s=3.0)
-    with running_bridge(settings) as (_, _, server, phone):
+    with running_bridge(settings) as (_, gateway, server, phone):
         alice, bob = phone("alice"), phone("bob")
         alice.hello()
         bob.hello()
         polls = [threading.Thread(target=p.poll, args=(3,)) for p in (alice, bob)]
         for t in polls:
             t.start()
-        time.sleep(0.5)  # both connections are now busy in long polls
+        _await_in_flight(gateway, {"alice": 1, "bob": 1})  # both in long polls
         answers = _answers(_raw(server.port, _request("GET", "/v1/task?wait=0")))
         for t in polls:
             t.join()
@@ -290,7 +301,7 @@ def test_a_full_gateway_refuses_new_connections_with_503():
 
 def test_a_phone_is_limited_to_four_requests_at_once():
     settings = replace(SETTINGS, max_poll_s=2.0)
-    with running_bridge(settings) as (_, _, _, phone):
+    with running_bridge(settings) as (_, gateway, _, phone):
         phones = [phone("alice") for _ in range(5)]
         phones[0].hello()
         results: queue.Queue = queue.Queue()
@@ -304,7 +315,7 @@ def test_a_phone_is_limited_to_four_requests_at_once():
         threads = [threading.Thread(target=poll, args=(p,)) for p in phones[:4]]
         for t in threads:
             t.start()
-        time.sleep(0.4)
+        _await_in_flight(gateway, {"alice": 4})
         resp = phones[4].request("GET", "/v1/task?wait=0")
         for t in threads:
             t.join()

@@ -48,9 +48,12 @@ Writes what the test checks to the run config's ``out-file``: the query replies,
 the deadline, per round the accepted replies' metrics (``train_metrics_aggr_fn``),
 the strategy's round metrics, and each round's wall-clock duration
 (``evaluate_fn``, which the strategy calls before round 1 and after every round).
+With a ``resume-file``, round 2 starts only once that file exists (the test writes
+it when a restarted SuperNode has connected again).
 """
 
 import json
+import os
 import time
 
 from flwr.app import (
@@ -105,14 +108,24 @@ def profile(grid: Grid, arrays: ArrayRecord, nodes: int, steps: int):
 def main(grid: Grid, context: Context) -> None:
     cfg = context.run_config
     replies: list[list[dict]] = []
-    ticks: list[float] = []
+    starts: list[float] = []
+    ends: list[float] = []
+    resume = str(cfg["resume-file"])
 
     def record_replies(records: list[RecordDict], key: str) -> MetricRecord:
         replies.append([dict(r[keys.METRICS]) for r in records])
         return aggregate_metricrecords(records, key)
 
     def tick(server_round: int, arrays: ArrayRecord) -> None:
-        ticks.append(time.monotonic())
+        if server_round > 0:
+            ends.append(time.monotonic())
+        if server_round == 1 and resume:
+            give_up = time.monotonic() + 300
+            while not os.path.exists(resume):
+                if time.monotonic() > give_up:
+                    raise TimeoutError(f"no {resume} after 300 s")
+                time.sleep(0.2)
+        starts.append(time.monotonic())
 
     initial = ArrayRecord(build_model("lenet", 1, 8, 10).state_dict())
     nodes = int(cfg["num-nodes"])
@@ -144,7 +157,7 @@ def main(grid: Grid, context: Context) -> None:
             str(r): dict(m) for r, m in result.train_metrics_clientapp.items()
         },
         "replies": replies,
-        "durations": [b - a for a, b in zip(ticks, ticks[1:])],
+        "durations": [b - a for a, b in zip(starts, ends)],
     }
     with open(str(cfg["out-file"]), "w") as fh:
         json.dump(out, fh)
@@ -179,6 +192,7 @@ work-fraction = 0.8
 local-steps = 200
 profile-steps = 3
 batch-size = 16
+resume-file = ""
 learning-rate = 0.05
 model = "lenet"
 num-classes = 10
@@ -222,7 +236,9 @@ def start_nodes(
     return nodes
 
 
-def run_config(out: Path, rounds: int) -> dict[str, str | int | float]:
+def run_config(
+    out: Path, rounds: int, resume: Path | None = None
+) -> dict[str, str | int | float]:
     return {
         "num-rounds": rounds,
         "work-fraction": WORK_FRACTION,
@@ -230,6 +246,7 @@ def run_config(out: Path, rounds: int) -> dict[str, str | int | float]:
         "profile-steps": PROFILE_STEPS,
         "batch-size": BATCH_SIZE,
         "out-file": str(out),
+        "resume-file": str(resume or ""),
     }
 
 
@@ -294,7 +311,8 @@ def test_run_survives_a_killed_supernode_and_uses_it_again_after_restart(
         fed.start_superlink()
         nodes = start_nodes(fed, write_partitions(tmp_path, 3), slow=None)
         victim = nodes[2]
-        handle = fed.submit(app_dir, run_config(out, rounds=2))
+        resume = tmp_path / "restarted"
+        handle = fed.submit(app_dir, run_config(out, rounds=2, resume=resume))
         # The first message is the profiling query, the second round 1's training
         # task. Kill the node (with its SuperExec and ClientApp: a board losing
         # power) as that ClientApp starts, seconds before it could answer.
@@ -305,15 +323,19 @@ def test_run_survives_a_killed_supernode_and_uses_it_again_after_restart(
         victim.kill()
         assert not [pid for pid in board if alive(pid)]
         fed.restart_supernode(victim)
+        # Round 2 samples the nodes connected when it starts: on a loaded machine
+        # round 1's deadline can pass before the board is back, so the ServerApp
+        # holds round 2 until it is (the round's own clock starts after that).
+        resume.write_text("")
         run = handle.wait(RUN_TIMEOUT_S)
         why = explain(fed, run.log)
     assert run.status == "finished:completed", why
     result = json.loads(out.read_text())
     assert sorted(result["rounds"]) == ["1", "2"], why
     # Round 1 completes with the two survivors: the killed incarnation never
-    # answers (a straggler at the deadline). It rejoins under a new node id while
-    # round 1 waits out its deadline; only two of the original nodes are alive,
-    # so three participants in round 2 means the restarted node was used.
+    # answers (a straggler at the deadline). It rejoins under a new node id before
+    # round 2; only two of the original nodes are alive, so three participants in
+    # round 2 means the restarted node was used.
     assert result["rounds"]["1"]["participants"] == 2, why
     assert result["rounds"]["2"]["participants"] == 3, why
     for seconds in result["durations"]:

@@ -9,7 +9,6 @@ completes with the other two.
 from __future__ import annotations
 
 import json
-import re
 import textwrap
 import time
 from pathlib import Path
@@ -18,6 +17,10 @@ import pytest
 from procs import Federation, free_port
 
 pytestmark = pytest.mark.slow
+
+SETTLE_S = 5.0
+"""Seconds from the segment's ClientApp start to the kill: time to join the group
+(a kill before that is a loss at the rendezvous, which the test accepts too)."""
 
 SERVER_APP = """
 import json
@@ -118,11 +121,14 @@ def test_a_supernode_killed_mid_segment_and_the_next_segment_completes(
         run = fed.submit(
             app_dir, {"steps": 40, "port": free_port(), "out-file": str(out)}
         )
-        deadline = time.monotonic() + 300
-        while not re.search(r"\[ROUND 1/2\]", run.log()):
-            assert time.monotonic() < deadline, run.log()[-3000:]
-            time.sleep(0.5)
-        time.sleep(20.0)  # the segment's messages are out and the boards training
+        # Each message starts a ClientApp process: the first the speed profile,
+        # the second round 1's segment. Its 40 steps take at least 20 s of
+        # emulated compute however idle the host, so a few seconds after that
+        # start the board is joining or training, never done.
+        started = "Start `flwr-clientapp` process"
+        first = nodes[2].wait_for_log(started, timeout=300)
+        nodes[2].wait_for_log(started, timeout=300, start=first.end())
+        time.sleep(SETTLE_S)
         nodes[2].kill()
         result = run.wait(900)
         logs = "\n".join(f"--- {n.name} ---\n{n.log()[-1500:]}" for n in nodes)

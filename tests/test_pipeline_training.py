@@ -11,10 +11,12 @@ failures or not.
 
 from __future__ import annotations
 
+import re
 import socket
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +33,10 @@ MODEL = "deep-mlp"
 ARGS = {"in_features": 64, "hidden": 48, "depth": 8}  # 10 layers
 K, R, BATCH, LR = 10, 3, 16, 0.1
 FAST = 0.05  # GFLOP/s
+PORTS = 8
+"""Rendezvous ports per job: a port found in use (another program, or a previous
+segment's group still closing on a busy machine) is skipped for the rest of the job,
+so a one-port range would end the job at the first such collision."""
 
 
 def strategy(**changes: object) -> PipelineTraining:
@@ -48,7 +54,7 @@ def strategy(**changes: object) -> PipelineTraining:
         "min_train_nodes": 1,
         "min_available_nodes": 3,
         "rendezvous_port": free_port(),
-        "rendezvous_ports": 1,
+        "rendezvous_ports": PORTS,
         "join_timeout_s": 30,
         "timeout_s": 10,
         "reply_margin_s": 3,
@@ -67,6 +73,58 @@ def assert_same_weights(result: ArrayRecord, steps: int, batch: int = BATCH) -> 
     assert list(got) == list(want)
     for name, value in want.items():
         np.testing.assert_allclose(got[name], value, rtol=0, atol=5e-6, err_msg=name)
+
+
+FAILED = re.compile(
+    r"attempt \d+ of round (\d+) failed \(lost members \[([\d, ]*)\], errors "
+    r"\[([\d, ]*)\]\); restart at step (\d+), (\d+) steps lost"
+    r"( \(from the central copy\))?"
+)
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One failed attempt as PipelineTraining logs it."""
+
+    round: int
+    lost: tuple[int, ...]
+    errors: tuple[int, ...]
+    restart: int
+    steps_lost: int
+    from_central: bool
+
+
+def failures(s: PipelineTraining) -> list[Failure]:
+    """Every failed attempt in the strategy's event log, in order."""
+
+    def ids(text: str) -> tuple[int, ...]:
+        return tuple(int(i) for i in text.split(",") if i.strip())
+
+    return [
+        Failure(int(r), ids(lost), ids(err), int(at), int(steps), bool(central))
+        for r, lost, err, at, steps, central in FAILED.findall("\n".join(s.events))
+    ]
+
+
+def member_losses(s: PipelineTraining, rounds: dict) -> list[Failure]:
+    """The failures that lost members, after checking what holds for every failure.
+
+    Each recovery a round counts is logged, with the steps it lost. A failure that
+    lost no member (a rendezvous port found in use, a join or collective that timed
+    out on a busy machine) is retried from the survivors' replicas: at most R steps
+    lost. Such retries are correct anywhere, so tests count member losses, not
+    attempts.
+    """
+    found = failures(s)
+    log = "\n".join(s.events)
+    for server_round, metrics in rounds.items():
+        logged = [f for f in found if f.round == server_round]
+        assert metrics["recoveries"] == len(logged), log
+        assert metrics["lost-steps"] == sum(f.steps_lost for f in logged), log
+    assert not s.refused, log
+    retries = [f for f in found if not f.lost]
+    assert all(f.steps_lost <= R and not f.from_central for f in retries), log
+    return [f for f in found if f.lost]
 
 
 def node(tmp: Path, name: str, gflops: float, **aids: int | float) -> dict:
@@ -159,9 +217,9 @@ def test_slow_device_crash_return_and_slowdown(
 
     # Round 2: member 2 died at step 14; the last replication was after step 12,
     # so the survivors restart there: 2 steps lost, at most R.
-    assert rounds[2]["recoveries"] == 1, log
-    assert 0 < rounds[2]["lost-steps"] <= R, log
-    assert "restart at step 12" in log
+    [loss] = member_losses(s, rounds)
+    assert (loss.round, loss.lost, loss.restart) == (2, (2,), 12), log
+    assert 0 < loss.steps_lost <= R and not loss.from_central, log
 
     # The board came back under a new id and was used again.
     assert returned, log
@@ -191,8 +249,9 @@ def test_two_failures_at_once_adjacent_and_not(
     ]
     grid = ProcessGrid("flowerbed.clients.span_app:app", configs, unavailable_after_s=1)
     grids.append(grid)
-    # The range's first port is taken by another program; segments alternate
-    # between the two ports, the first segment on the free one.
+    # The range's first port is taken by another program. Segment k uses port
+    # first + k % 4: the job's fourth segment meets it (three rounds and two
+    # losses take five segments at least).
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -202,31 +261,32 @@ def test_two_failures_at_once_adjacent_and_not(
             batch_size=20,
             min_available_nodes=5,
             rendezvous_port=port,
-            rendezvous_ports=2,
+            rendezvous_ports=4,
             join_timeout_s=10,
         )
         result = s.start(grid, initial(), num_rounds=3)
     log = "\n".join(s.events)
     rounds = result.train_metrics_clientapp
     assert sorted(rounds) == [1, 2, 3], log
-    # Round 2's first segment met the taken port: rank 0 reported it (an error
-    # naming it, no member lost), and the segment was retried on the free port
-    # at the same step, never again on the taken one.
-    assert (
-        "attempt 1 of round 2 failed (lost members [], errors [1]); restart at "
-        "step 10, 0 steps lost" in log
-    )
+    # Rank 0 (member 1) reported the taken port (an error naming it, no member
+    # lost); the segment was retried on another port at the same step, never
+    # again on the taken one.
     assert port in s.bad_ports
-    assert rounds[1]["recoveries"] == 0 and rounds[3]["recoveries"] == 1
+    assert any(f.errors == (1,) and not f.lost for f in failures(s)), log
+    losses = member_losses(s, rounds)
     # Round 2: members 2 and 4 (not adjacent) die at step 14: every layer still
-    # has a copy at step 12 (own or the ring successor's replica).
-    assert "restart at step 12, 2 steps lost" in log
-    assert rounds[2]["stages"] == 3
-    assert rounds[2]["recoveries"] == 2 and rounds[2]["lost-steps"] == 2
+    # has a copy at step 12 (own or the ring successor's replica): 2 steps lost.
     # Round 3 runs on members 1, 3, 5; 3 and 5 (adjacent) die at step 24: the
     # layers of member 3 were only on 3 and on its successor 5, so the job falls
-    # back to the central copy of step 20 and goes on with member 1 alone.
-    assert "restart at step 20, 4 steps lost (from the central copy)" in log
+    # back to the central copy of step 20 (4 steps lost, the round's start) and
+    # goes on with member 1 alone.
+    assert [
+        (f.round, f.lost, f.restart, f.steps_lost, f.from_central) for f in losses
+    ] == [
+        (2, (2, 4), 12, 2, False),
+        (3, (3, 5), 20, 4, True),
+    ], log
+    assert rounds[2]["stages"] == 3
     assert rounds[3]["stages"] == 1
     assert_same_weights(result.arrays, 30, batch=20)
 
