@@ -249,62 +249,13 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
     Parameters
     ----------
     (FedAvg's and RuntimeWeightedFedAvg's parameters, same defaults), and:
-    deadline_s : float, optional (default: None)
-        Fixed deadline in clock seconds; with ``adaptive_deadline`` the first
-        round's deadline. None: wait for all (FedAvg behaviour) unless adaptive.
-    adaptive_deadline : bool (default: False)
-        Derive each round's deadline from recent durations (see above).
-    deadline_percentile : float, optional (default: None)
-        ``p``, in (0, 100], the same every round. None: two speeds with
-        ``partial_work`` (above), 80 without.
-    fast_percentile : float (default: 30)
-        The two-speed deadline's fast percentile, in (0, 80].
-    wait_ratio : float (default: 5)
-        Largest ratio of the 80th to the ``fast_percentile``-th percentile of
-        recent full-work durations at which the two-speed deadline waits for
-        the 80th; >= 1.
-    deadline_window : int (default: 3)
-        ``W``: rounds of durations the percentile looks at.
-    deadline_growth : float (default: 1.5)
-        Factor by which the deadline grows when fewer than ``p``% of the nodes
-        finished in time; > 1.
-    pacer_step : float, optional (default: None)
-        Relative change of the pacing factor per adjustment (0 disables pacing).
-        None: 0.1 with a fixed ``deadline_percentile``, 0 with two speeds
-        (:data:`TWO_SPEED_PACER_STEP` says why).
-    pacer_window : int (default: 2)
-        Rounds per pacing decision.
-    pacing_bounds : tuple[float, float] (default: (0.5, 4.0))
-        Smallest and largest pacing factor.
-    progress_metric : str, optional (default: None)
-        Accuracy metric the pacer follows; None looks for ``accuracy`` then
-        ``eval-acc``.
-    over_selection : float (default: 1.0)
-        Sampling factor, >= 1 (1.3 is the customary value).
-    partial_work : bool (default: False)
-        Send ``deadline-s`` so nodes stop in time and report partial work.
-    work_fraction : float (default: 0.8)
-        Share of the deadline nodes may train for (the rest is for upload).
-    min_batch_size : int (default: 4)
-        With partial work, also send ``min-batch-size``: a node that cannot
-        finish one step of its batch inside the deadline trains one step on the
-        largest batch that fits, if it holds at least this many samples, instead
-        of answering zero steps (work sized to the deadline per device). 0: off.
-    late_updates : bool (default: True)
-        Fold replies that miss their round into later rounds.
-    max_staleness : int (default: 2)
-        Oldest late update (in rounds) still used.
-    staleness_fn : str or callable (default: "polynomial", i.e. 1/sqrt(1+s))
-        Discount of a late update's weight; a name from
-        ``flowerbed.strategies.staleness.STALENESS_FUNCTIONS`` or ``s -> factor``.
-    min_completion : int, optional (default: 1)
-        Fewest usable replies to update the model; None means
-        ``min_train_nodes``. ``min_train_nodes`` is how many nodes are sampled,
-        as in FedAvg; a round in which some of them fail still trains on the
-        others unless this asks for more.
-    evaluate_timeout_s : float, optional (default: None)
-        Clock seconds federated evaluation waits for replies; None means a
-        quarter of the round's deadline (``timeout`` while there is none).
+    deadlines : Deadlines, optional (default: Deadlines())
+        When a round closes and what nodes do about it: fixed or adaptive
+        deadline, percentiles, pacer, over-selection, partial work, late updates,
+        ``min_completion``, evaluation wait
+        (:class:`~flowerbed.strategies.options.Deadlines` lists its fields).
+    staleness : Staleness, optional (default: Staleness(max_staleness=2))
+        How late updates count (:class:`~flowerbed.strategies.options.Staleness`).
     """
 
     # The option objects' fields, read as attributes (copied by copy_fields)

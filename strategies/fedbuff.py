@@ -59,20 +59,12 @@ class FedBuff(RuntimeWeightedFedAvg):
     ----------
     (FedAvg's and RuntimeWeightedFedAvg's parameters, same defaults except
     ``weighting="examples"``), and:
-    concurrency : int, optional (default: None)
-        Nodes training at once; None means FedAvg's sample size
-        (``fraction_train`` of connected nodes, at least ``min_train_nodes``).
-    buffer_size : int, optional (default: None)
-        K, replies per model version; None means ``max(1, concurrency // 2)``.
-    server_learning_rate : float (default: 1.0)
-        ``eta_g``.
-    max_staleness : int (default: 10)
-        Oldest update (in versions) still used.
-    staleness_fn : str or callable (default: "polynomial", 1/sqrt(1+s))
-        ``s(tau)``; a name from ``flowerbed.strategies.staleness.STALENESS_FUNCTIONS``
-        or a function of the staleness.
-    evaluate_every : int (default: 1)
-        Evaluate every this many versions.
+    buffering : Buffering, optional (default: Buffering())
+        ``concurrency``, ``buffer_size`` (K), ``server_learning_rate`` (eta_g) and
+        ``evaluate_every`` (:class:`~flowerbed.strategies.options.Buffering`).
+    staleness : Staleness, optional (default: Staleness(max_staleness=10))
+        ``max_staleness`` and ``s(tau)``
+        (:class:`~flowerbed.strategies.options.Staleness`).
     """
 
     # The option objects' fields, read as attributes (copied by copy_fields)

@@ -170,26 +170,13 @@ class RuntimeWeightedFedAvg(RoundLoop):
     min_available_nodes, weighted_by_key, arrayrecord_key, configrecord_key,
     train_metrics_aggr_fn, evaluate_metrics_aggr_fn
         As in Flower's ``FedAvg`` (same defaults). ``weighted_by_key`` is ``n_i``.
-    weighting : str (default: "fednova")
-        One of ``"runtime"``, ``"throughput"``, ``"fednova"``, ``"examples"``.
-        FedNova is the default: on unequal fleets with non-IID data it matched
-        FedAvg with equal work and beat the other weightings with balanced
-        (unequal) work; see docs/strategies/runtime-weighted.md.
-    balance_work : bool (default: False)
-        Assign ``local-steps`` proportional to each node's smoothed speed.
-    local_steps : int, optional (default: None)
-        Base work ``L`` per node; if None, ``train_config["local-steps"]`` is used.
-        Sent as ``local-steps`` when set (needed when ``balance_work`` is on).
-    speed_smoothing : float (default: 0.5)
-        Weight ``a`` of the newest speed measurement, in (0, 1].
-    min_local_steps : int (default: 1)
-        Fewest steps work balancing assigns.
-    max_local_steps : int, optional (default: None)
-        Most steps work balancing assigns; None means ``4 * L``.
-    quarantine_after : int (default: 3)
-        Consecutive rejected replies that put a node in quarantine.
-    quarantine_rounds : int (default: 5)
-        Rounds a quarantined node sits out (0 disables quarantine).
+    work : WorkBalance, optional (default: WorkBalance())
+        Weighting (default ``"fednova"``) and work balancing
+        (:class:`~flowerbed.strategies.options.WorkBalance` lists its fields).
+    robustness : Robustness, optional (default: Robustness())
+        Reply ceiling, bounded influence (weight cap 2, clip factor 3), robust
+        aggregation and quarantine
+        (:class:`~flowerbed.strategies.options.Robustness`).
     message_ttl_s : float, optional (default: None)
         Time-to-live of each message; None means ``start``'s ``timeout``.
     checkpoint_path : str or Path, optional (default: None)
@@ -197,23 +184,9 @@ class RuntimeWeightedFedAvg(RoundLoop):
         an existing checkpoint there is resumed.
     seed : int (default: 0)
         Seeds node sampling (per round, so resumed runs sample the same nodes).
-    max_num_examples : float (default: 1e9)
-        Ceiling on a reply's weight (``weighted_by_key``): a reply above it is
-        rejected, naming the ceiling.
-    weight_cap : float, optional (default: 2.0)
-        Bounded influence: a reply's weight counts as at most ``weight_cap``
-        times the median weight of recent replies. None: no cap.
-    clip_factor : float, optional (default: 3.0)
-        Bounded influence: an update longer than ``clip_factor`` times the
-        median norm of recent updates is scaled down to that length (Sun et al.
-        2019). None: no clipping.
-    aggregation : str (default: "mean")
-        ``"mean"`` (weighted, streaming, with the bounds above), ``"median"`` or
-        ``"trimmed-mean"`` (coordinate-wise, Yin et al. 2018; hold every update
-        of a round: O(n * model) memory).
-    trim_fraction : float (default: 0.2)
-        Share of the largest and of the smallest values ``"trimmed-mean"`` drops
-        per coordinate, in [0, 0.5).
+    **flat
+        The option objects' fields by name (``weight_cap=3.0``), as in earlier
+        versions: deprecated, with a warning naming the object to use.
     """
 
     # The option objects' fields, read as attributes (copied by copy_fields)
