@@ -276,6 +276,7 @@ class RuntimeWeightedFedAvg(RoundLoop):
         """``num-steps`` of recent accepted replies: the bound on a claim where
         no work was assigned (:meth:`_bounded_steps`)."""
         self._steps_capped: set[int | None] = set()
+        self._weight_capped: set[int] = set()
         self._unused_logged: set[tuple[int, str]] = set()
         """(node, reason) of rejections that were not the node's fault, logged."""
         self.quarantine = Quarantine(
@@ -807,6 +808,7 @@ class RuntimeWeightedFedAvg(RoundLoop):
         self.quarantine.record_success(staged.node)
         if keys.NUM_STEPS in staged.metrics:
             self.recent_steps.add(staged.update.steps)
+        self._say_if_capped(staged)
         self._update_speed(
             staged.node,
             staged.metrics,
@@ -815,6 +817,30 @@ class RuntimeWeightedFedAvg(RoundLoop):
         )
         fold.metrics.add(staged.metrics, staged.n)
         return True
+
+    def _say_if_capped(self, staged: _Staged) -> None:
+        """Log, once per node, a weight the cap held down, with the value and
+        the bound (the round's summary line counts the rest)."""
+        median = self.recent_weights.median()
+        if self.weight_cap is None or median is None:
+            return
+        bound = self.weight_cap * median
+        claimed = staged.update.weight
+        if claimed <= bound or staged.node in self._weight_capped:
+            return
+        self._weight_capped.add(staged.node)
+        log(
+            WARNING,
+            "node %s: its weight %g (%s=%g) is more than %g (weight_cap=%g x the "
+            "median of recent replies): counted as at most %g from now on",
+            staged.node,
+            claimed,
+            self.weighted_by_key,
+            staged.n,
+            bound,
+            self.weight_cap,
+            bound,
+        )
 
     def _settle_rejected(
         self,

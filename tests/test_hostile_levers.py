@@ -156,3 +156,18 @@ def test_a_partition_id_is_not_averaged_into_the_rounds_metrics() -> None:
     assert result is not None
     assert "partition-id" not in result
     assert result["train-loss"] == pytest.approx(1.0)
+
+
+def test_a_capped_weight_is_logged_once_per_node_with_the_value_and_the_bound(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Nine nodes of 10 examples; node 10 claims 1e6 in each of two rounds.
+    nodes = {n: node(0.03, seconds=1.0) for n in range(1, 10)}
+    nodes[10] = node(0.03, seconds=2.0, examples=10**6)
+    strategy = RuntimeWeightedFedAvg(fraction_evaluate=0.0)
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        strategy.start(FakeGrid(nodes), weights(), 2)
+    lines = [r.getMessage() for r in caplog.records if "weight_cap=2" in r.getMessage()]
+    assert len(lines) == 1
+    assert lines[0].startswith("node 10: its weight 1e+06")
+    assert "more than 20 (weight_cap=2 x the median" in lines[0]
