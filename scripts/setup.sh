@@ -60,6 +60,16 @@ if ! "$PY" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2
   fi
 fi
 
+# flwr: the newest release the range in pyproject.toml allows. `pip install -e .`
+# alone keeps an installed flwr that is inside the range (1.41 when 1.42 is out), so
+# an environment set up earlier would go on running the older line.
+flwr=$(sed -n 's/^ *"\(flwr\[simulation\][^"]*\)",$/\1/p' pyproject.toml)
+if [ -z "$flwr" ]; then
+  echo "error: pyproject.toml has no \"flwr[simulation]...\" dependency line" >&2
+  exit 1
+fi
+pip_install --upgrade "$flwr"
+
 if [ "${1:-}" != "--dev" ]; then
   pip_install -e .
   echo "flowerbed installed: try flowerbed --help"

@@ -11,8 +11,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import tomllib
 
-SETUP = Path(__file__).parents[1] / "scripts" / "setup.sh"
+ROOT = Path(__file__).parents[1]
+SETUP = ROOT / "scripts" / "setup.sh"
 NOISE = (
     "ERROR: pip's dependency resolver does not currently take into account all the "
     "packages that are installed. This behaviour is the source of the following "
@@ -61,6 +63,24 @@ def test_success_is_quiet_and_drops_executorchs_expected_conflicts(
     calls = (tmp_path / "calls").read_text().splitlines()
     assert "-m pip install -q torch==2.13.0" in calls
     assert "-m pip install -q -e ." in calls
+
+
+def test_flwr_is_upgraded_to_the_newest_release_the_pin_allows(tmp_path: Path) -> None:
+    """`pip install -e .` keeps an installed flwr that is inside the range (1.41 when
+    1.42 is out), so setup.sh first asks for the newest one with --upgrade, in the
+    words of pyproject.toml's requirement."""
+    done = run_setup(fake_python(tmp_path, "exit 0"))
+    assert done.returncode == 0, done.stderr
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    (pin,) = [
+        requirement
+        for requirement in pyproject["project"]["dependencies"]
+        if requirement.startswith("flwr[simulation]")
+    ]
+    calls = (tmp_path / "calls").read_text().splitlines()
+    upgrade = f"-m pip install -q --upgrade {pin}"
+    assert upgrade in calls
+    assert calls.index(upgrade) < calls.index("-m pip install -q -e .")
 
 
 def test_a_failing_pip_shows_its_output_and_exits_non_zero(tmp_path: Path) -> None:
