@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 import types
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -54,16 +54,19 @@ def toy_section(name: str, calls: list[str]) -> types.ModuleType:
 
 
 @pytest.fixture
-def calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Replace the registered sections by toy ones ``a`` and ``b``."""
+def calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """Replace the registered sections by toy ones ``a`` and ``b``; restore them in
+    their order (the page's order) afterwards."""
     ran: list[str] = []
-    for name in list(SECTIONS):
-        monkeypatch.delitem(SECTIONS, name)
+    registered = dict(SECTIONS)
+    SECTIONS.clear()
     for name in ("a", "b"):
         module = toy_section(name, ran)
         monkeypatch.setitem(sys.modules, module.__name__, module)
-        monkeypatch.setitem(SECTIONS, name, module.__name__)
-    return ran
+        SECTIONS[name] = module.__name__
+    yield ran
+    SECTIONS.clear()
+    SECTIONS.update(registered)
 
 
 def results_of(out: Path) -> dict[str, Any]:
