@@ -747,6 +747,7 @@ class RuntimeWeightedFedAvg(RoundLoop):
             )
             # as the sum would refuse it: an unusable reply, before its group
             check_positive("weight", update.weight)
+            self._say_if_capped(node, update.weight, n)
         except ReplyRejected as rejection:
             self._settle_rejected(reply, server_round, node, arrival, rejection)
             return None
@@ -808,7 +809,6 @@ class RuntimeWeightedFedAvg(RoundLoop):
         self.quarantine.record_success(staged.node)
         if keys.NUM_STEPS in staged.metrics:
             self.recent_steps.add(staged.update.steps)
-        self._say_if_capped(staged)
         self._update_speed(
             staged.node,
             staged.metrics,
@@ -818,25 +818,25 @@ class RuntimeWeightedFedAvg(RoundLoop):
         fold.metrics.add(staged.metrics, staged.n)
         return True
 
-    def _say_if_capped(self, staged: _Staged) -> None:
-        """Log, once per node, a weight the cap held down, with the value and
-        the bound (the round's summary line counts the rest)."""
+    def _say_if_capped(self, node: int, claimed: float, n: float) -> None:
+        """Log, once per node, a weight above the cap (against the recent
+        median as the reply arrives), with the value and the bound; the
+        round's summary line counts every capped weight."""
         median = self.recent_weights.median()
         if self.weight_cap is None or median is None:
             return
         bound = self.weight_cap * median
-        claimed = staged.update.weight
-        if claimed <= bound or staged.node in self._weight_capped:
+        if claimed <= bound or node in self._weight_capped:
             return
-        self._weight_capped.add(staged.node)
+        self._weight_capped.add(node)
         log(
             WARNING,
             "node %s: its weight %g (%s=%g) is more than %g (weight_cap=%g x the "
             "median of recent replies): counted as at most %g from now on",
-            staged.node,
+            node,
             claimed,
             self.weighted_by_key,
-            staged.n,
+            n,
             bound,
             self.weight_cap,
             bound,

@@ -47,7 +47,7 @@ EXAMPLES: dict[str, Any] = {
 def documented_keys() -> list[str]:
     """Keys in the run-config table of docs/simulation.md (first column)."""
     page = (ROOT / "docs" / "simulation.md").read_text()
-    table = page.split("## Run config", 1)[1].split("\n## ", 1)[0]
+    table = re.split(r"\n##+ ", page.split("## Run config", 1)[1], maxsplit=1)[0]
     keys: list[str] = []
     for line in table.splitlines():
         if line.startswith("| `"):
@@ -149,7 +149,7 @@ def test_the_documented_ranges_are_the_checked_ones() -> None:
     from flowerbed.sims.config import LIMITS
 
     page = (ROOT / "docs" / "simulation.md").read_text()
-    table = page.split("## Run config", 1)[1].split("\n## ", 1)[0]
+    table = re.split(r"\n##+ ", page.split("## Run config", 1)[1], maxsplit=1)[0]
     documented: dict[str, str] = {}
     for line in table.splitlines():
         if line.startswith("| `"):
