@@ -60,18 +60,19 @@ def _sum_dtype(dtype: np.dtype) -> np.dtype:
     return np.dtype(np.float64)
 
 
-def _float_norm(
+def update_norm(
     arrays: Mapping[str, np.ndarray], base: Mapping[str, np.ndarray]
 ) -> float:
-    """``||x - base||`` over the float arrays, in float64 (inf or NaN when an
-    element is not finite: the fold then rejects the update)."""
+    """``||x - base||`` over the float arrays, in float64; ReplyRejected naming
+    the array if it is not finite."""
     squares = 0.0
     for name, value in arrays.items():
         if np.asarray(value).dtype.kind != "f":
             continue
-        with np.errstate(over="ignore", invalid="ignore"):
-            delta = np.subtract(value, base[name], dtype=np.float64).ravel()
-            squares += float(np.dot(delta, delta))
+        delta = np.subtract(value, base[name], dtype=np.float64)
+        squares += float(np.dot(delta.ravel(), delta.ravel()))
+        if not math.isfinite(squares):
+            raise ReplyRejected(f"array {name!r} contains NaN or Inf")
     return math.sqrt(squares)
 
 
@@ -314,9 +315,18 @@ class UpdateAccumulator:
                 continue
             norm = update.norm
             if norm is None:
-                norm = _float_norm(update.arrays, update.base)
-            if math.isfinite(norm) and norm > update.max_norm:
+                try:
+                    norm = update_norm(update.arrays, update.base)
+                except ReplyRejected:  # the fold below rejects it, naming it
+                    continue
+            if norm > update.max_norm:
                 clipped[j] *= update.max_norm / norm
+
+        def factor(j: int, value: np.ndarray) -> float:
+            """Update ``j``'s factor for one of its arrays (clipping scales its
+            float arrays only: they are what the norm measures)."""
+            return clipped[j] if np.asarray(value).dtype.kind == "f" else factors[j]
+
         squares = [0.0] * len(group)
         rejected: dict[int, tuple[ReplyRejected, str, int]] = {}
         names = list(group[0].arrays)
@@ -330,10 +340,7 @@ class UpdateAccumulator:
                 name,
                 values,
                 base,
-                [
-                    clipped[j] if np.asarray(v).dtype.kind == "f" else factors[j]
-                    for j, v in zip(live, values, strict=True)
-                ],
+                [factor(j, v) for j, v in zip(live, values, strict=True)],
             )
             for k, j in enumerate(live):
                 squares[j] += found[k]
@@ -343,19 +350,13 @@ class UpdateAccumulator:
         for j, update in enumerate(group):
             if j in rejected:  # take back what was folded of it
                 rejection, failed, start = rejected[j]
-
-                def folded(name: str, j: int = j) -> float:
-                    kind = np.asarray(group[j].arrays[name]).dtype.kind
-                    return -(clipped[j] if kind == "f" else factors[j])
-
                 for name in names[: names.index(failed)]:
-                    self._fold(
-                        name, [update.arrays[name]], update.base[name], [folded(name)]
-                    )
+                    value = update.arrays[name]
+                    self._fold(name, [value], update.base[name], [-factor(j, value)])
                 if start:
                     value = np.ravel(update.arrays[failed])[:start]
                     base = np.ravel(update.base[failed])[:start]
-                    self._fold(failed, [value], base, [folded(failed)])
+                    self._fold(failed, [value], base, [-factor(j, value)])
                 outcomes.append(rejection)
                 continue
             outcomes.append(math.sqrt(squares[j]))

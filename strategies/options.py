@@ -389,6 +389,12 @@ class Buffering:
         )
 
 
+def pop_fields(flat: dict[str, Any], option: Any) -> dict[str, Any]:
+    """Take out of ``flat`` the settings named like a field of ``option``."""
+    names = {f.name for f in fields(option)}
+    return {name: flat.pop(name) for name in list(flat) if name in names}
+
+
 def take_options(
     owner: str,
     flat: dict[str, Any],
@@ -405,8 +411,7 @@ def take_options(
     """
     taken: dict[str, Any] = {}
     for argument, (given, default) in wanted.items():
-        names = {f.name for f in fields(default)}
-        old = {name: flat.pop(name) for name in list(flat) if name in names}
+        old = pop_fields(flat, default)
         if not old:
             taken[argument] = default if given is None else given
             continue

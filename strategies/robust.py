@@ -52,7 +52,7 @@ from typing import Protocol
 
 import numpy as np
 from flowerbed.replies import ReplyRejected
-from flowerbed.strategies.accumulation import Update, UpdateAccumulator
+from flowerbed.strategies.accumulation import Update, UpdateAccumulator, update_norm
 
 HISTORY = 64
 """Accepted replies whose weights and update norms form the reference."""
@@ -118,21 +118,6 @@ class Reference:
         if len(self.values) < max(1, minimum):
             return None
         return float(np.median(np.fromiter(self.values, float)))
-
-
-def update_norm(
-    arrays: Mapping[str, np.ndarray], base: Mapping[str, np.ndarray]
-) -> float:
-    """``||x - base||`` over the float arrays; ReplyRejected if not finite."""
-    squares = 0.0
-    for name, value in arrays.items():
-        if np.asarray(value).dtype.kind != "f":
-            continue
-        delta = np.subtract(value, base[name], dtype=np.float64)
-        squares += float(np.dot(delta.ravel(), delta.ravel()))
-        if not math.isfinite(squares):
-            raise ReplyRejected(f"array {name!r} contains NaN or Inf")
-    return math.sqrt(squares)
 
 
 @dataclass

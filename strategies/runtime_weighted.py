@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from logging import DEBUG, INFO, WARNING
 from pathlib import Path
 from typing import Any, ClassVar, Self
@@ -51,6 +51,7 @@ from .options import (
     Robustness,
     WorkBalance,
     copy_fields,
+    pop_fields,
     refuse_unknown,
     take_options,
 )
@@ -310,8 +311,7 @@ class RuntimeWeightedFedAvg(RoundLoop):
             for argument, default in vars(klass).get("OPTION_DEFAULTS", ()):
                 options[argument] = getattr(cls, default)
         for argument, default in options.items():
-            names = {f.name for f in fields(default)}
-            mine = {k: settings.pop(k) for k in list(settings) if k in names}
+            mine = pop_fields(settings, default)
             if mine:
                 settings[argument] = replace(default, **mine)
         return cls(*args, **settings)
