@@ -49,7 +49,6 @@ import torch
 from flowerbed import keys
 from flowerbed.clients.board_app import chunked_evaluate
 from flowerbed.data import DataError
-from flowerbed.models import build_sequential
 from flowerbed.parallel.emulation import DeviceSpeed
 from flowerbed.parallel.group import RendezvousError
 from flowerbed.parallel.job_data import load_job_dataset
@@ -58,6 +57,7 @@ from flowerbed.parallel.modes import EVALUATORS, PROFILERS, RUNNERS, resolve
 from flowerbed.parallel.pipeline.stage import LOCAL_DATASET
 from flowerbed.parallel.plan import MemberPlan, PlanError, check_address
 from flowerbed.parallel.store import MOMENTUM_PREFIX
+from flowerbed.parallel.user_code import build_layers
 from flwr.app import (
     Array,
     ArrayRecord,
@@ -240,7 +240,8 @@ def evaluate(message: Message, context: Context) -> Message:
     uses it; otherwise the query names the layered model (``model``,
     ``model_args``) and the ``dataset``: a built-in one's test split, or for
     ``local`` the board's own data (which then measures fit to its training
-    data).
+    data). Evaluation reports accuracy and cross-entropy, whatever loss the
+    job trains with.
     """
     try:
         member = member_context(context)
@@ -250,9 +251,7 @@ def evaluate(message: Message, context: Context) -> Message:
             return member_reply(
                 message, member, evaluator(request, member, message_arrays(message))
             )
-        model = build_sequential(
-            str(request.get("model", "")), request.get("model_args")
-        )
+        model = build_layers(str(request.get("model", "")), request.get("model_args"))
         state = {
             k: torch.from_numpy(np.array(v))
             for k, v in message_arrays(message).items()

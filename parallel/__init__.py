@@ -29,6 +29,13 @@ Shared machinery (every kind of span job uses it), at this package's top level:
   states: own snapshots, neighbour replicas).
 - :mod:`~flowerbed.parallel.modes` — the table of runners by plan mode; a new
   kind of job registers its runner there.
+- :mod:`~flowerbed.parallel.user_code` — :class:`Training` (a user's loss and
+  ``torch.optim`` optimiser factory, by ``"package.module:function"`` name, an
+  option of every span strategy), :func:`build_module` (any ``nn.Module``) and
+  :func:`build_layers` (a model a pipeline or tile job can cut).
+- :mod:`~flowerbed.parallel.reference` — :func:`single_device`: the weights
+  one process reaches training a span job's :class:`ReferenceJob` (each span
+  strategy's ``reference_job()``), to check a run's exactness.
 - :mod:`~flowerbed.parallel.job_data` — job datasets and :func:`batch_indices`
   (the batch of a global step, the same on every retry).
 - :mod:`~flowerbed.parallel.collectives` — what a ring all-reduce costs on a
@@ -83,6 +90,12 @@ _EXPORTS = {
     "DeviceSpeed": "flowerbed.parallel.emulation",
     "TimedModule": "flowerbed.parallel.emulation",
     "LayerStore": "flowerbed.parallel.store",
+    "Training": "flowerbed.parallel.user_code",
+    "ReferenceJob": "flowerbed.parallel.reference",
+    "single_device": "flowerbed.parallel.reference",
+    "UserCodeError": "flowerbed.parallel.user_code",
+    "build_module": "flowerbed.parallel.user_code",
+    "build_layers": "flowerbed.parallel.user_code",
 }
 
 __all__ = sorted(_EXPORTS)

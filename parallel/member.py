@@ -37,6 +37,10 @@ from .plan import PlanError
 from .store import MOMENTUM_PREFIX, LayerStore, State
 
 MetricValue = int | float | list[int] | list[float]
+MOMENTUM_BUFFER = "momentum_buffer"
+"""``torch.optim.SGD``'s per-parameter state key."""
+OPTIMIZER_SEP = "@"
+"""Separates a parameter's name from an optimiser state key (:func:`optimizer_key`)."""
 
 
 @dataclass
@@ -99,16 +103,40 @@ class MemberResult:
 
 
 def module_state(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> State:
-    """Copies of a module's weights and buffers and of its SGD momentum buffers
-    (under ``"momentum:" + name``), by full-model name: what a member saves,
-    replicates and replies (:mod:`~flowerbed.parallel.store`'s layout)."""
+    """Copies of a module's weights and buffers and of its optimiser's state, by
+    full-model name: what a member saves, replicates and replies
+    (:mod:`~flowerbed.parallel.store`'s layout).
+
+    A parameter's SGD momentum buffer is ``"momentum:" + name``; any other
+    tensor its optimiser keeps (Adam's ``exp_avg``, ``step`` ...) is
+    ``"momentum:" + name + "@" + key`` (:func:`optimizer_key`), so a user's
+    ``torch.optim`` optimiser continues across segments as in one process.
+    """
     state: State = {k: v.detach().clone() for k, v in module.state_dict().items()}
     if optimizer is not None:
         for name, param in module.named_parameters():
-            buffer = optimizer.state.get(param, {}).get("momentum_buffer")
-            if buffer is not None:
-                state[MOMENTUM_PREFIX + name] = buffer.detach().clone()
+            for key, value in optimizer.state.get(param, {}).items():
+                if isinstance(value, bool) or value is None:
+                    continue
+                if isinstance(value, int | float):
+                    value = torch.tensor(value)
+                if isinstance(value, torch.Tensor):
+                    state[MOMENTUM_PREFIX + optimizer_key(name, key)] = (
+                        value.detach().clone()
+                    )
     return state
+
+
+def optimizer_key(param: str, key: str) -> str:
+    """State name of a parameter's optimiser entry ``key`` (without the
+    ``"momentum:"`` prefix): the parameter's name for SGD's momentum buffer,
+    ``param + "@" + key`` for any other."""
+    return param if key == MOMENTUM_BUFFER else f"{param}{OPTIMIZER_SEP}{key}"
+
+
+def optimizer_param(name: str) -> str:
+    """The parameter an optimiser-state name (prefix removed) belongs to."""
+    return name.split(OPTIMIZER_SEP, 1)[0]
 
 
 def load_module_state(
@@ -120,9 +148,9 @@ def load_module_state(
 ) -> None:
     """Load :func:`module_state`'s layout (tensors or NumPy arrays) into a module.
 
-    Every weight and buffer of ``module`` is required, with its shape; momentum
-    buffers are optional (a fresh optimiser starts without) but must have their
-    parameter's shape. Names the module lacks are ignored (a stage or a tile
+    Every weight and buffer of ``module`` is required, with its shape; optimiser
+    state is optional (a fresh optimiser starts without), a momentum buffer must
+    have its parameter's shape. Names the module lacks are ignored (a stage or a tile
     member holds part of the model) unless ``strict`` (the whole model). Raises
     :class:`PlanError` naming what does not fit; nothing is loaded then.
     """
@@ -139,7 +167,10 @@ def load_module_state(
     params = dict(module.named_parameters())
     for name, value in state.items():
         if name.startswith(MOMENTUM_PREFIX):
-            like = params.get(name[len(MOMENTUM_PREFIX) :])
+            base = name[len(MOMENTUM_PREFIX) :]
+            # momentum and moment buffers have their parameter's shape; scalars
+            # (a step count) have none
+            like = params.get(base) if OPTIMIZER_SEP not in base else None
         else:
             like = expected.get(name)
         if like is not None and tuple(value.shape) != tuple(like.shape):
@@ -154,7 +185,11 @@ def load_module_state(
         buffer = state.get(MOMENTUM_PREFIX + name)
         if buffer is not None:
             momentum = _tensor(buffer).to(param.dtype)
-            optimizer.state[param]["momentum_buffer"] = momentum
+            optimizer.state[param][MOMENTUM_BUFFER] = momentum
+        entry = MOMENTUM_PREFIX + name + OPTIMIZER_SEP
+        for key, value in state.items():
+            if key.startswith(entry):
+                optimizer.state[param][key[len(entry) :]] = _tensor(value)
 
 
 def result_arrays(

@@ -135,10 +135,11 @@ def node_config(
 
 @functools.lru_cache(maxsize=32)
 def _macs(model: str, model_args: str, dataset: str) -> int:
-    from flowerbed.models import build_sequential, count_macs
+    from flowerbed.models import count_macs
     from flowerbed.parallel.job_data import load_job_dataset
+    from flowerbed.parallel.user_code import build_module
 
-    built = build_sequential(model, json.loads(model_args), seed=0)
+    built = build_module(model, json.loads(model_args), seed=0)
     x = load_job_dataset(dataset).x_train[:1]
     return count_macs(built, torch.from_numpy(np.ascontiguousarray(x, np.float32)))
 
@@ -453,7 +454,7 @@ def simulate(
     ``evaluate``: score the model on the job dataset's test split after each
     round (server side, ``Result.evaluate_metrics_serverapp``; no virtual time).
     """
-    from flowerbed.models import build_sequential
+    from flowerbed.parallel.user_code import build_module
 
     grid = span_grid(
         devices,
@@ -463,7 +464,7 @@ def simulate(
         charge_as=charge_as,
     )
     if initial_arrays is None:
-        model = build_sequential(strategy.model, strategy.model_args, seed=0)
+        model = build_module(strategy.model, strategy.model_args, seed=0)
         initial_arrays = ArrayRecord(model.state_dict())
     ends: list[float] = []
     query = {

@@ -38,6 +38,8 @@ from flowerbed import keys
 from flowerbed.parallel.large_batch.optimizers import OPTIMIZERS
 from flowerbed.parallel.large_batch.recipe import LrSchedule, batch_shares, share_bounds
 from flowerbed.parallel.plan import MemberPlan
+from flowerbed.parallel.reference import ReferenceJob
+from flowerbed.parallel.user_code import Training, build_module
 from flowerbed.replies import ReplyRejected
 from flwr.app import (
     ArrayRecord,
@@ -89,7 +91,10 @@ class LargeBatchSync(SpanJobStrategy):
         ``min_train_nodes`` bound the cohort; ``fraction_evaluate`` > 0 sends
         the whole model to that share of members for evaluation after a round.
     model : str (default: "deep-mlp")
-        A layered model (``flowerbed.models.build_sequential``).
+        Any ``nn.Module``: a name of ``flowerbed.models.SEQUENTIAL_MODELS`` or a
+        factory ``"package.module:function"`` importable on every board
+        (:func:`flowerbed.parallel.user_code.build_module`); data parallelism
+        cuts nothing, so it need not be an ``nn.Sequential``.
     model_args : dict, optional
         Its arguments.
     dataset : str (default: "digits")
@@ -100,7 +105,8 @@ class LargeBatchSync(SpanJobStrategy):
     steps_per_round : int (default: 10)
         ``K``, steps per segment (one Flower round).
     optimizer : str (default: "lars")
-        ``"sgd"`` (momentum), ``"lars"`` or ``"lamb"``.
+        ``"sgd"`` (momentum), ``"lars"`` or ``"lamb"`` (ignored when
+        ``training`` names an optimiser factory).
     base_lr : float (default: 0.1)
         ``eta`` for ``base_batch`` (Goyal et al.'s ResNet-50: 0.1 for 256).
     base_batch : int (default: 256)
@@ -125,6 +131,10 @@ class LargeBatchSync(SpanJobStrategy):
         Segments tried per round before the run stops.
     seed : int (default: 0)
         Data order (the batch of step ``t`` depends on ``seed`` and ``t``).
+    training : flowerbed.parallel.Training, optional
+        A loss function and a ``torch.optim`` optimiser factory of your own, by
+        ``"package.module:function"`` name (default: cross-entropy and
+        ``optimizer``); a factory steps at the schedule's rate.
     query_timeout_s : float (default: 60)
         How long to wait for profiling answers.
     rendezvous_port, rendezvous_ports, join_timeout_s, timeout_s, reply_margin_s
@@ -187,6 +197,7 @@ class LargeBatchSync(SpanJobStrategy):
         speed_smoothing: float = 0.5,
         max_attempts: int = 3,
         seed: int = 0,
+        training: Training | None = None,
         query_timeout_s: float = 60.0,
         rendezvous_port: int = DEFAULT_RENDEZVOUS_PORT,
         rendezvous_ports: int = DEFAULT_RENDEZVOUS_PORTS,
@@ -245,9 +256,9 @@ class LargeBatchSync(SpanJobStrategy):
         )
         self.model = model
         self.model_args = dict(model_args or {})
-        from flowerbed.models import build_sequential  # torch: not at import
-
-        reference = build_sequential(model, self.model_args, seed=0)
+        self.training = Training() if training is None else training
+        self.training.check()  # a name that does not import fails here
+        reference = build_module(model, self.model_args, seed=0)
         self.reference_state = {
             k: tuple(v.shape) for k, v in reference.state_dict().items()
         }
@@ -277,6 +288,24 @@ class LargeBatchSync(SpanJobStrategy):
         self.cohort: list[int] = []
         self._plans: dict[int, MemberPlan] = {}
         self._timeout = 3600.0
+
+    def reference_job(self) -> ReferenceJob:
+        """This job as one device would train it: pass it to
+        :func:`flowerbed.parallel.reference.single_device` to check a run."""
+        return ReferenceJob(
+            model=self.model,
+            model_args=self.model_args,
+            dataset=self.dataset,
+            batch_size=self.batch_size,
+            seed=self.seed,
+            lr=self.schedule.lr(0),
+            schedule=self.schedule.to_config(),
+            optimizer="sgd-large-batch" if self.optimizer == "sgd" else self.optimizer,
+            momentum=self.momentum,
+            weight_decay=self.weight_decay,
+            trust=self.trust,
+            training=self.training,
+        )
 
     def summary(self) -> None:
         super().summary()
@@ -363,6 +392,7 @@ class LargeBatchSync(SpanJobStrategy):
             "compression": self.compression,
             "powersgd-rank": self.powersgd_rank,
             "schedule": self.schedule.to_config(),
+            **self.training.to_options(),
         }
         return {
             node: MemberPlan(

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 from flowerbed import keys
-from flowerbed.models import build_sequential, layer_shapes
+from flowerbed.models import layer_shapes
 from flowerbed.parallel.pipeline.makespan import replications, step_s, throughput
 from flowerbed.parallel.pipeline.planner import (
     KEEP,
@@ -42,7 +42,9 @@ from flowerbed.parallel.pipeline.recovery import (
 )
 from flowerbed.parallel.pipeline.stage import INPUT_SHAPE, LOCAL_DATASET
 from flowerbed.parallel.plan import SCHEDULES, LayerSource, MemberPlan, PlanError
+from flowerbed.parallel.reference import ReferenceJob
 from flowerbed.parallel.store import layer_of
+from flowerbed.parallel.user_code import Training, build_layers
 from flowerbed.replies import ReplyRejected
 from flwr.app import (
     ArrayRecord,
@@ -158,7 +160,11 @@ class PipelineTraining(SpanJobStrategy):
     model : str
         The layered model every member builds: a name of
         ``flowerbed.models.SEQUENTIAL_MODELS`` or ``"package.module:function"``
-        returning an ``nn.Sequential`` (importable on every board).
+        (importable on every board) returning an ``nn.Sequential``, or a module
+        whose ``pipeline_layers()`` returns one
+        (:func:`flowerbed.parallel.user_code.cut_points`); any other module is
+        refused with a ``ModelCutError`` saying why. The job's arrays are the
+        layered model's ``state_dict``.
     input_shape : sequence of int
         Shape of one sample, e.g. ``(3, 32, 32)``.
     model_args : dict, optional
@@ -179,6 +185,10 @@ class PipelineTraining(SpanJobStrategy):
         R: steps between replications (0: never; a loss then costs the segment).
     lr, momentum, weight_decay : float (defaults: 0.05, 0.0, 0.0)
         SGD's settings. A train config's ``lr`` overrides ``lr`` for its round.
+    training : flowerbed.parallel.Training, optional
+        A loss function and a ``torch.optim`` optimiser factory of your own, by
+        ``"package.module:function"`` name (default: cross-entropy and SGD with
+        the settings above; a factory gets ``lr`` and its own arguments).
     num_stages : int, optional
         Most members to use (default: all usable, at most one per layer, and
         with 1F1B at most ``micro_batches``); the fastest are kept. More than the
@@ -267,6 +277,7 @@ class PipelineTraining(SpanJobStrategy):
         query_timeout_s: float = 120.0,
         max_attempts: int = 10,
         seed: int = 0,
+        training: Training | None = None,
         rendezvous_port: int = DEFAULT_RENDEZVOUS_PORT,
         rendezvous_ports: int = DEFAULT_RENDEZVOUS_PORTS,
         join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S,
@@ -328,8 +339,10 @@ class PipelineTraining(SpanJobStrategy):
         self.query_timeout_s = query_timeout_s
         self.max_attempts = max_attempts
         self.seed = seed
+        self.training = Training() if training is None else training
+        self.training.check()  # a name that does not import fails here
         # Build the model here, so that bad input fails before any message.
-        net = build_sequential(model, self.model_args, seed=seed)
+        net = build_layers(model, self.model_args, seed=seed)
         self.num_layers = len(net)
         if num_stages is not None and num_stages > self.num_layers:
             raise PlanError(
@@ -351,7 +364,9 @@ class PipelineTraining(SpanJobStrategy):
         state_bytes = [0.0] * self.num_layers
         for name, tensor in net.state_dict().items():
             state_bytes[layer_of(name)] += tensor.numel() * tensor.element_size()
-        factor = 2 if momentum > 0 else 1  # momentum buffers travel with weights
+        # optimiser state travels with the weights: a momentum buffer, or (a
+        # factory's optimiser, Adam-like) two moment buffers
+        factor = 3 if self.training.custom_optimizer else 2 if momentum > 0 else 1
         self.planner = PipelinePlanner(
             out_bytes=[4.0 * math.prod(shape) for shape in shapes[1:]],
             state_bytes=[factor * b for b in state_bytes],
@@ -387,6 +402,23 @@ class PipelineTraining(SpanJobStrategy):
         self._sources: tuple[LayerSource, ...] = ()
         self._timeout = 3600.0
         self._total_steps = 0
+
+    def reference_job(self) -> ReferenceJob:
+        """This job as one device would train it: pass it to
+        :func:`flowerbed.parallel.reference.single_device` to check a run (a
+        train config's ``lr`` override is not part of it)."""
+        return ReferenceJob(
+            model=self.model,
+            model_args=self.model_args,
+            dataset=self.dataset,
+            batch_size=self.batch_size,
+            seed=self.seed,
+            lr=self.lr,
+            momentum=self.momentum,
+            weight_decay=self.weight_decay,
+            training=self.training,
+            layered=True,
+        )
 
     def summary(self) -> None:
         log(
@@ -772,7 +804,10 @@ class PipelineTraining(SpanJobStrategy):
                 weight_decay=self.weight_decay,
                 partition=layout.bounds,
                 sources=self._sources,
-                options={INPUT_SHAPE: list(self.input_shape)},
+                options={
+                    INPUT_SHAPE: list(self.input_shape),
+                    **self.training.to_options(),
+                },
             )
             for rank, member in enumerate(layout.members)
         }

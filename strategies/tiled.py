@@ -43,9 +43,11 @@ from typing import Any
 import numpy as np
 from flowerbed import keys
 from flowerbed.parallel.plan import MemberPlan, PlanError
+from flowerbed.parallel.reference import ReferenceJob
 from flowerbed.parallel.tiles.grouping import Cluster, TilePlan, plan_tiles
 from flowerbed.parallel.tiles.layout import layout
 from flowerbed.parallel.tiles.regions import TileError
+from flowerbed.parallel.user_code import Training
 from flowerbed.replies import ReplyRejected
 from flowerbed.strategies.accumulation import to_numpy
 from flwr.app import (
@@ -169,6 +171,10 @@ class TiledTraining(SpanJobStrategy):
         SGD's settings.
     seed : int (default: 0)
         Data order: the batch of global step ``t`` is a function of (seed, t).
+    training : flowerbed.parallel.Training, optional
+        A loss function and a ``torch.optim`` optimiser factory of your own, by
+        ``"package.module:function"`` name (default: cross-entropy and SGD with
+        the settings above; a factory gets ``lr`` and its own arguments).
     max_devices : int (default: 6)
         Most boards one job takes.
     front : int, optional
@@ -257,6 +263,7 @@ class TiledTraining(SpanJobStrategy):
         subnet_prefix: int = DEFAULT_SUBNET_PREFIX,
         profile_size: int = 64,
         eval_samples: int = 0,
+        training: Training | None = None,
         rendezvous_port: int = DEFAULT_RENDEZVOUS_PORT,
         rendezvous_ports: int = DEFAULT_RENDEZVOUS_PORTS,
         join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S,
@@ -323,6 +330,8 @@ class TiledTraining(SpanJobStrategy):
         self.batch_size = batch_size
         self.steps_per_round = steps_per_round
         self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
+        self.training = Training() if training is None else training
+        self.training.check()  # a name that does not import fails here
         self.seed = seed
         self.max_devices = max_devices
         self.front = front
@@ -348,6 +357,35 @@ class TiledTraining(SpanJobStrategy):
         self._state_shapes: dict[str, tuple[int, ...]] = {}
 
     # ------------------------------------------------------------------ info
+    def reference_job(self) -> ReferenceJob:
+        """This job as one device would train it: pass it to
+        :func:`flowerbed.parallel.reference.single_device` to check a run. With
+        ``norm="frozen"`` the front's batch norms run in eval mode, so the job
+        must have planned a segment (its front) first."""
+        front = 0
+        if self.norm == "frozen":
+            if self.segment is None:
+                raise ValueError(
+                    "norm='frozen': the reference needs the planned front; call "
+                    "reference_job() after start()"
+                )
+            front = self.segment.tile_plan.front
+        return ReferenceJob(
+            model=self.model,
+            model_args=self.model_args,
+            dataset=self.dataset or "synthetic",
+            batch_size=self.batch_size,
+            seed=self.seed,
+            lr=self.lr,
+            momentum=self.momentum,
+            weight_decay=self.weight_decay,
+            training=self.training,
+            input_shape=tuple(self.input_shape),
+            num_classes=self.num_classes,
+            eval_norm_layers=front,
+            layered=True,
+        )
+
     def summary(self) -> None:
         log(
             INFO,
@@ -365,10 +403,10 @@ class TiledTraining(SpanJobStrategy):
     def geometry(self) -> Any:
         """The planner's view of the model (built once, on the server)."""
         if self._geometry is None:
-            from flowerbed.models import build_sequential
             from flowerbed.parallel.tiles.region_ops import front_geometry
+            from flowerbed.parallel.user_code import build_layers
 
-            model = build_sequential(self.model, self.model_args, seed=self.seed)
+            model = build_layers(self.model, self.model_args, seed=self.seed)
             self._geometry = front_geometry(model, self.input_shape, self.norm)
             self._state_shapes = {
                 k: tuple(v.shape) for k, v in model.state_dict().items()
@@ -385,7 +423,8 @@ class TiledTraining(SpanJobStrategy):
             raise ValueError(
                 f"{what} do not match model {self.model!r}: missing {missing[:4]}, "
                 f"unexpected {extra[:4]} (build initial_arrays from "
-                "flowerbed.models.build_sequential(model, model_args).state_dict())"
+                "flowerbed.parallel.user_code.build_layers(model, model_args)"
+                ".state_dict())"
             )
         for name, shape in wanted.items():
             if tuple(np.shape(arrays[name])) != shape:
@@ -519,7 +558,7 @@ class TiledTraining(SpanJobStrategy):
                 momentum=self.momentum,
                 weight_decay=self.weight_decay,
                 tile=lay.tiles[-1][rank].as_tuple(),
-                options=settings.options(),
+                options={**settings.options(), **self.training.to_options()},
             )
         return plans
 
@@ -582,9 +621,20 @@ class TiledTraining(SpanJobStrategy):
             self.check_arrays(reply.arrays, "rank 0's reply arrays")
         except ValueError as err:
             raise ReplyRejected(str(err)) from None
+        from flowerbed.parallel.member import OPTIMIZER_SEP  # torch: not at import
+
         for name, value in reply.optimizer.items():
-            if self._state_shapes.get(name) != tuple(np.shape(value)):
-                raise ReplyRejected(f"momentum {name!r} does not match the model")
+            param, _, key = name.partition(OPTIMIZER_SEP)
+            shape = self._state_shapes.get(param)
+            # a moment buffer has its parameter's shape; a step count none
+            if (
+                shape is None
+                or tuple(np.shape(value)) not in (shape, ())
+                or (not key and tuple(np.shape(value)) != shape)
+            ):
+                raise ReplyRejected(
+                    f"optimiser state {name!r} does not match the model"
+                )
 
     def aggregate_segment(
         self, server_round: int, outcome: SegmentOutcome

@@ -141,7 +141,7 @@ def test_replicas_are_identical_and_equal_one_batch_of_their_sum(
     [
         ({"batch_share": ()}, "non-empty batch_share"),
         ({"options": {"optimizer": "adam"}}, "valid choices: sgd, lars, lamb"),
-        ({"model": "no-such"}, "unknown layered model"),
+        ({"model": "no-such"}, "unknown model .no-such.; valid choices"),
     ],
 )
 def test_bad_plans_are_named_before_joining(changes: dict, message: str) -> None:

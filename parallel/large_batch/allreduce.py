@@ -1,16 +1,19 @@
 """The ``allreduce`` mode: a member of a large-batch synchronous data-parallel job.
 
-Every member holds the whole model. A segment joins the plan's fresh gloo group
+Every member holds the whole model, which may be any ``nn.Module`` (data
+parallelism cuts nothing). A segment joins the plan's fresh gloo group
 (:func:`~flowerbed.parallel.group.joined_group`), wraps the model in
 ``torch.nn.parallel.DistributedDataParallel`` (CPU, no ``device_ids``) and runs
 steps ``start_step .. start_step + steps - 1``: the global batch of step ``t`` is
 :func:`~flowerbed.parallel.job_data.batch_indices` ``(seed, t)``; this member takes
-samples ``batch_share = (first, stop)`` of it, scales its mean loss by
+samples ``batch_share = (first, stop)`` of it, scales its mean loss (the job's
+loss, :class:`~flowerbed.parallel.user_code.Training`; cross-entropy by default) by
 ``W * B_i / B`` (:func:`~flowerbed.parallel.large_batch.recipe.loss_scale`) so
 DDP's averaged gradient is the gradient of the whole batch, and applies the
 plan's large-batch optimiser
-(:class:`~flowerbed.parallel.large_batch.optimizers.LargeBatchOptimizer`) at the
-schedule's rate (:class:`~flowerbed.parallel.large_batch.recipe.LrSchedule`).
+(:class:`~flowerbed.parallel.large_batch.optimizers.LargeBatchOptimizer`), or the
+job's own ``torch.optim`` factory, at the schedule's rate
+(:class:`~flowerbed.parallel.large_batch.recipe.LrSchedule`).
 Every replica applies the same update to the same weights, so they stay equal.
 
 Plan options (:data:`OPTIMIZER` ...): the optimiser kind and its settings, the
@@ -48,15 +51,22 @@ from typing import Any
 import numpy as np
 import torch
 from flowerbed import keys
-from flowerbed.models import build_sequential
 from torch import nn
 
 from ..emulation import TimedModule
 from ..group import PeerFailure, joined_group
 from ..job_data import batch_indices, load_job_dataset
-from ..member import MemberContext, MemberResult, MetricValue, load_module_state
+from ..member import (
+    MemberContext,
+    MemberResult,
+    MetricValue,
+    load_module_state,
+    module_state,
+    result_arrays,
+)
 from ..plan import MemberPlan, PlanError
 from ..store import MOMENTUM_PREFIX
+from ..user_code import LossFn, Training, UserCodeError, build_module, set_lr
 from .optimizers import LargeBatchOptimizer
 from .recipe import LrSchedule, loss_scale
 
@@ -136,12 +146,17 @@ def _register_compression(ddp: Any, plan: MemberPlan) -> None:
     )
 
 
-def build_member_model(plan: MemberPlan, arrays: Mapping[str, np.ndarray]) -> nn.Module:
-    """The plan's model with the weights the message carried (all of them)."""
+def _module(name: str, args: Mapping[str, Any] | None, seed: int, what: str) -> Any:
+    """Any ``nn.Module`` by name (data parallelism cuts nothing)."""
     try:
-        model = build_sequential(plan.model, plan.model_args, seed=plan.seed)
+        return build_module(name, args, seed=seed)
     except ValueError as err:
-        raise PlanError(f"plan model: {err}") from None
+        raise PlanError(f"{what}: {err}") from None
+
+
+def build_member_model(plan: MemberPlan, arrays: Mapping[str, np.ndarray]) -> nn.Module:
+    """The plan's model (any ``nn.Module``) with the weights the message carried."""
+    model: nn.Module = _module(plan.model, plan.model_args, plan.seed, "plan model")
     weights = {k: v for k, v in arrays.items() if not k.startswith(OPTIMIZER_PREFIX)}
     if weights:
         try:
@@ -155,14 +170,20 @@ def build_member_model(plan: MemberPlan, arrays: Mapping[str, np.ndarray]) -> nn
 class Segment:
     """A segment's working state, built the same way for a DDP member and for the
     in-process group (:func:`run_group`): the model with the message's weights,
-    the optimiser with its state, the schedule and the job's data."""
+    the optimiser with its state, the schedule, the job's data and its loss.
+
+    ``optimizer`` is the plan's large-batch optimiser, or a ``torch.optim``
+    optimiser from the job's own factory
+    (:class:`~flowerbed.parallel.user_code.Training`); either steps at the
+    schedule's rate."""
 
     plan: MemberPlan
     model: nn.Module
-    optimizer: LargeBatchOptimizer
+    optimizer: LargeBatchOptimizer | torch.optim.Optimizer
     schedule: LrSchedule
     x: torch.Tensor
     y: torch.Tensor
+    loss_fn: LossFn = nn.functional.cross_entropy
     params: dict[str, nn.Parameter] = field(init=False)
     views: dict[str, np.ndarray] = field(init=False)
 
@@ -180,11 +201,12 @@ class Segment:
     def share_backward(
         self, module: nn.Module, indices: np.ndarray, scale: float
     ) -> float:
-        """Forward and backward of one share, its mean loss scaled by ``scale``
+        """Forward and backward of one share, its mean loss (the job's loss,
+        cross-entropy by default) scaled by ``scale``
         (:func:`~flowerbed.parallel.large_batch.recipe.loss_scale`); the unscaled
         loss."""
         idx = torch.from_numpy(indices)
-        loss = nn.functional.cross_entropy(module(self.x[idx]), self.y[idx])
+        loss = self.loss_fn(module(self.x[idx]), self.y[idx])
         (loss * scale).backward()
         return float(loss.detach())
 
@@ -192,11 +214,17 @@ class Segment:
         """Apply the optimiser to the parameters' (all-reduced) gradients at
         step ``step``'s rate; clear the gradients; return the rate."""
         lr = self.schedule.lr(step)
-        grads = {
-            n: p.grad.numpy() if p.grad is not None else np.zeros_like(self.views[n])
-            for n, p in self.params.items()
-        }
-        self.optimizer.step(self.views, grads, lr)
+        if isinstance(self.optimizer, torch.optim.Optimizer):
+            set_lr(self.optimizer, lr)
+            self.optimizer.step()
+        else:
+            grads = {
+                n: p.grad.numpy()
+                if p.grad is not None
+                else np.zeros_like(self.views[n])
+                for n, p in self.params.items()
+            }
+            self.optimizer.step(self.views, grads, lr)
         for p in self.params.values():
             p.grad = None
         return lr
@@ -207,6 +235,12 @@ class Segment:
 
     def result_state(self) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
         """Copies of the model state and the optimiser state (the reply's)."""
+        if isinstance(self.optimizer, torch.optim.Optimizer):
+            arrays, momentum = result_arrays(module_state(self.model, self.optimizer))
+            return (
+                {k: v.copy() for k, v in arrays.items()},
+                {k: v.copy() for k, v in momentum.items()},
+            )
         arrays = {
             k: v.detach().numpy().copy() for k, v in self.model.state_dict().items()
         }
@@ -230,18 +264,37 @@ def prepare(
     """The plan's :class:`Segment`: PlanError names a bad plan before anything runs."""
     share_of(plan)
     schedule = _schedule(plan)
-    optimizer = make_optimizer(plan)
-    saved = {
-        k[len(OPTIMIZER_PREFIX) :]: v
-        for k, v in arrays.items()
-        if k.startswith(OPTIMIZER_PREFIX)
-    }
-    if saved:
-        try:
-            optimizer.load_state(saved)
-        except ValueError as err:
-            raise PlanError(f"optimiser state: {err}") from None
+    try:
+        training = Training.from_options(plan.options)
+        loss_fn = training.loss_fn()
+    except UserCodeError as err:
+        raise PlanError(f"plan training: {err}") from None
     model = build_member_model(plan, arrays)
+    optimizer: LargeBatchOptimizer | torch.optim.Optimizer
+    if training.custom_optimizer:
+        try:
+            torch_optimizer: torch.optim.Optimizer = training.make_optimizer(
+                [p for p in model.parameters() if p.requires_grad],
+                schedule.lr(plan.start_step),
+                lambda ps: None,
+            )
+        except UserCodeError as err:
+            raise PlanError(f"plan training: {err}") from None
+        if any(k.startswith(OPTIMIZER_PREFIX) for k in arrays):
+            load_module_state(model, torch_optimizer, arrays)
+        optimizer = torch_optimizer
+    else:
+        optimizer = make_optimizer(plan)
+        saved = {
+            k[len(OPTIMIZER_PREFIX) :]: v
+            for k, v in arrays.items()
+            if k.startswith(OPTIMIZER_PREFIX)
+        }
+        if saved:
+            try:
+                optimizer.load_state(saved)
+            except ValueError as err:
+                raise PlanError(f"optimiser state: {err}") from None
     x_all, y_all = _data(plan, context)
     return Segment(
         plan,
@@ -250,6 +303,7 @@ def prepare(
         schedule,
         torch.from_numpy(np.ascontiguousarray(x_all, dtype=np.float32)),
         torch.from_numpy(np.ascontiguousarray(y_all)).long(),
+        loss_fn,
     )
 
 
@@ -514,12 +568,9 @@ def profile(query: Mapping[str, Any], context: MemberContext) -> MemberResult:
     """
     batch = int(query.get("batch", 8))
     repeats = max(1, int(query.get("repeats", 3)))
-    try:
-        model = build_sequential(
-            str(query.get("model", "")), dict(query.get("model_args") or {}), seed=0
-        )
-    except ValueError as err:
-        raise PlanError(f"profile model: {err}") from None
+    model = _module(
+        str(query.get("model", "")), query.get("model_args"), 0, "profile model"
+    )
     dataset = str(query.get("dataset", ""))
     if dataset == LOCAL_DATASET and context.local_data is None:
         raise PlanError(
@@ -554,12 +605,9 @@ def evaluate(
     query: Mapping[str, Any], context: MemberContext, arrays: Mapping[str, np.ndarray]
 ) -> MemberResult:
     """Accuracy and loss of the whole model on the job dataset's test split."""
-    try:
-        model = build_sequential(
-            str(query.get("model", "")), dict(query.get("model_args") or {}), seed=0
-        )
-    except ValueError as err:
-        raise PlanError(f"evaluation model: {err}") from None
+    model = _module(
+        str(query.get("model", "")), query.get("model_args"), 0, "evaluation model"
+    )
     load_module_state(model, None, arrays, strict=True)
     data = load_job_dataset(str(query.get("dataset", "")))
     model.eval()

@@ -5,7 +5,8 @@ The engine is ``torch.distributed.pipelining``: the member wraps its layers
 input/output metadata (no shape inference: docs/references.md,
 "torch.distributed and gloo") and runs ``Schedule1F1B`` or ``ScheduleGPipe``
 once per step, then its optimiser (SGD with optional momentum and weight
-decay). With the flush per step, K steps on p
+decay, or the job's own: :class:`~flowerbed.parallel.user_code.Training`, as is
+the loss). With the flush per step, K steps on p
 members give exactly the weights of K steps of single-process training on the
 same batches (loss averaged over the micro-batches, ``scale_grads``).
 
@@ -45,7 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 from flowerbed import keys
-from flowerbed.models import build_sequential, layer_shapes
+from flowerbed.models import layer_shapes
 from flwr.supercore import log
 from torch import nn
 
@@ -64,6 +65,7 @@ from ..member import (
 )
 from ..plan import SOURCE_CENTRAL, SOURCE_PEER, SOURCE_SELF, MemberPlan, PlanError
 from ..store import OWN, REPLICA, LayerStore, State, layer_of
+from ..user_code import Training, UserCodeError, build_layers
 
 INPUT_SHAPE = "input-shape"
 """Plan/query option: the shape of one sample (e.g. ``[1, 32, 32]``)."""
@@ -96,6 +98,15 @@ def stage_module(model: nn.Sequential, layers: range) -> nn.Sequential:
     """The layers ``layers`` of ``model`` as a Sequential keeping their indices as
     names, so its ``state_dict`` uses the whole model's names."""
     return nn.Sequential(OrderedDict((str(i), model[i]) for i in layers))
+
+
+def _layers(name: str, args: Mapping[str, Any] | None) -> nn.Sequential:
+    """The job's layered model (:func:`~flowerbed.parallel.user_code.build_layers`);
+    a name that cannot be built or cut is a :class:`PlanError`."""
+    try:
+        return build_layers(name, args)  # type: ignore[no-any-return]
+    except ValueError as err:
+        raise PlanError(f"plan model: {err}") from None
 
 
 def _holds(store: LayerStore) -> list[int]:
@@ -134,7 +145,7 @@ def profile(query: Mapping[str, Any], context: MemberContext) -> MemberResult:
     ``repeats`` (default 3), ``step`` (global step, for a speed schedule),
     ``dataset`` (tells whether this board can feed the first stage).
     """
-    model = build_sequential(str(query.get("model", "")), query.get("model_args") or {})
+    model = _layers(str(query.get("model", "")), query.get("model_args"))
     shape = _input_shape(query)
     micro = int(query.get("micro_batch", 1))
     repeats = max(1, int(query.get("repeats", 3)))
@@ -273,11 +284,14 @@ def _pipeline_stage(
     )
 
 
-def _schedule(plan: MemberPlan, stage: Any) -> Any:
+def _schedule(plan: MemberPlan, stage: Any, training: Training) -> Any:
+    """The plan's schedule; its loss is the job's (cross-entropy by default),
+    each micro-batch's divided by their number (``scale_grads``), so a loss
+    that averages over its batch gives the whole batch's gradient."""
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
     kind = Schedule1F1B if plan.schedule == "1f1b" else ScheduleGPipe
-    return kind(stage, plan.micro_batches, loss_fn=nn.CrossEntropyLoss())
+    return kind(stage, plan.micro_batches, loss_fn=training.loss_fn())
 
 
 def check_pipeline_plan(plan: MemberPlan, num_layers: int) -> None:
@@ -307,8 +321,13 @@ def run_segment(
     """Run ``plan`` (a pipeline segment) on this member; see the module doc."""
     arrived = time.monotonic()
     torch.manual_seed(plan.seed + plan.rank)
-    model = build_sequential(plan.model, plan.model_args)
+    model = _layers(plan.model, plan.model_args)
     check_pipeline_plan(plan, len(model))
+    try:
+        training = Training.from_options(plan.options)
+        training.loss_fn()  # a loss that cannot be imported fails before joining
+    except UserCodeError as err:
+        raise PlanError(f"plan training: {err}") from None
     shape = _input_shape(plan.options)
     micro = plan.batch_size // plan.micro_batches
     shapes = layer_shapes(model, torch.zeros((micro, *shape)))
@@ -317,13 +336,23 @@ def run_segment(
     del model
     params = list(stage.parameters())
     # A stage of parameter-free layers (flatten, pooling) has nothing to optimise.
-    optimizer = (
-        torch.optim.SGD(
-            params, lr=plan.lr, momentum=plan.momentum, weight_decay=plan.weight_decay
+    try:
+        optimizer = (
+            training.make_optimizer(
+                params,
+                plan.lr,
+                lambda ps: torch.optim.SGD(
+                    ps,
+                    lr=plan.lr,
+                    momentum=plan.momentum,
+                    weight_decay=plan.weight_decay,
+                ),
+            )
+            if params
+            else None
         )
-        if params
-        else None
-    )
+    except UserCodeError as err:
+        raise PlanError(f"plan training: {err}") from None
     timed = TimedModule(stage, context.speed)
     store = context.store(plan.job)
     store.prune([plan.start_step])  # older steps are done with, newer ones stale
@@ -336,7 +365,7 @@ def run_segment(
             load_module_state(stage, optimizer, state)
             store.save(OWN, plan.start_step, layers, module_state(stage, optimizer))
             labels = _broadcast_labels(plan, data)
-            schedule = _schedule(plan, _pipeline_stage(plan, timed, shapes))
+            schedule = _schedule(plan, _pipeline_stage(plan, timed, shapes), training)
             seg.setup_s = time.monotonic() - arrived
             log(
                 INFO,

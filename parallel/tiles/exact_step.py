@@ -54,7 +54,7 @@ from __future__ import annotations
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -264,7 +264,9 @@ class TiledMember:
     """Rank ``rank``'s part of a tile job (module docstring).
 
     ``model`` is the whole model; this rank keeps its front (and rank 0 the
-    head). ``collectives`` may be False for a one-rank job without a group.
+    head, where ``loss_fn`` turns the logits into the loss: the job's loss,
+    cross-entropy by default). ``collectives`` may be False for a one-rank job
+    without a group.
     """
 
     def __init__(
@@ -275,8 +277,10 @@ class TiledMember:
         settings: TileSettings,
         *,
         speed: DeviceSpeed | None = None,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
     ) -> None:
         self.layout = plan_layout
+        self.loss_fn = loss_fn
         self.rank = rank
         self.settings = settings
         self.speed = speed
@@ -525,7 +529,7 @@ class TiledMember:
         assert self.head is not None
         t0 = time.perf_counter()
         logits = self.head(fmap)
-        loss = F.cross_entropy(logits, y)
+        loss = self.loss_fn(logits, y)
         forward = time.perf_counter() - t0
         macs = n * self._head_count(fmap)
         head_s = self._compute(forward, macs, step, backward=False)

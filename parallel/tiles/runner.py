@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from flowerbed import keys
-from flowerbed.models import build_sequential, count_macs
+from flowerbed.models import count_macs
 from flowerbed.system import available_memory
 from torch import nn
 
@@ -39,6 +39,7 @@ from ..member import (
     result_arrays,
 )
 from ..plan import MemberPlan, PlanError
+from ..user_code import Training, UserCodeError, build_layers
 from .exact_step import (
     INPUT_SHAPE,
     TiledMember,
@@ -112,17 +113,42 @@ def prepare(
 ) -> tuple[TiledMember, torch.optim.Optimizer, TileSettings]:
     """Build this member's part of the plan (raises PlanError/TileError)."""
     settings = settings_of(plan)
-    model = build_sequential(plan.model, plan.model_args, seed=plan.seed)
+    model = _layers(plan.model, plan.model_args, plan.seed)
     geometry = front_geometry(model, settings.input_shape, settings.norm, costs=False)
     plan_layout = layout(geometry, settings.bounds, settings.weights, settings.bands)
-    member = TiledMember(model, plan_layout, plan.rank, settings, speed=context.speed)
-    optimizer = torch.optim.SGD(
-        member.modules().parameters(),
-        lr=plan.lr,
-        momentum=plan.momentum,
-        weight_decay=plan.weight_decay,
-    )
+    try:
+        training = Training.from_options(plan.options)
+        member = TiledMember(
+            model,
+            plan_layout,
+            plan.rank,
+            settings,
+            speed=context.speed,
+            loss_fn=training.loss_fn(),
+        )
+        optimizer = training.make_optimizer(
+            member.modules().parameters(),
+            plan.lr,
+            lambda params: torch.optim.SGD(
+                params,
+                lr=plan.lr,
+                momentum=plan.momentum,
+                weight_decay=plan.weight_decay,
+            ),
+        )
+    except UserCodeError as err:
+        raise PlanError(f"plan training: {err}") from None
     return member, optimizer, settings
+
+
+def _layers(
+    name: str, args: Mapping[str, Any] | None, seed: int | None
+) -> nn.Sequential:
+    """The job's layered model; a name that cannot be built or cut is a PlanError."""
+    try:
+        return build_layers(name, args, seed)  # type: ignore[no-any-return]
+    except ValueError as err:
+        raise PlanError(f"model: {err}") from None
 
 
 def run(
@@ -201,7 +227,7 @@ def profile(query: Mapping[str, Any], context: MemberContext) -> MemberResult:
     ``tiles-speed`` (forward MACs per second of forward + backward, the
     planner's ``v``) and ``tiles-memory-bytes`` (memory available now).
     """
-    model = build_sequential(str(query.get("model", "")), query.get("model_args") or {})
+    model = _layers(str(query.get("model", "")), query.get("model_args"), None)
     shape = query.get(INPUT_SHAPE)
     if not isinstance(shape, list) or len(shape) != 3:
         raise PlanError(f"query {INPUT_SHAPE!r} must be [channels, h, w]")
@@ -250,7 +276,7 @@ def evaluate(
     """Evaluate the whole model on this board (one device) on the dataset's test
     split: ``eval-samples`` samples (default all). Replies accuracy and loss."""
     del context
-    model = build_sequential(str(query.get("model", "")), query.get("model_args") or {})
+    model = _layers(str(query.get("model", "")), query.get("model_args"), None)
     dataset = str(query.get("dataset", ""))
     if not dataset or dataset == SYNTHETIC:
         raise PlanError(
