@@ -24,9 +24,12 @@ devices"): per round this strategy
    connection; :class:`~flowerbed.strategies.span.SpanJobStrategy`), nothing is
    applied, and the next round re-plans the same steps without the lost board.
 
-Measured speeds replace the profile's after every complete segment (each
-member reports the MACs it computed and its compute seconds), so the tiles
-follow the boards' real speed.
+After every complete segment each member's MACs and compute seconds per step
+update its speed model, ``seconds = fixed_s + MACs / rate``
+(:class:`~flowerbed.parallel.tiles.speed.SpeedModel`: the fixed cost of a step
+apart from the cost per MAC, smoothed), and tiles are sized by ``rate``: they
+follow the boards' real speed, and equal boards keep equal tiles (a small tile's
+fixed cost is not taken for slowness).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from flowerbed.parallel.reference import ReferenceJob
 from flowerbed.parallel.tiles.grouping import Cluster, TilePlan, plan_tiles
 from flowerbed.parallel.tiles.layout import layout
 from flowerbed.parallel.tiles.regions import TileError
+from flowerbed.parallel.tiles.speed import DEFAULT_SMOOTHING, SpeedModel
 from flowerbed.parallel.user_code import Training
 from flowerbed.replies import ReplyRejected
 from flowerbed.strategies.accumulation import to_numpy
@@ -90,6 +94,9 @@ DEVICES = "tiles-devices"
 FRONT = "tiles-front"
 GROUPS = "tiles-groups"
 PREDICTED_STEP_S = "tiles-predicted-step-s"
+TILE_AREAS = "tiles-areas"
+"""Pixels of each rank's tile of the first tiled group's output (the largest
+map), in rank order."""
 
 
 def subnet_of(address: str, prefix: int) -> str:
@@ -175,6 +182,9 @@ class TiledTraining(SpanJobStrategy):
         A loss function and a ``torch.optim`` optimiser factory of your own, by
         ``"package.module:function"`` name (default: cross-entropy and SGD with
         the settings above; a factory gets ``lr`` and its own arguments).
+    speed_smoothing : float (default: 0.5)
+        Weight of a segment's speed estimate against the previous one
+        (:class:`flowerbed.parallel.tiles.speed.SpeedModel`), in (0, 1].
     max_devices : int (default: 6)
         Most boards one job takes.
     front : int, optional
@@ -264,6 +274,7 @@ class TiledTraining(SpanJobStrategy):
         profile_size: int = 64,
         eval_samples: int = 0,
         training: Training | None = None,
+        speed_smoothing: float = DEFAULT_SMOOTHING,
         rendezvous_port: int = DEFAULT_RENDEZVOUS_PORT,
         rendezvous_ports: int = DEFAULT_RENDEZVOUS_PORTS,
         join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S,
@@ -332,6 +343,13 @@ class TiledTraining(SpanJobStrategy):
         self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
         self.training = Training() if training is None else training
         self.training.check()  # a name that does not import fails here
+        if not 0 < speed_smoothing <= 1:
+            raise ValueError(
+                f"speed_smoothing must be in (0, 1], got {speed_smoothing}"
+            )
+        self.speed_smoothing = float(speed_smoothing)
+        self.speed_models: dict[int, SpeedModel] = {}
+        """Node -> its speed model (profiled, then measured every segment)."""
         self.seed = seed
         self.max_devices = max_devices
         self.front = front
@@ -458,8 +476,12 @@ class TiledTraining(SpanJobStrategy):
                 errors[node_id] = f"profile reply has no positive {keys.TILES_SPEED}"
                 continue
             memory = MEMORY_HEADROOM * float(free) if free else math.inf
+            model = self.speed_models.get(node_id)
+            if model is None:  # a board measured before keeps its measurements
+                model = SpeedModel(float(speed), smoothing=self.speed_smoothing)
+                self.speed_models[node_id] = model
             boards[node_id] = Board(
-                node_id, member.address, float(speed), min(memory, budget), member.label
+                node_id, member.address, model.rate, min(memory, budget), member.label
             )
         group = colocated(
             (members[n] for n in boards), self.subnet_prefix, lambda m: 1.0
@@ -512,6 +534,13 @@ class TiledTraining(SpanJobStrategy):
             bounds=self.bounds,
         )
         return SegmentPlan(tile_plan, ordered)
+
+    def tile_areas(self, segment: SegmentPlan) -> list[int]:
+        """Pixels of each rank's tile of the first tiled group's output (the
+        largest map), in rank order."""
+        tp = segment.tile_plan
+        lay = layout(self.geometry(), tp.bounds, tp.weights, tp.bands)
+        return [int(tile.area) for tile in lay.tiles[0]]
 
     def member_plans(self, segment: SegmentPlan) -> dict[int, MemberPlan]:
         from flowerbed.parallel.tiles.exact_step import TileSettings
@@ -650,6 +679,7 @@ class TiledTraining(SpanJobStrategy):
             FRONT: seg.tile_plan.front,
             GROUPS: len(seg.tile_plan.bounds) - 1,
             PREDICTED_STEP_S: seg.tile_plan.cost.total_s,
+            TILE_AREAS: self.tile_areas(seg),
             keys.NUM_EXAMPLES: 0,
         }
         for key in (
@@ -689,8 +719,10 @@ class TiledTraining(SpanJobStrategy):
         for node_id, reply in replies.items():
             macs = float(reply.metrics.get(keys.TILES_MACS, 0.0))
             seconds = float(reply.metrics.get(keys.TILES_COMPUTE_S, 0.0))
-            if macs > 0 and seconds > 0 and node_id in by_node:
-                by_node[node_id].speed = macs / seconds
+            model = self.speed_models.get(node_id)
+            if macs > 0 and seconds > 0 and node_id in by_node and model is not None:
+                model.observe(macs, seconds)
+                by_node[node_id].speed = model.rate
         return arrayrecord(rank0.arrays), MetricRecord(metrics)
 
     def aggregate_train(

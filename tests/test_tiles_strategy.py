@@ -119,6 +119,9 @@ def test_rounds_of_tiled_training_equal_single_device_training(
         assert metrics["num-examples"] == STEPS * BATCH
         assert metrics["tiles-front"] >= 1
         assert metrics["tiles-activation-bytes"] > 0
+        # equal boards keep equal tiles, round after round (tiles.speed)
+        areas = metrics["tiles-areas"]
+        assert isinstance(areas, list) and max(areas) <= 1.1 * min(areas), areas
     assert_weights(result.arrays, reference(CASE, steps=2 * STEPS)["state"])
     assert strategy.step == 2 * STEPS
     # measured speeds replaced the profile's: emulated 0.004 GFLOP/s is

@@ -49,6 +49,7 @@ from .exact_step import (
 from .layout import layout
 from .region_ops import front_geometry
 from .regions import TileError
+from .speed import two_point_rate
 
 __all__ = ["MODE", "SYNTHETIC", "JobData", "evaluate", "prepare", "profile", "run"]
 
@@ -222,10 +223,13 @@ def profile(query: Mapping[str, Any], context: MemberContext) -> MemberResult:
     """Measure this board's training speed on the model's first layers.
 
     Query keys: ``model``, ``model_args``, ``input-shape``, ``profile-size``
-    (side of the square crop timed, default 64), ``repeats`` (default 3),
-    ``step`` (global step, for an emulated speed schedule). Replies
-    ``tiles-speed`` (forward MACs per second of forward + backward, the
-    planner's ``v``) and ``tiles-memory-bytes`` (memory available now).
+    (side of the square crop timed, default 64; half that size is timed too),
+    ``repeats`` (default 3), ``step`` (global step, for an emulated speed
+    schedule). Replies ``tiles-speed`` (forward MACs per second of forward +
+    backward, the planner's ``v``: the slope between the two crop sizes, so
+    the fixed cost of a call is not counted as slowness,
+    :mod:`~flowerbed.parallel.tiles.speed`) and ``tiles-memory-bytes`` (memory
+    available now).
     """
     model = _layers(str(query.get("model", "")), query.get("model_args"), None)
     shape = query.get(INPUT_SHAPE)
@@ -240,30 +244,36 @@ def profile(query: Mapping[str, Any], context: MemberContext) -> MemberResult:
             f"no layer of model {query.get('model')!r} can be tiled: {geometry.stop}"
         )
     probe = nn.Sequential(*list(model)[: min(2, geometry.tileable)])
-    x = torch.randn(
-        (1, int(shape[0]), min(side, int(shape[1])), min(side, int(shape[2])))
-    )
-    macs = count_macs(probe, x)
-    seconds: list[float] = []
     overrun = 0.0
-    for _ in range(repeats + 1):  # the first pass warms up allocations
-        begin = time.perf_counter()
-        probe(x).square().mean().backward()
-        real = time.perf_counter() - begin
-        target = 0.0
-        if context.speed is not None:
-            target = context.speed.forward_s(macs, step) + context.speed.backward_s(
-                macs, step
-            )
-        if target > real:
-            time.sleep(target - real)
-        else:
-            overrun += real - target if context.speed is not None else 0.0
-        seconds.append(max(real, target))
-    measured = _median(seconds[1:])
+    timings: list[tuple[float, float]] = []
+    # Two crop sizes: the line through them separates the cost per MAC (the
+    # planner's speed) from the fixed cost of a call (tiles.speed).
+    for crop in (max(8, side // 2), side):
+        x = torch.randn(
+            (1, int(shape[0]), min(crop, int(shape[1])), min(crop, int(shape[2])))
+        )
+        macs = count_macs(probe, x)
+        seconds: list[float] = []
+        for _ in range(repeats + 1):  # the first pass warms up allocations
+            begin = time.perf_counter()
+            probe(x).square().mean().backward()
+            real = time.perf_counter() - begin
+            target = 0.0
+            if context.speed is not None:
+                target = context.speed.forward_s(macs, step) + context.speed.backward_s(
+                    macs, step
+                )
+            if target > real:
+                time.sleep(target - real)
+            else:
+                overrun += real - target if context.speed is not None else 0.0
+            seconds.append(max(real, target))
+        timings.append((float(macs), max(_median(seconds[1:]), 1e-9)))
+    small, large = sorted(timings)
+    rate, _ = two_point_rate(small, large)
     metrics: dict[str, MetricValue] = {
         keys.SPAN_OK: 1,
-        keys.TILES_SPEED: macs / measured if measured > 0 else 0.0,
+        keys.TILES_SPEED: rate,
         keys.TILES_MEMORY_BYTES: float(available_memory()),
         keys.SPAN_OVERRUN_S: overrun,
     }
