@@ -24,13 +24,21 @@ the same layout (:class:`PoolKernels`): PyTorch's kernel and its backward pass
 (which zero-fills the whole input gradient first) took ~60 us a pooling in a
 10-node LeNet step; the values and gradients are PyTorch's bit for bit.
 
-The C source below is compiled once per shape by the C compiler (``$CC``, else
+They are off by default: the default path is PyTorch's (oneDNN), the same
+on every host. ``FLOWERBED_C_KERNELS=1`` (:data:`ENABLE_ENV`) opts in; then the
+C source below is compiled once per shape by the C compiler (``$CC``, else
 ``cc``) with ``-O3 -march=native`` into a cache directory
-(``$FLOWERBED_KERNEL_CACHE``, else ``~/.cache/flowerbed/kernels``), keyed by the
-source, the shape, the compiler and this CPU; about 0.2 s each. Without a
+(``$FLOWERBED_KERNEL_CACHE``, else ``~/.cache/flowerbed/kernels``) created
+private to the user (mode 0700), keyed by the source, the shape, the compiler
+and this CPU; about 0.2 s each. Each build is recorded beside its library (its
+SHA-256, the source's, the compiler, flags and shape, mode 600); a library is
+loaded only when both files are this user's, private, and the library's hash
+is the record's (else it is rebuilt), and builds of other sources, or beyond
+:data:`MAX_BUILDS`, are removed (:func:`prune`). Not opted in, without a
 compiler, or for other shapes (strides, dilations, groups, batches that are not
 a multiple of :data:`LANES`), :func:`kernels_for` answers None and the caller
-keeps oneDNN.
+keeps oneDNN. Nothing is compiled before a kernel is asked for (importing this
+module, or collecting the tests, builds nothing).
 """
 
 from __future__ import annotations
@@ -38,12 +46,15 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import json
 import logging
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -544,8 +555,11 @@ def pair(value: int | tuple[int, ...]) -> tuple[int, int]:
 
 
 def kernels_for(shape: ConvShape) -> ConvKernels | None:
-    """The compiled kernels of ``shape``, or None without a working compiler."""
+    """The compiled kernels of ``shape``; None unless :func:`enabled`, or
+    without a working compiler or a cache directory that passes the checks."""
     if shape.batch <= 0 or shape.batch % LANES or shape.ho < 1 or shape.wo < 1:
+        return None
+    if not enabled():
         return None
     kernels = _load(shape)
     assert kernels is None or isinstance(kernels, ConvKernels)
@@ -553,12 +567,39 @@ def kernels_for(shape: ConvShape) -> ConvKernels | None:
 
 
 def pool_kernels_for(shape: PoolShape) -> PoolKernels | None:
-    """The compiled max pooling of ``shape``, or None without a working compiler."""
+    """The compiled max pooling of ``shape``; None as for :func:`kernels_for`."""
     if shape.batch <= 0 or shape.batch % LANES or shape.ho < 1 or shape.wo < 1:
+        return None
+    if not enabled():
         return None
     kernels = _load(shape)
     assert kernels is None or isinstance(kernels, PoolKernels)
     return kernels
+
+
+ENABLE_ENV = "FLOWERBED_C_KERNELS"
+"""Environment variable that opts in to the compiled kernels (``1``)."""
+CACHE_ENV = "FLOWERBED_KERNEL_CACHE"
+"""Environment variable that moves the cache directory."""
+ON = ("1", "true", "yes", "on")
+OFF = ("", "0", "false", "no", "off")
+MAX_BUILDS = 64
+"""Builds of the current source kept in the cache; the least recently built
+beyond it are removed (a model's shapes at one batch size take 2-4)."""
+
+
+def enabled() -> bool:
+    """Whether :data:`ENABLE_ENV` opts in to the compiled kernels (off when
+    unset); ``ValueError`` for a value that is neither on nor off."""
+    value = os.environ.get(ENABLE_ENV, "").strip().lower()
+    if value in OFF:
+        return False
+    if value in ON:
+        return True
+    raise ValueError(
+        f"${ENABLE_ENV}={value!r}: valid values are {', '.join(ON)} (compile the "
+        f"C kernels) or {', '.join(repr(v) for v in OFF)} (the default: PyTorch)"
+    )
 
 
 @functools.lru_cache(maxsize=64)
@@ -577,11 +618,89 @@ def _load(shape: ConvShape | PoolShape) -> ConvKernels | PoolKernels | None:
 
 
 def cache_dir() -> Path:
-    """Where compiled kernels are kept."""
-    where = os.environ.get("FLOWERBED_KERNEL_CACHE")
+    """Where compiled kernels are kept: :data:`CACHE_ENV`, else
+    ``~/.cache/flowerbed/kernels``."""
+    where = os.environ.get(CACHE_ENV)
     if where:
         return Path(where)
     return Path.home() / ".cache" / "flowerbed" / "kernels"
+
+
+def private_cache() -> Path | None:
+    """:func:`cache_dir`, created private to this user (mode 0700); None (and a
+    warning saying what to fix) when it is not a directory this user owns, or
+    others may write to it. A directory of this user's that others may only
+    read is made private."""
+    where = cache_dir()
+    try:
+        where.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = os.lstat(where)
+    except OSError as err:
+        log.warning("kernel cache %s: %s; using oneDNN", where, err)
+        return None
+    problem = None
+    if not stat.S_ISDIR(st.st_mode):
+        problem = "not a directory (a symbolic link or a file)"
+    elif st.st_uid != os.getuid():
+        problem = f"owned by uid {st.st_uid}, not by this user ({os.getuid()})"
+    elif st.st_mode & 0o022:
+        problem = f"others may write to it (mode {stat.S_IMODE(st.st_mode):o})"
+    if problem:
+        log.warning(
+            "kernel cache %s is %s: not using the compiled kernels (using oneDNN); "
+            "remove it, or set $%s to a directory of your own",
+            where,
+            problem,
+            CACHE_ENV,
+        )
+        return None
+    if st.st_mode & 0o077:
+        os.chmod(where, 0o700)
+    return where
+
+
+def _unsafe_file(path: Path) -> str | None:
+    """Why ``path`` must not be loaded or trusted (None: a regular file of this
+    user's that no one else may read or write)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return "missing"
+    except OSError as err:
+        return str(err)
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file"
+    if st.st_uid != os.getuid():
+        return f"owned by uid {st.st_uid}, not by this user"
+    if st.st_mode & 0o077:
+        return f"mode {stat.S_IMODE(st.st_mode):o}, not private (600)"
+    return None
+
+
+def _source_hash() -> str:
+    return hashlib.sha256(SOURCE.encode()).hexdigest()
+
+
+def _verified(library: Path) -> str | None:
+    """Why the build at ``library`` fails its checks (None: it passes): the
+    library and its build record (``.json`` beside it) are private files of
+    this user's, the record is of today's source, and the library's SHA-256 is
+    the one the record holds."""
+    record_path = library.with_suffix(".json")
+    for path in (library, record_path):
+        problem = _unsafe_file(path)
+        if problem:
+            return f"{path.name}: {problem}"
+    try:
+        record = json.loads(record_path.read_text())
+        digest = hashlib.sha256(library.read_bytes()).hexdigest()
+    except (OSError, ValueError) as err:
+        return f"cannot read it ({err})"
+    if not isinstance(record, dict) or record.get("source_sha256") != _source_hash():
+        return "its record is of another source"
+    if record.get("sha256") != digest:
+        return "its content does not match the SHA-256 of its build record"
+    return None
 
 
 @functools.lru_cache(maxsize=1)
@@ -616,10 +735,14 @@ def _cpu() -> str:
 
 
 def _compiled(defines: dict[str, int]) -> Path | None:
-    """The built library for ``defines``: from the cache, else compiled (with
-    ``-march=native``, else, for a compiler that refuses it, without)."""
+    """The built library for ``defines``: from the cache when it passes
+    :func:`_verified`, else compiled (with ``-march=native``, else, for a
+    compiler that refuses it, without)."""
     compiler = _compiler()
     if compiler is None:
+        return None
+    where = private_cache()
+    if where is None:
         return None
     cc, version = compiler
     args = [f"-D{k}={v}" for k, v in sorted(defines.items())]
@@ -628,11 +751,21 @@ def _compiled(defines: dict[str, int]) -> Path | None:
         key = hashlib.sha256(
             "\0".join([SOURCE, version, _cpu(), *flags, *args]).encode()
         ).hexdigest()[:24]
-        target = cache_dir() / f"conv_{key}.so"
-        if target.exists():
-            return target
+        target = where / f"conv_{key}.so"
+        if target.exists() or target.with_suffix(".json").exists():
+            problem = _verified(target)
+            if problem is None:
+                return target
+            log.warning(
+                "kernel build %s failed its checks (%s): rebuilding", target, problem
+            )
         try:
-            _build(cc, [*flags, *args], target)
+            _build(
+                cc,
+                [*flags, *args],
+                target,
+                {"compiler": version, "flags": list(flags), "defines": defines},
+            )
         except subprocess.CalledProcessError as err:
             failure = err.stderr.strip() or err
             continue
@@ -640,14 +773,17 @@ def _compiled(defines: dict[str, int]) -> Path | None:
             failure = err
             break
         log.debug("built convolution kernels %s (%s)", target.name, " ".join(args))
+        prune(where, keep=target)
         return target
     log.warning("cannot build the convolution kernels (%s): using oneDNN", failure)
     return None
 
 
-def _build(cc: str, args: list[str], target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+def _build(cc: str, args: list[str], target: Path, about: dict[str, object]) -> None:
+    """Compile into a private temporary directory beside ``target``, then move
+    the library and its build record (its SHA-256, the source's, ``about``)
+    into place, each private to this user (mode 600)."""
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # mode 700
         source = Path(tmp) / "conv.c"
         source.write_text(SOURCE)
         built = Path(tmp) / "conv.so"
@@ -658,4 +794,62 @@ def _build(cc: str, args: list[str], target: Path) -> None:
             timeout=120,
             check=True,
         )
-        os.replace(built, target)  # atomic: a concurrent build wins or loses whole
+        os.chmod(built, 0o600)
+        record = Path(tmp) / "conv.json"
+        fd = os.open(record, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as out:
+            json.dump(
+                {
+                    "library": target.name,
+                    "sha256": hashlib.sha256(built.read_bytes()).hexdigest(),
+                    "source_sha256": _source_hash(),
+                    "built": time.time(),
+                    **about,
+                },
+                out,
+            )
+        # atomic each: a concurrent build wins or loses whole; a reader between
+        # the two sees a record that does not match and rebuilds
+        os.replace(built, target)
+        os.replace(record, target.with_suffix(".json"))
+
+
+def prune(where: Path, keep: Path | None = None) -> list[Path]:
+    """Remove from the cache ``where`` the builds of other sources (older
+    flowerbed versions), libraries without a readable record and records
+    without a library, then the least recently built beyond
+    :data:`MAX_BUILDS`; never ``keep``. Returns what was removed."""
+    builds: list[tuple[float, Path]] = []
+    doomed: list[Path] = []
+    for library in where.glob("conv_*.so"):
+        if library == keep:
+            continue
+        try:
+            record = json.loads(library.with_suffix(".json").read_text())
+        except (OSError, ValueError):
+            doomed.append(library)
+            continue
+        if (
+            not isinstance(record, dict)
+            or record.get("source_sha256") != _source_hash()
+        ):
+            doomed.append(library)
+        else:
+            builds.append((float(record.get("built", 0.0)), library))
+    doomed += [
+        r for r in where.glob("conv_*.json") if not r.with_suffix(".so").exists()
+    ]
+    builds.sort(reverse=True)  # newest first
+    room = MAX_BUILDS - 1 if keep is not None else MAX_BUILDS
+    doomed += [library for _, library in builds[max(0, room) :]]
+    removed = []
+    for path in doomed:
+        for each in {path, path.with_suffix(".json"), path.with_suffix(".so")}:
+            try:
+                each.unlink()
+                removed.append(each)
+            except FileNotFoundError:
+                pass
+            except OSError as err:
+                log.warning("cannot remove the old kernel build %s: %s", each, err)
+    return removed

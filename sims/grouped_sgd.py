@@ -21,10 +21,11 @@ digits (CPU time of :func:`~flowerbed.sims.batched.train_many`, one thread):
 Each layer's input gradient is computed before its weights
 move, so the step equals autograd's SGD step within float tolerance.
 
-When every 2-D convolution of the chain is one the compiled kernels of
-:mod:`flowerbed.sims.conv_kernels` take, and the batch is whole vectors of
-samples, :meth:`GroupedSGD.pack` lays the images out as ``(nodes, H, W, C,
-batch)`` and the step runs the chain's node-layout layers: the kernels for the
+Opted in to the compiled kernels of :mod:`flowerbed.sims.conv_kernels`
+(``FLOWERBED_C_KERNELS=1``; off by default), when every 2-D convolution of the
+chain is one they take and the batch is whole vectors of samples,
+:meth:`GroupedSGD.pack` lays the images out as ``(nodes, H, W, C, batch)`` and
+the step runs the chain's node-layout layers: the kernels for the
 convolutions and for max pooling over windows that do not overlap (a 10-node
 LeNet step 1.46 -> ~0.72 ms here; other pooling by PyTorch on the same memory
 seen as channels-last planes), one copy at the flatten.
@@ -133,8 +134,8 @@ class GroupedSGD:
     def pack(self, x: torch.Tensor) -> list[Grouped]:
         """Each step's inputs, ``(steps, nodes, batch, *features)``, laid out
         for :meth:`step`: for the compiled kernels
-        (:mod:`flowerbed.sims.conv_kernels`) when every convolution of the chain
-        has them at this image size (``(nodes, H, W, C, batch)``, one copy for
+        (:mod:`flowerbed.sims.conv_kernels`, opted in) when every convolution of
+        the chain has them at this image size (``(nodes, H, W, C, batch)``, one copy for
         all steps), else as :func:`~flowerbed.sims.grouped.grouped_inputs` lays
         them out for oneDNN.
 
@@ -632,8 +633,8 @@ def _plan_kernels(
     layers: list[_Layer], batch: int, c: int, height: int, width: int
 ) -> bool:
     """Compile (or find) the kernels of every convolution for inputs of this
-    size; False if one has none (no compiler, or the batch is not whole
-    vectors)."""
+    size; False if one has none (not opted in, no compiler, or the batch is not
+    whole vectors)."""
     for layer in layers:
         if isinstance(layer, _NodeConv):
             if layer.module.in_channels != c:

@@ -4,16 +4,17 @@ The central evaluation (:class:`~flowerbed.sims.recorder.RunRecorder`) scores
 the global model on the whole test set every round. For a model that is a
 chain of 2-D convolutions, ReLUs, 2x2 max poolings, a flatten and linear layers
 (LeNet: :data:`CHAIN_LAYERS`), the convolutions can run on the kernels that
-batched training compiles (:mod:`flowerbed.sims.conv_kernels`) instead of
-oneDNN: the test set is cut into chunks of :data:`~flowerbed.sims.conv_kernels.LANES`
-images (the last one padded with zeros), each chunk one of the kernels'
-"nodes" (``(chunks, H, W, C, 16)`` in memory), with the weights repeated for
-every chunk. Measured here on digits' 360 test images (one thread): LeNet's two
-convolutions take ~0.04 and ~0.08 ms on the kernels against ~0.2 and ~0.17 ms
-on oneDNN (which pads 1 and 6 channels to blocks of 16 and reorders to and from
-its blocked layout), the whole forward pass ~0.45 against ~0.87 ms. The
-kernels sum in their own order: the logits agree with oneDNN's within float
-tolerance (``tests/test_kernel_inference.py``).
+batched training compiles when opted in (:mod:`flowerbed.sims.conv_kernels`,
+``FLOWERBED_C_KERNELS=1``) instead of oneDNN: the test set is cut into chunks
+of :data:`~flowerbed.sims.conv_kernels.LANES` images (the last one padded with
+zeros), each chunk one of the kernels' "nodes" (``(chunks, H, W, C, 16)`` in
+memory), with the weights repeated for every chunk. Measured here on digits'
+360 test images (one thread): LeNet's two convolutions take ~0.04 and ~0.08 ms
+on the kernels against ~0.2 and ~0.17 ms on oneDNN (which pads 1 and 6
+channels to blocks of 16 and reorders to and from its blocked layout), the
+whole forward pass ~0.45 against ~0.87 ms. The kernels sum in their own order:
+the logits agree with oneDNN's within float tolerance
+(``tests/test_kernel_inference.py``).
 """
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ class KernelPass:
     def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
         """The logits of images ``x`` ``(N, C, H, W)``; None for inputs it
         cannot run (not float32 images of the first convolution's channels)
-        or without the kernels (no C compiler)."""
+        or without the kernels (not opted in, or no C compiler)."""
         if x.dim() != 4 or x.dtype != torch.float32 or len(x) == 0:
             return None
         kernels = _kernels(self.chain, *x.shape[1:])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -20,9 +21,8 @@ from flowerbed.models import build_model
 from flowerbed.sims import node
 from flowerbed.sims.batched import NodeJob, batchable, grouped_forward, train_many
 from flowerbed.sims.config import Scenario
-from flowerbed.sims.conv_kernels import ConvShape, kernels_for
+from flowerbed.sims.conv_kernels import CACHE_ENV, ENABLE_ENV, ConvShape, kernels_for
 from flowerbed.sims.engine import MIN_TASKS_PER_WORKER
-from flowerbed.sims.grouped import grouped_inputs
 from flowerbed.sims.grouped_sgd import Rates, grouped_sgd
 from flowerbed.sims.scenario import build_fleet_grid, run_scenario, run_server
 from flowerbed.sims.vclock import NodeDropout
@@ -33,6 +33,13 @@ from torch import nn
 @pytest.fixture(autouse=True)
 def _one_thread(quiet_single_threaded: None) -> None:
     """Per-node training as the simulated nodes run it."""
+
+
+@pytest.fixture(autouse=True)
+def _default_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default path (not opted in to the compiled kernels) unless a test
+    asks for them (``c_kernels``)."""
+    monkeypatch.delenv(ENABLE_ENV, raising=False)
 
 
 def _digits_jobs(model: nn.Module) -> list[NodeJob]:
@@ -194,42 +201,44 @@ def _overlapping_pools() -> nn.Module:
     )
 
 
-@pytest.mark.parametrize(
-    ("make", "sample", "batch"),
-    [
-        (lambda: build_model("lenet", 1, 8, 10), (1, 8, 8), 16),
-        (lambda: build_model("lenet", 1, 8, 10), (1, 8, 8), 32),
-        (_small_chain, (2, 10, 8), 32),
-        (_overlapping_pools, (1, 9, 9), 16),
-        # padded with zero images to whole vectors (16, 32): no gradient from them
-        (lambda: build_model("lenet", 1, 8, 10), (1, 8, 8), 13),
-        (_small_chain, (2, 10, 8), 20),
-    ],
-    ids=[
-        "lenet-16",
-        "lenet-32",
-        "small-32",
-        "overlapping-pools-16",
-        "lenet-13-padded",
-        "small-20-padded",
-    ],
-)
+CHAINS = [
+    (lambda: build_model("lenet", 1, 8, 10), (1, 8, 8), 16),
+    (lambda: build_model("lenet", 1, 8, 10), (1, 8, 8), 32),
+    (_small_chain, (2, 10, 8), 32),
+    (_overlapping_pools, (1, 9, 9), 16),
+    # for the kernels, padded with zero images to whole vectors (16, 32): no
+    # gradient from them
+    (lambda: build_model("lenet", 1, 8, 10), (1, 8, 8), 13),
+    (_small_chain, (2, 10, 8), 20),
+]
+CHAIN_IDS = ["lenet-16", "lenet-32", "small-32", "overlapping-pools-16"]
+CHAIN_IDS += ["lenet-13-padded", "small-20-padded"]
+
+
+@pytest.mark.parametrize(("make", "sample", "batch"), CHAINS, ids=CHAIN_IDS)
+def test_default_step_equals_autograds(
+    make: Callable[[], nn.Module], sample: tuple[int, ...], batch: int
+) -> None:
+    # not opted in to the compiled kernels: PyTorch (oneDNN) runs the layers
+    _step_against_autograd(make, sample, batch, kernels=False)
+
+
+@pytest.mark.parametrize(("make", "sample", "batch"), CHAINS, ids=CHAIN_IDS)
+@pytest.mark.usefixtures("c_kernels")
 def test_compiled_convolutions_step_equals_autograds(
     make: Callable[[], nn.Module], sample: tuple[int, ...], batch: int
 ) -> None:
-    # batches of whole vectors of samples: the compiled kernels
+    # opted in, batches of whole vectors of samples: the compiled kernels
     # (flowerbed.sims.conv_kernels) run the convolutions
-    if not _kernels_built():
-        pytest.skip("no C compiler to build the kernels")
     _step_against_autograd(make, sample, batch, kernels=True)
 
 
+@pytest.mark.usefixtures("c_kernels")
 def test_batches_padding_would_more_than_double_keep_onednn() -> None:
     step = grouped_sgd(grouped_forward(build_model("lenet", 1, 8, 10)))
     assert step is not None
     assert step.pack(torch.zeros(1, 2, 7, 1, 8, 8))[0][0].dim() == 4  # 7 -> 16
-    if _kernels_built():
-        assert step.pack(torch.zeros(1, 2, 8, 1, 8, 8))[0][0].shape == (2, 8, 8, 1, 16)
+    assert step.pack(torch.zeros(1, 2, 8, 1, 8, 8))[0][0].shape == (2, 8, 8, 1, 16)
 
 
 def _step_against_autograd(
@@ -263,21 +272,29 @@ def _step_against_autograd(
             expected[key].append(p.detach() - lr[i] * g)
     step = grouped_sgd(grouped_forward(models[0]))
     assert step is not None
-    params = {key: w.clone() for key, w in start.items()}
-    if kernels:
-        params = step.lay_out(params)
-        packed = step.pack(x[None])[0]
-        assert packed[0].dim() == 5  # (nodes, H, W, C, batch): the kernels' layout
-    else:
-        packed = grouped_inputs(x[None])[0]
+    params = step.lay_out({key: w.clone() for key, w in start.items()})
+    packed = step.pack(x[None])[0]  # as train_many lays them out
+    # (nodes, H, W, C, batch): the kernels' layout; else oneDNN's
+    assert (packed[0].dim() == 5) == kernels
     losses = _with_onednn(step.step, params, packed, y, Rates(lr, mu, anchors))
     assert losses.mean(dim=1).tolist() == pytest.approx(expected_losses, abs=1e-6)
     for key in names:
         assert torch.allclose(params[key], torch.stack(expected[key]), atol=1e-6), key
 
 
-def _kernels_built() -> bool:
-    return kernels_for(ConvShape(1, 6, 8, 8, 5, 5, 2, 2, batch=16)) is not None
+@pytest.fixture(scope="module")
+def kernel_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("kernels") / "cache"
+
+
+@pytest.fixture
+def c_kernels(monkeypatch: pytest.MonkeyPatch, kernel_cache: Path) -> None:
+    """Opted in to the compiled kernels (a cache of the module's own); skipped
+    where no C compiler builds them."""
+    monkeypatch.setenv(ENABLE_ENV, "1")
+    monkeypatch.setenv(CACHE_ENV, str(kernel_cache))
+    if kernels_for(ConvShape(1, 6, 8, 8, 5, 5, 2, 2, batch=16)) is None:
+        pytest.skip("no C compiler to build the kernels")
 
 
 @pytest.mark.parametrize("shape", [(10, 16, 10), (3, 5, 10), (2, 7, 40)])

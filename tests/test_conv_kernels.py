@@ -1,16 +1,30 @@
-"""The compiled convolution kernels against PyTorch's convolution in float64."""
+"""The compiled convolution kernels (opt-in) against PyTorch's convolution in
+float64, and the checks of their private cache."""
 
 from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 from flowerbed.sims import conv_kernels
 from flowerbed.sims.conv_kernels import (
+    CACHE_ENV,
+    ENABLE_ENV,
     ConvShape,
     PoolShape,
     eligible,
     kernels_for,
     pool_kernels_for,
+    private_cache,
+    prune,
 )
 from torch import nn
 
@@ -26,14 +40,41 @@ SHAPES = [
 
 
 @pytest.fixture(scope="module")
-def compiled() -> None:
-    """Skip where no C compiler builds the kernels; the build happens here, when a
-    test that needs it runs, never while pytest collects the tests."""
+def module_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One kernel cache for the module's tests (each shape built once)."""
+    return tmp_path_factory.mktemp("kernels") / "cache"
+
+
+@pytest.fixture
+def compiled(monkeypatch: pytest.MonkeyPatch, module_cache: Path) -> None:
+    """Opt in to the kernels, and skip where no C compiler builds them; the
+    build happens here, when a test that needs it runs, never while pytest
+    collects the tests."""
+    monkeypatch.setenv(ENABLE_ENV, "1")
+    monkeypatch.setenv(CACHE_ENV, str(module_cache))
     if kernels_for(SHAPES[0]) is None:
         pytest.skip("no C compiler to build the kernels")
 
 
 needs_compiler = pytest.mark.usefixtures("compiled")
+
+
+@pytest.fixture
+def fresh(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
+    """Opted in, an empty cache of the test's own (``tmp_path / "cache"``), and
+    the compiler and loaded kernels looked up afresh."""
+    monkeypatch.setenv(ENABLE_ENV, "1")
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    conv_kernels._compiler.cache_clear()
+    conv_kernels._load.cache_clear()
+    yield tmp_path / "cache"
+    conv_kernels._compiler.cache_clear()
+    conv_kernels._load.cache_clear()
+
+
+def _needs_cc() -> None:
+    if conv_kernels._compiler() is None:
+        pytest.skip("no C compiler")
 
 
 def _node_major(t: torch.Tensor) -> torch.Tensor:
@@ -112,46 +153,46 @@ def test_what_is_eligible() -> None:
     assert kernels_for(ConvShape(1, 6, 8, 8, 5, 5, 2, 2, batch=8)) is None
 
 
-def test_no_compiler_means_none(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    """Without a compiler the kernels are not there (the caller keeps oneDNN)."""
+def test_no_compiler_means_none(monkeypatch: pytest.MonkeyPatch, fresh: Path) -> None:
+    """Opted in without a compiler the kernels are not there (the caller keeps
+    oneDNN)."""
     monkeypatch.setenv("CC", "no-such-compiler-here")
-    monkeypatch.setenv("FLOWERBED_KERNEL_CACHE", str(tmp_path))
-    conv_kernels._compiler.cache_clear()
-    conv_kernels._load.cache_clear()
-    try:
-        assert kernels_for(ConvShape(2, 3, 6, 6, 3, 3, 1, 1, batch=16)) is None
-        assert not any(tmp_path.iterdir())
-    finally:
-        conv_kernels._compiler.cache_clear()
-        conv_kernels._load.cache_clear()
+    assert kernels_for(ConvShape(2, 3, 6, 6, 3, 3, 1, 1, batch=16)) is None
+    assert not fresh.exists()
 
 
-def test_without_kernels_the_step_keeps_onednn(
-    monkeypatch: pytest.MonkeyPatch, tmp_path
+def test_off_by_default_nothing_is_built(
+    monkeypatch: pytest.MonkeyPatch, fresh: Path
 ) -> None:
-    """No compiler: the written-out step lays LeNet's images out for oneDNN."""
+    """Not opted in: no kernels, no compiler run, no cache directory."""
     from flowerbed.models import build_model
     from flowerbed.sims.grouped import grouped_forward
     from flowerbed.sims.grouped_sgd import GroupedSGD
 
-    monkeypatch.setenv("CC", "no-such-compiler-here")
-    monkeypatch.setenv("FLOWERBED_KERNEL_CACHE", str(tmp_path))
-    conv_kernels._compiler.cache_clear()
-    conv_kernels._load.cache_clear()
-    try:
+    for value in (None, "0", "off", " False "):
+        if value is None:
+            monkeypatch.delenv(ENABLE_ENV)
+        else:
+            monkeypatch.setenv(ENABLE_ENV, value)
+        assert kernels_for(SHAPES[0]) is None
+        assert pool_kernels_for(POOLS[0]) is None
         forward = grouped_forward(build_model("lenet", 1, 8, 10))
         assert forward is not None
         step = GroupedSGD(forward)
         assert step.node_layers is not None  # the chain could use them
         packed = step.pack(torch.zeros(2, 3, 16, 1, 8, 8))
         assert [h.dim() for h, _ in packed] == [4, 4]  # (batch, nodes x C, H, W)
-    finally:
-        conv_kernels._compiler.cache_clear()
-        conv_kernels._load.cache_clear()
+    assert not fresh.exists()
+
+
+def test_a_value_neither_on_nor_off_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENABLE_ENV, "maybe")
+    with pytest.raises(ValueError, match="FLOWERBED_C_KERNELS='maybe': valid values"):
+        kernels_for(SHAPES[0])
 
 
 def test_a_compiler_without_march_native_still_builds(
-    monkeypatch: pytest.MonkeyPatch, tmp_path
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, fresh: Path
 ) -> None:
     """A compiler that refuses -march=native gets a portable build."""
     real = conv_kernels._compiler()
@@ -166,29 +207,23 @@ def test_a_compiler_without_march_native_still_builds(
     )
     wrapper.chmod(0o755)
     monkeypatch.setenv("CC", str(wrapper))
-    monkeypatch.setenv("FLOWERBED_KERNEL_CACHE", str(tmp_path / "cache"))
     conv_kernels._compiler.cache_clear()
-    conv_kernels._load.cache_clear()
-    try:
-        shape = ConvShape(2, 3, 6, 6, 3, 3, 1, 1, batch=16)
-        kernels = kernels_for(shape)
-        assert kernels is not None
-        gen = torch.Generator().manual_seed(2)
-        x = torch.randn(1, 6, 6, 2, 16, generator=gen)
-        w = torch.randn(1, 3, 3, 3, 2, generator=gen)
-        out = kernels.forward(x, w, torch.zeros(1, 3))
-        ref = nn.functional.conv2d(
-            x[0].permute(3, 2, 0, 1).double(),
-            w[0].permute(0, 3, 1, 2).double(),
-            padding=1,
-        )
-        # float32 sums of 18 products against float64: tolerance as above
-        torch.testing.assert_close(
-            out[0].permute(3, 2, 0, 1).double(), ref, rtol=1e-5, atol=1e-4
-        )
-    finally:
-        conv_kernels._compiler.cache_clear()
-        conv_kernels._load.cache_clear()
+    shape = ConvShape(2, 3, 6, 6, 3, 3, 1, 1, batch=16)
+    kernels = kernels_for(shape)
+    assert kernels is not None
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(1, 6, 6, 2, 16, generator=gen)
+    w = torch.randn(1, 3, 3, 3, 2, generator=gen)
+    out = kernels.forward(x, w, torch.zeros(1, 3))
+    ref = nn.functional.conv2d(
+        x[0].permute(3, 2, 0, 1).double(),
+        w[0].permute(0, 3, 1, 2).double(),
+        padding=1,
+    )
+    # float32 sums of 18 products against float64: tolerance as above
+    torch.testing.assert_close(
+        out[0].permute(3, 2, 0, 1).double(), ref, rtol=1e-5, atol=1e-4
+    )
 
 
 POOLS = [
@@ -240,3 +275,144 @@ def test_pooling_is_pytorchs_bit_for_bit(shape: PoolShape) -> None:
     assert torch.equal(mine.signbit(), ref_out.signbit())
     assert torch.equal(back(grad_in), ref_in)
     assert torch.equal(back(grad_in).signbit(), ref_in.signbit())
+
+
+DEFINES = ConvShape(2, 3, 6, 6, 3, 3, 1, 1, batch=16).defines()
+
+
+def _mode(path: Path) -> int:
+    return path.stat().st_mode & 0o777
+
+
+def test_the_cache_is_private_and_each_build_recorded(fresh: Path) -> None:
+    _needs_cc()
+    library = conv_kernels._compiled(DEFINES)
+    assert library is not None and library.parent == fresh
+    record = json.loads(library.with_suffix(".json").read_text())
+    assert _mode(fresh) == 0o700
+    assert _mode(library) == _mode(library.with_suffix(".json")) == 0o600
+    assert record["sha256"] == hashlib.sha256(library.read_bytes()).hexdigest()
+    assert (
+        record["source_sha256"]
+        == hashlib.sha256(conv_kernels.SOURCE.encode()).hexdigest()
+    )
+    assert record["defines"] == DEFINES
+    assert conv_kernels._verified(library) is None
+    assert conv_kernels._compiled(DEFINES) == library  # found, not rebuilt
+    assert record == json.loads(library.with_suffix(".json").read_text())
+
+
+@pytest.mark.parametrize(
+    ("tamper", "reason"),
+    [
+        (lambda lib: lib.write_bytes(lib.read_bytes() + b"\0"), "does not match"),
+        (lambda lib: lib.chmod(0o644), "mode 644, not private"),
+        (lambda lib: lib.with_suffix(".json").unlink(), "json: missing"),
+        (
+            lambda lib: lib.with_suffix(".json").write_text('{"sha256": "0"}'),
+            "another source",
+        ),
+    ],
+    ids=["content", "mode", "no-record", "foreign-record"],
+)
+def test_a_build_that_fails_its_checks_is_not_loaded_but_rebuilt(
+    fresh: Path, caplog: pytest.LogCaptureFixture, tamper: object, reason: str
+) -> None:
+    _needs_cc()
+    library = conv_kernels._compiled(DEFINES)
+    assert library is not None
+    tamper(library)  # type: ignore[operator]
+    problem = conv_kernels._verified(library)
+    assert problem is not None and reason in problem
+    with caplog.at_level(logging.WARNING, logger=conv_kernels.__name__):
+        assert conv_kernels._compiled(DEFINES) == library
+    assert "failed its checks" in caplog.text and reason in caplog.text
+    assert conv_kernels._verified(library) is None  # rebuilt whole
+
+
+def test_a_file_of_another_user_is_not_trusted(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    mine = tmp_path / "conv_x.so"
+    mine.write_bytes(b"x")
+    mine.chmod(0o600)
+    assert conv_kernels._unsafe_file(mine) is None
+    monkeypatch.setattr(os, "getuid", lambda: os.stat(mine).st_uid + 1)
+    assert "not by this user" in (conv_kernels._unsafe_file(mine) or "")
+    link = tmp_path / "conv_y.so"
+    link.symlink_to(mine)
+    assert conv_kernels._unsafe_file(link) == "not a regular file"
+
+
+def test_a_cache_others_may_write_to_or_own_is_refused(
+    monkeypatch: pytest.MonkeyPatch, fresh: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    fresh.mkdir(mode=0o700)
+    fresh.chmod(0o777)
+    with caplog.at_level(logging.WARNING, logger=conv_kernels.__name__):
+        assert private_cache() is None
+        assert conv_kernels._compiled(DEFINES) is None
+    assert "others may write to it (mode 777)" in caplog.text
+    assert not list(fresh.iterdir())  # nothing built there
+    fresh.chmod(0o755)  # ours, readable by others: made private
+    assert private_cache() == fresh and _mode(fresh) == 0o700
+    monkeypatch.setattr(os, "getuid", lambda: os.stat(fresh).st_uid + 1)
+    assert private_cache() is None
+
+
+def _fake_build(where: Path, name: str, source: str, built: float) -> Path:
+    library = where / f"conv_{name}.so"
+    library.write_bytes(name.encode())
+    record = {"sha256": "", "source_sha256": source, "built": built}
+    library.with_suffix(".json").write_text(json.dumps(record))
+    return library
+
+
+def test_prune_removes_other_sources_strays_and_the_oldest_beyond_the_limit(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    today = hashlib.sha256(conv_kernels.SOURCE.encode()).hexdigest()
+    monkeypatch.setattr(conv_kernels, "MAX_BUILDS", 2)
+    old = _fake_build(tmp_path, "old", "another source", 5.0)
+    a = _fake_build(tmp_path, "a", today, 1.0)
+    b = _fake_build(tmp_path, "b", today, 2.0)
+    c = _fake_build(tmp_path, "c", today, 3.0)
+    stray = tmp_path / "conv_stray.so"  # no record
+    stray.write_bytes(b"")
+    orphan = tmp_path / "conv_orphan.json"  # no library
+    orphan.write_text("{}")
+    other = tmp_path / "notes.txt"  # not a build: left alone
+    other.write_text("")
+    removed = prune(tmp_path, keep=a)  # a: just built, kept whatever its date
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == sorted(
+        ["conv_a.so", "conv_a.json", "conv_c.so", "conv_c.json", "notes.txt"]
+    )
+    assert set(removed) == {
+        old,
+        old.with_suffix(".json"),
+        b,
+        b.with_suffix(".json"),
+        stray,
+        orphan,
+    }
+    assert c.exists()
+
+
+def test_collecting_the_tests_compiles_nothing(tmp_path: Path) -> None:
+    """Opted in and with an empty cache, pytest's collection of the kernel
+    tests builds nothing (the builds happen in fixtures and tests)."""
+    env = {**os.environ, ENABLE_ENV: "1", CACHE_ENV: str(tmp_path / "cache")}
+    here = Path(__file__).parent
+    files = ["test_conv_kernels.py", "test_batched.py", "test_kernel_inference.py"]
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:xdist"]
+        + [str(here / f) for f in files],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert not (tmp_path / "cache").exists()

@@ -1,8 +1,10 @@
-"""The central evaluation's forward pass on the compiled convolution kernels gives
-the model's logits (within float tolerance), for the chains it runs, and declines
-the rest."""
+"""The central evaluation's forward pass on the compiled convolution kernels
+(opted in) gives the model's logits (within float tolerance), for the chains it
+runs, and declines the rest."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,8 +13,21 @@ from flowerbed.clients.training import inference_pass, onednn
 from flowerbed.data import load_dataset
 from flowerbed.models import build_model
 from flowerbed.sims import kernel_inference
+from flowerbed.sims.conv_kernels import CACHE_ENV, ENABLE_ENV
 from flowerbed.sims.kernel_inference import kernel_pass
 from torch import nn
+
+
+@pytest.fixture(scope="module")
+def kernel_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("kernels") / "cache"
+
+
+@pytest.fixture(autouse=True)
+def _opted_in(monkeypatch: pytest.MonkeyPatch, kernel_cache: Path) -> None:
+    """The compiled kernels opted in, with a cache of the module's own."""
+    monkeypatch.setenv(ENABLE_ENV, "1")
+    monkeypatch.setenv(CACHE_ENV, str(kernel_cache))
 
 
 def _logits(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -81,3 +96,10 @@ def test_inputs_it_cannot_run_are_declined(monkeypatch: pytest.MonkeyPatch) -> N
     assert forward(torch.zeros(4, 1, 8, 8, dtype=torch.float64)) is None
     monkeypatch.setattr(kernel_inference, "kernels_for", lambda shape: None)
     assert forward(torch.zeros(4, 1, 8, 8)) is None  # no compiler
+
+
+def test_not_opted_in_it_declines_every_input(monkeypatch: pytest.MonkeyPatch) -> None:
+    forward = kernel_pass(build_model("lenet", 1, 8, 10))
+    assert forward is not None
+    monkeypatch.delenv(ENABLE_ENV)
+    assert forward(torch.zeros(4, 1, 8, 8)) is None  # the caller runs oneDNN

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from flowerbed.clients.training import evaluate, onednn
 from flowerbed.data import load_dataset
 from flowerbed.models import build_model
 from flowerbed.sims import kernel_inference
+from flowerbed.sims.conv_kernels import CACHE_ENV, ENABLE_ENV
 from flowerbed.sims.recorder import RunRecorder
 from flowerbed.sims.scenario import build_fleet_grid
 from flwr.app import ArrayRecord
@@ -21,13 +24,21 @@ def recorder() -> RunRecorder:
 
 @pytest.mark.parametrize("kernels", [True, False])
 def test_each_evaluation_scores_the_weights_it_is_given(
-    recorder: RunRecorder, monkeypatch: pytest.MonkeyPatch, kernels: bool
+    recorder: RunRecorder,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    kernels: bool,
 ) -> None:
     data = load_dataset("digits", "")
     # oneDNN off, as a process whose nodes trained has it: the central
-    # evaluation runs on the compiled kernels, or else turns oneDNN on for itself
+    # evaluation runs on the compiled kernels (opted in), or else turns oneDNN
+    # on for itself
     monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)
-    if not kernels:  # as without a C compiler
+    if kernels:
+        monkeypatch.setenv(ENABLE_ENV, "1")
+        monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    else:  # the default, or as without a C compiler
+        monkeypatch.delenv(ENABLE_ENV, raising=False)
         monkeypatch.setattr(kernel_inference, "kernels_for", lambda shape: None)
     for seed in (1, 2):  # the second loads over the first's weights
         torch.manual_seed(seed)
