@@ -25,7 +25,10 @@ node_config (per board):
   a pipeline segment reaches that global step (a board losing power).
 
 Messages: ``train`` carries a plan (:class:`~flowerbed.parallel.plan.MemberPlan`)
-and the layers the server sends; the reply holds the member's layers
+and the layers the server sends; the plan names the model and, when the job
+has its own, the loss and optimiser factory as ``"package.module:attribute"``
+(:class:`~flowerbed.parallel.user_code.Training`), which this process imports,
+so they must be installed on the board; the reply holds the member's layers
 (``arrays``), optimiser state (``optimizer``), measurements (``metrics``) and a
 ``span`` ConfigRecord (address, ``failure`` text). A lost peer is not an error:
 the reply says ``span-ok = 0`` with the step it stopped at. ``query`` profiles the

@@ -136,8 +136,8 @@ def run_local(
     """
     import threading
 
-    from flowerbed.models import build_sequential
     from flowerbed.parallel.group import free_port
+    from flowerbed.parallel.user_code import build_layers
     from flowerbed.strategies import PipelineTraining
     from flwr.app import ArrayRecord
 
@@ -156,7 +156,7 @@ def run_local(
     settings.update(strategy_kwargs)
     with our_settings():  # Flower's notice of the fraction_evaluate chosen above
         strategy = PipelineTraining(**settings)
-    model = build_sequential(strategy.model, strategy.model_args, seed=strategy.seed)
+    model = build_layers(strategy.model, strategy.model_args, seed=strategy.seed)
     initial = ArrayRecord(model.state_dict())
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
         configs = [n.node_config(Path(tmp) / f"node-{i}") for i, n in enumerate(nodes)]

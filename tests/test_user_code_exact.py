@@ -212,3 +212,77 @@ def test_tiles_with_a_user_loss_and_adam_are_exact(tmp_path: Path) -> None:
     )
     assert settings(TILE_CASE, 2).norm == "sync"
     _close(got, single_device(job, initial_state(TILE_CASE), steps=STEPS), atol=2e-6)
+
+
+# --------------------------------------------------------------------------------
+# Through Flower: the span ClientApp receives the names in its plan and imports
+# them; the strategy's result equals its reference_job() on one device
+# --------------------------------------------------------------------------------
+
+
+def _grid(count: int) -> Any:
+    from flowerbed.sims.process_grid import ProcessGrid
+
+    configs = [{"address": HOST, "emulate-gflops": 0.5} for _ in range(count)]
+    return ProcessGrid(
+        "flowerbed.clients.span_app:app", configs, unavailable_after_s=2.0
+    )
+
+
+def _span_settings() -> dict[str, Any]:
+    return {
+        "fraction_evaluate": 0.0,
+        "min_train_nodes": 2,
+        "min_available_nodes": 2,
+        "rendezvous_port": free_port(),
+        "rendezvous_ports": 20,
+        "join_timeout_s": 30,
+        "timeout_s": 20,
+        "reply_margin_s": 3,
+        "training": TRAINING,
+    }
+
+
+def _arrays(record: Any) -> dict[str, np.ndarray]:
+    return {k: v.numpy() for k, v in record.items()}
+
+
+def test_large_batch_sync_on_span_clientapps_trains_any_module_with_user_code() -> None:
+    from flwr.app import ArrayRecord
+
+    strategy = LargeBatchSync(
+        model="span_user_code:two_branch",
+        batch_size=24,
+        steps_per_round=3,
+        base_lr=0.01,
+        base_batch=24,
+        **_span_settings(),
+    )
+    initial = ArrayRecord(build_module(strategy.model, seed=0).state_dict())
+    with _grid(2) as grid:
+        result = strategy.start(grid, initial, num_rounds=2, timeout=180)
+    assert strategy.step == 6
+    want = single_device(strategy.reference_job(), _arrays(initial), steps=6)
+    _close(_arrays(result.arrays), want, atol=2e-6)
+
+
+def test_pipeline_training_on_span_clientapps_cuts_a_module_at_its_cut_points() -> None:
+    from flowerbed.strategies import PipelineTraining
+    from flwr.app import ArrayRecord
+
+    strategy = PipelineTraining(
+        model=PIPE_MODEL,
+        model_args=PIPE_ARGS,
+        input_shape=(1, 8, 8),
+        batch_size=PIPE_BATCH,
+        steps_per_round=PIPE_STEPS,
+        lr=PIPE_LR,
+        stage_sizes=(2, 2),
+        **_span_settings(),
+    )
+    initial = ArrayRecord(build_layers(PIPE_MODEL, PIPE_ARGS, seed=0).state_dict())
+    with _grid(2) as grid:
+        result = strategy.start(grid, initial, num_rounds=2, timeout=180)
+    assert strategy.step == 2 * PIPE_STEPS
+    want = single_device(strategy.reference_job(), _arrays(initial), steps=8)
+    _close(_arrays(result.arrays), want, atol=2e-6)
