@@ -173,6 +173,14 @@ class Training:
         """Whether the optimiser is the user's (not the strategy's own)."""
         return self.optimizer != DEFAULT_OPTIMIZER
 
+    def describe(self, default_optimizer: str) -> str:
+        """One line for a strategy's summary: the loss and the optimiser."""
+        optimizer = default_optimizer
+        if self.custom_optimizer:
+            args = ", ".join(f"{k}={v!r}" for k, v in self.optimizer_args.items())
+            optimizer = f"{self.optimizer}({args})"
+        return f"loss {self.loss}, optimiser {optimizer}"
+
     def check(self) -> None:
         """Import the loss and the factory here (the server), so a bad name fails
         before any message is sent."""

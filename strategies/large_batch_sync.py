@@ -318,10 +318,10 @@ class LargeBatchSync(SpanJobStrategy):
             self.batch_size,
             self.steps_per_round,
         )
+        log(INFO, "\t\t├── %s", self.training.describe(self.optimizer))
         log(
             INFO,
-            "\t\t├── %s, lr %.4g -> %.4g over %d warm-up steps",
-            self.optimizer,
+            "\t\t├── lr %.4g -> %.4g over %d warm-up steps",
             self.schedule.base_lr,
             self.schedule.peak_lr,
             self.schedule.warmup_steps,

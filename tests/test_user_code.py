@@ -235,3 +235,9 @@ def test_large_batch_in_process_with_a_user_model_loss_and_adam_equals_one_devic
         steps=6,
     )
     assert not np.allclose(plain["head.weight"], want["head.weight"], atol=1e-4)
+
+
+def test_the_summary_line_names_the_loss_and_the_optimiser() -> None:
+    assert Training().describe("SGD") == "loss cross-entropy, optimiser SGD"
+    line = Training(LOSS, ADAM, {"eps": 1e-06}).describe("lars")
+    assert line == f"loss {LOSS}, optimiser {ADAM}(eps=1e-06)"
