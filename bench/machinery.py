@@ -338,7 +338,10 @@ def node_throughput(
     sizes in ``ray_counts``, ``flwr run`` on Flower's simulation engine too.
     ``speedup_vs_legacy`` is batched over the original per-node path's
     node-tasks per CPU-second (``legacy``: the per-node baseline),
-    ``speedup`` batched over today's per-node path.
+    ``speedup`` batched over today's per-node path (both on the default path;
+    ``c_speedup_vs_legacy`` and ``c_speedup`` the same for ``batched-c``, opted
+    in to the compiled C kernels), ``default_of_c`` the default path's
+    node-tasks per CPU-second over ``batched-c``'s.
     """
     from flowerbed.bench.throughput import MODES, scenario
 
@@ -390,20 +393,25 @@ def node_throughput(
         for p in points
         if "tasks_per_cpu_s" in p
     }
-    speedup = {
-        baseline: {
-            str(n): rate[("batched", n)] / rate[(baseline, n)]
+
+    def ratio(mode: str, baseline: str) -> dict[str, float]:
+        return {
+            str(n): rate[(mode, n)] / rate[(baseline, n)]
             for n in node_counts
-            if ("batched", n) in rate and (baseline, n) in rate
+            if (mode, n) in rate and (baseline, n) in rate
         }
-        for baseline in ("legacy", "per-node")
-    }
-    return {
+
+    out = {
         "rounds": rounds,
         "points": points,
-        "speedup": speedup["per-node"],
-        "speedup_vs_legacy": speedup["legacy"],
+        "speedup": ratio("batched", "per-node"),
+        "speedup_vs_legacy": ratio("batched", "legacy"),
     }
+    if any(mode == "batched-c" for mode, _ in rate):
+        out["c_speedup"] = ratio("batched-c", "per-node")
+        out["c_speedup_vs_legacy"] = ratio("batched-c", "legacy")
+        out["default_of_c"] = ratio("batched", "batched-c")
+    return out
 
 
 def _median_run(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:

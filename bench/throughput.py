@@ -10,7 +10,10 @@ prints one JSON line. ``MODE`` is how node tasks use the machine
   every message (:func:`legacy_train`);
 - ``per-node``: one ClientApp call per message, one after another (``batch=False``),
   on one cached model per process, as the per-node path runs today;
-- ``batched``: a round's nodes trained as one batched computation, in this process;
+- ``batched``: a round's nodes trained as one batched computation, in this
+  process, on the default path (PyTorch: ``FLOWERBED_C_KERNELS`` unset here);
+- ``batched-c``: the same opted in to the compiled C kernels
+  (:mod:`flowerbed.sims.conv_kernels`, ``FLOWERBED_C_KERNELS=1``);
 - ``workers``: batched, over one worker process per core this process may use.
 
 The scenario is the default one (LeNet-5 on digits, ``mixed`` fleet, FedAvg, 10
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import resource
 import sys
 import time
@@ -34,7 +38,7 @@ if TYPE_CHECKING:
     from flowerbed.sims.scenario import RunOutcome
     from flwr.app import Context, Message
 
-MODES = ("legacy", "per-node", "batched", "workers")
+MODES = ("legacy", "per-node", "batched", "batched-c", "workers")
 
 
 def cpu_seconds() -> float:
@@ -121,6 +125,7 @@ def _run(mode: str, run_config: dict[str, Any]) -> RunOutcome:
         "legacy": {"batch": False, "workers": 0},
         "per-node": {"batch": False, "workers": 0},
         "batched": {"batch": True, "workers": 0},
+        "batched-c": {"batch": True, "workers": 0},
         "workers": {"batch": True, "workers": _workers(mode)},
     }[mode]
     scenario = Scenario.from_run_config(run_config)
@@ -144,6 +149,13 @@ def _workers(mode: str) -> int:
 
 
 def measure(mode: str, population: int, cohort: int, rounds: int) -> dict[str, Any]:
+    from flowerbed.sims.conv_kernels import ENABLE_ENV
+
+    # the compiled kernels for batched-c only (workers inherit the choice)
+    if mode == "batched-c":
+        os.environ[ENABLE_ENV] = "1"
+    else:
+        os.environ.pop(ENABLE_ENV, None)
     # Flower's INFO log off, as `flowerbed sim` runs (without --verbose); after
     # importing Flower, whose logger module sets its level when imported
     import flwr.supercore.logger  # noqa: F401
