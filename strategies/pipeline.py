@@ -433,7 +433,7 @@ class PipelineTraining(SpanJobStrategy):
             self.schedule,
             self.replicate_every,
         )
-        log(INFO, "\t├── %s", self.training.describe("SGD"))
+        log(INFO, "\t└── %s", self.training.describe("SGD"))
 
     # ------------------------------------------------------------------ members
     def _request(self) -> dict[str, Any]:

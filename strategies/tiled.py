@@ -416,7 +416,7 @@ class TiledTraining(SpanJobStrategy):
             self.max_devices,
             self.link_mbps,
         )
-        log(INFO, "\t├── %s", self.training.describe("SGD"))
+        log(INFO, "\t└── %s", self.training.describe("SGD"))
 
     # ------------------------------------------------------------------ model
     def geometry(self) -> Any:
