@@ -241,3 +241,46 @@ def test_the_summary_line_names_the_loss_and_the_optimiser() -> None:
     assert Training().describe("SGD") == "loss cross-entropy, optimiser SGD"
     line = Training(LOSS, ADAM, {"eps": 1e-06}).describe("lars")
     assert line == f"loss {LOSS}, optimiser {ADAM}(eps=1e-06)"
+
+
+@pytest.mark.parametrize("optimizer", ["lars", "lamb", "sgd"])
+def test_the_reference_of_the_default_large_batch_recipe_matches_the_group(
+    optimizer: str,
+) -> None:
+    """No user code: LARS/LAMB/momentum SGD with warm-up, two segments."""
+    strategy = LargeBatchSync(
+        model="deep-mlp",
+        model_args={"hidden": 16, "depth": 2},
+        batch_size=24,
+        steps_per_round=2,
+        optimizer=optimizer,
+        base_lr=0.05,
+        base_batch=8,
+        warmup_steps=3,
+        fraction_evaluate=0.0,
+    )
+    strategy.speeds = {1: 10.0, 2: 20.0}
+    strategy.addresses = {1: "127.0.0.1", 2: "127.0.0.1"}
+    initial = {
+        k: v.numpy()
+        for k, v in build_module("deep-mlp", strategy.model_args, seed=0)
+        .state_dict()
+        .items()
+    }
+    context = MemberContext(address="127.0.0.1", store_root=Path("/nonexistent"))
+    arrays: dict[str, np.ndarray] = dict(initial)
+    for _ in range(2):
+        plans = strategy.plans([1, 2], strategy.steps_per_round)
+        run = run_group(list(plans.values()), context, arrays)
+        state = {"momentum:" + k: v for k, v in run.optimizer.items()}
+        arrays = {**run.arrays, **state}
+        strategy.step += strategy.steps_per_round
+    want = single_device(strategy.reference_job(), initial, steps=4)
+    for name, value in want.items():
+        np.testing.assert_allclose(arrays[name], value, rtol=1e-5, atol=2e-6)
+
+
+def test_a_frozen_norm_tile_job_has_no_reference_before_its_front_is_planned() -> None:
+    strategy = TiledTraining(model="vgg", input_shape=(1, 32, 32), norm="frozen")
+    with pytest.raises(ValueError, match="after start"):
+        strategy.reference_job()
