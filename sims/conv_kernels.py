@@ -814,11 +814,24 @@ def _build(cc: str, args: list[str], target: Path, about: dict[str, object]) -> 
         os.replace(record, target.with_suffix(".json"))
 
 
+STRAY_AGE_S = 60.0
+"""A library without its record (or a record without its library) younger than
+this may be another process's build between its two moves: left alone."""
+
+
+def _stray(path: Path) -> bool:
+    """Whether ``path`` is older than :data:`STRAY_AGE_S` (gone: False)."""
+    try:
+        return time.time() - os.lstat(path).st_mtime > STRAY_AGE_S
+    except OSError:
+        return False
+
+
 def prune(where: Path, keep: Path | None = None) -> list[Path]:
     """Remove from the cache ``where`` the builds of other sources (older
     flowerbed versions), libraries without a readable record and records
-    without a library, then the least recently built beyond
-    :data:`MAX_BUILDS`; never ``keep``. Returns what was removed."""
+    without a library (older than :data:`STRAY_AGE_S`), then the least recently
+    built beyond :data:`MAX_BUILDS`; never ``keep``. Returns what was removed."""
     builds: list[tuple[float, Path]] = []
     doomed: list[Path] = []
     for library in where.glob("conv_*.so"):
@@ -827,7 +840,8 @@ def prune(where: Path, keep: Path | None = None) -> list[Path]:
         try:
             record = json.loads(library.with_suffix(".json").read_text())
         except (OSError, ValueError):
-            doomed.append(library)
+            if _stray(library):
+                doomed.append(library)
             continue
         if (
             not isinstance(record, dict)
@@ -837,7 +851,9 @@ def prune(where: Path, keep: Path | None = None) -> list[Path]:
         else:
             builds.append((float(record.get("built", 0.0)), library))
     doomed += [
-        r for r in where.glob("conv_*.json") if not r.with_suffix(".so").exists()
+        r
+        for r in where.glob("conv_*.json")
+        if not r.with_suffix(".so").exists() and _stray(r)
     ]
     builds.sort(reverse=True)  # newest first
     room = MAX_BUILDS - 1 if keep is not None else MAX_BUILDS

@@ -9,6 +9,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -383,11 +384,15 @@ def test_prune_removes_other_sources_strays_and_the_oldest_beyond_the_limit(
     orphan.write_text("{}")
     other = tmp_path / "notes.txt"  # not a build: left alone
     other.write_text("")
+    young = tmp_path / "conv_young.so"  # maybe another process's, its record next
+    young.write_bytes(b"")
+    old_enough = time.time() - conv_kernels.STRAY_AGE_S - 1
+    for path in (stray, orphan):
+        os.utime(path, (old_enough, old_enough))
     removed = prune(tmp_path, keep=a)  # a: just built, kept whatever its date
     left = sorted(p.name for p in tmp_path.iterdir())
-    assert left == sorted(
-        ["conv_a.so", "conv_a.json", "conv_c.so", "conv_c.json", "notes.txt"]
-    )
+    kept = ["conv_a.so", "conv_a.json", "conv_c.so", "conv_c.json", "conv_young.so"]
+    assert left == sorted([*kept, "notes.txt"])
     assert set(removed) == {
         old,
         old.with_suffix(".json"),
