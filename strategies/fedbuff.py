@@ -8,12 +8,15 @@ from typing import Any, ClassVar
 
 import numpy as np
 from flowerbed import keys
+from flowerbed.clock import clock_of
+from flowerbed.strategies.accumulation import to_arrayrecord, to_numpy
 from flowerbed.strategies.inflight import Ticket, enough_usable
 from flowerbed.strategies.round_metrics import (
     ROUND_CLOCK_S,
     ROUND_PARTICIPANTS,
     ROUND_STALENESS,
 )
+from flowerbed.strategies.sampling import round_rng, sample_nodes
 from flowerbed.strategies.staleness import StalenessFn, resolve_staleness_fn
 from flwr.app import (
     ArrayRecord,
@@ -29,6 +32,17 @@ from flwr.supercore import log
 from .options import Buffering, Staleness, WorkBalance, copy_fields, take_options
 from .rounds import STALL_ROUNDS, RoundTally
 from .runtime_weighted import RuntimeWeightedFedAvg
+
+CONCURRENCY_PER_SAMPLE = 2
+"""Default ``concurrency``: this many times FedAvg's sample size. With a timeout,
+a synchronous round keeps its cohort busy and its stragglers on; FedBuff gets
+no straggler's work for free, so at one sample's worth of nodes (the default
+before) slow devices held most of its slots."""
+MEAN_STALENESS = 4
+"""Default ``buffer_size`` is ``concurrency // MEAN_STALENESS``: with nodes drawn
+uniformly, versions are made at ``rate / K`` while ``concurrency`` tasks are in
+flight, so by Little's law (Little, Operations Research 9(3), 1961) an update
+is on average ``concurrency / K`` versions old, whatever the fleet."""
 
 
 class FedBuff(RuntimeWeightedFedAvg):
@@ -46,14 +60,22 @@ class FedBuff(RuntimeWeightedFedAvg):
     which with equal weights is FedBuff's ``x + eta_g / K * sum_k s(tau_k)
     delta_k``. ``w_k`` follows ``weighting`` (default ``"examples"``, i.e.
     ``num-examples``); with ``"fednova"`` each delta is also divided by its steps.
-    Updates more than ``max_staleness`` versions old are dropped. A node that
-    replies gets new work at once (on the newest version), so ``concurrency``
-    stays busy. ``num_rounds`` counts model versions; evaluation (federated and
-    ``evaluate_fn``) runs every ``evaluate_every`` versions and after the last.
+    Alg. 1 hands the buffered update to a server optimiser; this one is SGD with
+    momentum ``beta = server_momentum`` (FedAvgM, Hsu et al., 2019, Sec. 3)::
+
+        u_v = eta_g * sum_k p_k s(tau_k) delta_k,   m_(v+1) = beta m_v + u_v,
+        x_(v+1) = x_v + m_(v+1)                     (m_0 = 0; beta = 0: as above)
+
+    on float arrays (others take ``x_v + u_v``). Updates more than
+    ``max_staleness`` versions old are dropped. A node that replies gets new
+    work at once (on the newest version), each dispatch drawing its nodes
+    afresh among the idle ones, so ``concurrency`` stays busy. ``num_rounds``
+    counts model versions; evaluation (federated and ``evaluate_fn``) runs
+    every ``evaluate_every`` versions and after the last.
 
     Quarantine counts versions in place of rounds. A resumed run restarts from
     the checkpointed version with fresh work (work in flight when the server
-    stopped is not recoverable).
+    stopped is not recoverable) and with the momentum at zero.
 
     Parameters
     ----------
@@ -71,6 +93,7 @@ class FedBuff(RuntimeWeightedFedAvg):
     concurrency: int | None
     buffer_size: int | None
     server_learning_rate: float
+    server_momentum: float
     evaluate_every: int
     max_staleness: int
     staleness_fn: StalenessFn  # resolved from a name
@@ -110,19 +133,25 @@ class FedBuff(RuntimeWeightedFedAvg):
         self._versions: dict[int, dict[str, np.ndarray]] = {}
         self._evaluations: dict[int, tuple[set[str], list[Message]]] = {}
         self._version_config: ConfigRecord | None = None
-        self._topped_up = False
         """The train config as it was before the current version's first
         configure_train call (None: that call has not happened yet)."""
+        self._topped_up = False
+        self._draws = 0
+        """Train samplings of the current version so far."""
+        self._momentum: dict[str, np.ndarray] = {}
+        """``m_v`` of the server momentum, per float array."""
 
     def summary(self) -> None:
         """Log the configuration: the FedBuff branch, then the base strategy's."""
         log(INFO, "\t├──> FedBuff:")
         log(
             INFO,
-            "\t│\t└── Concurrency %s, buffer %s, eta_g %.3g, max staleness %d",
-            self.concurrency or "(sample size)",
-            self.buffer_size or "(concurrency // 2)",
+            "\t│\t└── Concurrency %s, buffer %s, eta_g %.3g, momentum %.3g, max "
+            "staleness %d",
+            self.concurrency or f"({CONCURRENCY_PER_SAMPLE} x sample size)",
+            self.buffer_size or f"(concurrency // {MEAN_STALENESS})",
             self.server_learning_rate,
+            self.server_momentum,
             self.max_staleness,
         )
         super().summary()
@@ -131,7 +160,7 @@ class FedBuff(RuntimeWeightedFedAvg):
         return self.server_learning_rate
 
     def _concurrency(self, grid: Grid) -> int:
-        return self.concurrency or self._sample_size(
+        return self.concurrency or CONCURRENCY_PER_SAMPLE * self._sample_size(
             grid, self.fraction_train, self.min_train_nodes
         )
 
@@ -156,6 +185,39 @@ class FedBuff(RuntimeWeightedFedAvg):
         if missing <= 0:
             return []
         return self._train_messages(server_round, arrays, config, grid, missing)
+
+    def _sample(
+        self, grid: Grid, server_round: int, count: int, purpose: str
+    ) -> list[int]:
+        """Each train sampling of a version draws afresh among the idle nodes.
+
+        The base strategy seeds its draw by (seed, round, purpose), which a
+        synchronous round draws once. A version tops up many times, and the same
+        seed each time picks the same position among the idle nodes: the node
+        that has just replied, or its neighbour, again and again. Numbering the
+        draws of a version keeps runs reproducible and each draw uniform.
+        """
+        if purpose != "train":
+            return super()._sample(grid, server_round, count, purpose)
+        self._draws += 1
+        if self._draws > 1:  # the first draw is the base strategy's
+            purpose = f"train-{self._draws}"
+        inflight = self._inflight
+        busy = set() if inflight is None else inflight.busy_nodes(MessageType.TRAIN)
+        benched = {
+            n
+            for n in grid.get_node_ids()
+            if self.quarantine.is_quarantined(n, server_round)
+        }
+        return sample_nodes(
+            grid,
+            clock_of(grid),
+            count=count,
+            min_available=self.min_available_nodes,
+            exclude=benched | busy,
+            rng=round_rng(self.seed, server_round, purpose),
+            timeout=self._timeout,
+        )
 
     def _sampling_log_level(self) -> int:
         # Top-ups within a version are routine: one INFO line per version is enough.
@@ -288,8 +350,12 @@ class FedBuff(RuntimeWeightedFedAvg):
         self._evaluations = {}
         self._version_config = None
         self._topped_up = False
+        self._draws = 0
+        self._momentum = {}
         self._starved = False
-        self._buffer_size = self.buffer_size or max(1, self._concurrency(grid) // 2)
+        self._buffer_size = self.buffer_size or max(
+            1, self._concurrency(grid) // MEAN_STALENESS
+        )
 
     def _train_stage(
         self, server_round: int, config: ConfigRecord, grid: Grid, result: Result
@@ -373,6 +439,7 @@ class FedBuff(RuntimeWeightedFedAvg):
         self.version += 1
         self._version_config = None
         self._topped_up = False
+        self._draws = 0
         if arrays is not None:
             self._set_global(arrays)
             self._updates_applied += 1
@@ -399,6 +466,42 @@ class FedBuff(RuntimeWeightedFedAvg):
             len(used),
             staleness,
         )
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """The buffer's update ``x_v + u_v`` (the base strategy's fold), taken
+        through the server momentum (the class docstring's ``m_(v+1)``).
+
+        As Flower's ``FedAvgM``, the momentum is kept between calls; with no
+        global model (a direct call before any round) there is nothing to move
+        from and the fold's result is returned as it is.
+        """
+        arrays, metrics = super().aggregate_train(server_round, replies)
+        if arrays is None:
+            return arrays, metrics
+        return self._server_step(arrays), metrics
+
+    def _server_step(self, proposed: ArrayRecord) -> ArrayRecord:
+        """``x_v + m_(v+1)`` from ``proposed = x_v + u_v``; ``proposed`` itself
+        when ``server_momentum`` is 0 or there is no global model."""
+        beta = self.server_momentum
+        current = self._global_np
+        if beta == 0.0 or not current:
+            return proposed
+        out: dict[str, np.ndarray] = {}
+        for name, value in to_numpy(proposed).items():
+            base = current.get(name)
+            if base is None or value.dtype.kind != "f" or base.shape != value.shape:
+                out[name] = value
+                continue
+            step = value.astype(np.float64) - base
+            previous = self._momentum.get(name)
+            if previous is not None and previous.shape == step.shape:
+                step += beta * previous
+            self._momentum[name] = step
+            out[name] = (base + step).astype(value.dtype)
+        return to_arrayrecord(out)
 
     def _finish_evaluations(self, until: float, result: Result) -> None:
         """Collect outstanding evaluation replies, then close what remains."""

@@ -356,12 +356,17 @@ class Buffering:
     Parameters
     ----------
     concurrency : int, optional (default: None)
-        Nodes training at once; None means FedAvg's sample size
+        Nodes training at once; None means twice FedAvg's sample size
         (``fraction_train`` of connected nodes, at least ``min_train_nodes``).
     buffer_size : int, optional (default: None)
-        K, replies per model version; None means ``max(1, concurrency // 2)``.
+        K, replies per model version; None means ``max(1, concurrency // 4)``
+        (an update is then on average 4 versions old).
     server_learning_rate : float (default: 1.0)
         ``eta_g``.
+    server_momentum : float (default: 0.5)
+        ``beta`` of the server's momentum on the buffered update (FedAvgM, Hsu
+        et al., 2019, Sec. 3; the server optimiser of FedBuff's Alg. 1); 0 is
+        plain FedBuff.
     evaluate_every : int (default: 1)
         Evaluate every this many versions.
     """
@@ -369,6 +374,7 @@ class Buffering:
     concurrency: int | None = None
     buffer_size: int | None = None
     server_learning_rate: float = 1.0
+    server_momentum: float = 0.5
     evaluate_every: int = 1
 
     def __post_init__(self) -> None:
@@ -383,6 +389,10 @@ class Buffering:
                     "buffer_size must be >= 1",
                 ),
                 (self.server_learning_rate > 0, "server_learning_rate must be > 0"),
+                (
+                    0 <= self.server_momentum < 1,
+                    f"server_momentum must be in [0, 1), got {self.server_momentum}",
+                ),
                 (self.evaluate_every >= 1, "evaluate_every must be >= 1"),
             ],
             "Buffering",

@@ -117,9 +117,10 @@ def test_fedbuff_resumes_at_the_checkpointed_version(tmp_path: Path) -> None:
         grid, weights(), num_rounds=3
     )
     assert sorted(result.train_metrics_clientapp) == [1, 2, 3]
-    # v1 = 0 + 1 (node 1, t=1); v2 = v1 + 1/sqrt(2) (node 2 from v0, t=2);
-    # resumed: fresh work on v2, node 1 answers first: v3 = v2 + 1.
-    assert float(result.arrays["w"].numpy()[0]) == pytest.approx(2 + 2**-0.5)
+    # Server momentum 0.5 (FedBuff's default): v1 = 0 + m1, m1 = 1 (node 1,
+    # t=1); v2 = v1 + m2, m2 = 0.5 + 1/sqrt(2) (node 2 from v0, t=2); resumed:
+    # fresh work on v2 and the momentum at zero, node 1 answers first: v3 = v2 + 1.
+    assert float(result.arrays["w"].numpy()[0]) == pytest.approx(2.5 + 2**-0.5)
     assert {m.metadata.group_id for _, m in grid.pushed} >= {"3"}
 
 

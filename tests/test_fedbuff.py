@@ -10,7 +10,12 @@ import math
 
 import pytest
 from flowerbed.strategies import FedBuff
-from flowerbed.strategies.round_metrics import ROUND_CLOCK_S, ROUND_STALENESS
+from flowerbed.strategies.options import Buffering
+from flowerbed.strategies.round_metrics import (
+    ROUND_CLOCK_S,
+    ROUND_PARTICIPANTS,
+    ROUND_STALENESS,
+)
 from flowerbed.strategies.staleness import hinge_staleness, polynomial_staleness
 from flwr.app import ArrayRecord, MetricRecord
 from test_strategies_fakes import FakeGrid, node, silent, weights
@@ -36,13 +41,13 @@ def test_default_staleness_weight_is_one_over_sqrt_one_plus_s() -> None:
 
 
 def test_stale_updates_are_applied_in_arrival_order_with_staleness_scaling() -> None:
-    # K = 1, both nodes busy from t=0 on version 0:
+    # Plain FedBuff (no server momentum), K = 1, both nodes busy from t=0 on v0:
     # t=1   node 1 (from v0, staleness 0): v1 = 0 + 1
     # t=2   node 1 (from v1, staleness 0): v2 = 1 + 1 = 2
     # t=2.5 node 2 (from v0, staleness 2): v3 = 2 + 4/sqrt(3)
     # t=3   node 1 (from v2, staleness 1): v4 = v3 + 1/sqrt(2)
     grid = fleet()
-    result = fedbuff().start(grid, weights(), num_rounds=4)
+    result = fedbuff(server_momentum=0.0).start(grid, weights(), num_rounds=4)
     expected = 2 + 4 / math.sqrt(3) + 1 / math.sqrt(2)
     assert float(result.arrays["w"].numpy()[0]) == pytest.approx(expected, rel=1e-6)
     train = result.train_metrics_clientapp
@@ -69,7 +74,9 @@ def test_new_work_is_dispatched_on_the_newest_version_as_replies_arrive() -> Non
 def test_updates_older_than_max_staleness_are_dropped() -> None:
     # Node 2's update is 2 versions old at t=2.5 and is dropped; node 1's next
     # reply (t=3, from v2, staleness 0) makes v3 = 3.
-    result = fedbuff(max_staleness=1).start(fleet(), weights(), num_rounds=3)
+    result = fedbuff(max_staleness=1, server_momentum=0.0).start(
+        fleet(), weights(), num_rounds=3
+    )
     assert float(result.arrays["w"].numpy()[0]) == pytest.approx(3.0)
 
 
@@ -112,3 +119,54 @@ def test_a_fleet_that_never_answers_ends_the_run_with_the_initial_model() -> Non
     )
     assert float(result.arrays["w"].numpy()[0]) == 3.0
     assert result.train_metrics_clientapp == {}
+
+
+def test_server_momentum_and_learning_rate_follow_the_written_out_case() -> None:
+    # K = 1, eta_g = 0.5, beta = 0.5; arrivals as in the plain case above:
+    # u_v = eta_g s(tau) delta, m_v = beta m_(v-1) + u_v, x_v = x_(v-1) + m_v.
+    # t=1   node 1, tau 0: u = 0.5          m1 = 0.5          x1 = 0.5
+    # t=2   node 1, tau 0: u = 0.5          m2 = 0.25 + 0.5   x2 = 1.25
+    # t=2.5 node 2, tau 2: u = 0.5*4/sqrt3  m3 = 0.375 + u    x3 = 1.25 + m3
+    # t=3   node 1, tau 1: u = 0.5/sqrt2    m4 = m3/2 + u     x4 = x3 + m4
+    result = fedbuff(server_learning_rate=0.5, server_momentum=0.5).start(
+        fleet(), weights(), num_rounds=4
+    )
+    m3 = 0.375 + 2 / math.sqrt(3)
+    m4 = m3 / 2 + 0.5 / math.sqrt(2)
+    expected = 1.25 + m3 + m4
+    assert float(result.arrays["w"].numpy()[0]) == pytest.approx(expected, rel=1e-6)
+
+
+def test_default_server_momentum_is_one_half() -> None:
+    # K = 1, eta_g = 1: x1 = 1, x2 = 1 + (0.5 + 1) = 2.5 (node 1's first two replies)
+    assert Buffering().server_momentum == 0.5
+    result = fedbuff().start(fleet(), weights(), num_rounds=2)
+    assert float(result.arrays["w"].numpy()[0]) == pytest.approx(2.5)
+
+
+@pytest.mark.parametrize("beta", [-0.1, 1.0, math.nan])
+def test_server_momentum_outside_zero_to_one_is_refused(beta: float) -> None:
+    with pytest.raises(ValueError, match=r"server_momentum must be in \[0, 1\)"):
+        Buffering(server_momentum=beta)
+
+
+def test_top_ups_within_a_version_draw_their_nodes_afresh() -> None:
+    # One node at work, K = 10: version 1 is ten top-ups of one node each, all
+    # 20 nodes idle at each. Drawing with the same seed each time would pick the
+    # same node ten times.
+    grid = FakeGrid({n: node(1.0, seconds=1.0) for n in range(1, 21)})
+    fedbuff(concurrency=1, buffer_size=10).start(grid, weights(), num_rounds=1)
+    first_version = [m.metadata.dst_node_id for _, m in grid.pushed][:10]
+    assert len(set(first_version)) > 1
+
+
+def test_default_concurrency_is_twice_the_sample_and_k_a_quarter_of_it() -> None:
+    # fraction_train 0.5 of 8 nodes: FedAvg would sample 4; FedBuff keeps 8 at
+    # work and makes a version from every 8 // 4 = 2 replies.
+    grid = FakeGrid({n: node(1.0, seconds=float(n)) for n in range(1, 9)})
+    result = FedBuff(fraction_train=0.5, fraction_evaluate=0.0).start(
+        grid, weights(), num_rounds=2
+    )
+    assert [t for t, _ in grid.pushed].count(0.0) == 8
+    train = result.train_metrics_clientapp
+    assert [train[v][ROUND_PARTICIPANTS] for v in (1, 2)] == [2, 2]
