@@ -32,8 +32,20 @@ BATCH_SIZE = 16
 SLOWDOWN_S = 0.5
 PROFILE_STEPS = 3
 CLOSE_SLACK_S = 3.0
-"""A round may end this long after its deadline: the last pull, aggregation and
-bookkeeping of the strategy (tiny model) take well under a second."""
+CLOSE_SLACK_SHARE = 0.2
+"""A round may end ``max(CLOSE_SLACK_S, CLOSE_SLACK_SHARE x deadline)`` after its
+deadline: the last pull, aggregation and bookkeeping of the strategy (tiny model)
+take well under a second on an idle machine, several on one running other
+integration tests beside SuperNodes that start ClientApp processes (seen: 3.1 s
+over a 37.8 s deadline). A strategy that waited for the straggler instead would
+take its whole 100 s of work, or a heartbeat timeout."""
+
+
+def close_by(deadline: float) -> float:
+    """Latest acceptable round duration for a round with this deadline."""
+    return deadline + max(CLOSE_SLACK_S, CLOSE_SLACK_SHARE * deadline)
+
+
 RUN_TIMEOUT_S = 420.0
 
 SERVER_APP = '''
@@ -285,7 +297,7 @@ def test_straggler_reports_partial_work_and_rounds_keep_the_deadline(
     assert sorted(result["rounds"]) == ["1", "2", "3"], why
     assert len(result["durations"]) == 3
     for seconds in result["durations"]:
-        assert seconds <= deadline + CLOSE_SLACK_S, why
+        assert seconds <= close_by(deadline), why
     for metrics in result["rounds"].values():
         assert metrics["deadline-s"] == deadline
         assert metrics["participants"] == 3, why
@@ -345,4 +357,4 @@ def test_run_survives_a_killed_supernode_and_uses_it_again_after_restart(
     assert result["rounds"]["1"]["participants"] == 2, why
     assert result["rounds"]["2"]["participants"] == 3, why
     for seconds in result["durations"]:
-        assert seconds <= result["deadline-s"] + CLOSE_SLACK_S, why
+        assert seconds <= close_by(result["deadline-s"]), why
