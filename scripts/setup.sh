@@ -6,6 +6,8 @@
 #                                  mypy, ExecuTorch's Python runtime, a JDK and JUnit 4
 # FLOWERBED_TORCH_INDEX=URL takes torch from that index, e.g. PyTorch's CPU wheels:
 #   FLOWERBED_TORCH_INDEX=https://download.pytorch.org/whl/cpu bash scripts/setup.sh
+# FLOWERBED_TORCH=VERSION installs that torch release instead of 2.13.0 (CI also runs
+# the suite on the newest one; on Linux x86_64, PyPI's builds of it carry CUDA: GBs).
 # Exits non-zero, with pip's own output, when anything fails to install.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -50,13 +52,15 @@ pip_install() {
 }
 
 # torch first: a bare `torch` requirement on an empty environment pulls the newest
-# build, on Linux x86_64 with several GB of CUDA packages; 2.13.0 is the version
-# this project is tested with, and the range in pyproject.toml is then satisfied.
-if ! "$PY" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null; then
+# build, on Linux x86_64 with several GB of CUDA packages; 2.13.0 (a CPU build) is
+# the default this project is tested with, and the range in pyproject.toml is then
+# satisfied.
+torch_version=${FLOWERBED_TORCH:-2.13.0}
+if ! "$PY" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$torch_version')" 2>/dev/null; then
   if [ -n "${FLOWERBED_TORCH_INDEX:-}" ]; then
-    pip_install torch==2.13.0 --index-url "$FLOWERBED_TORCH_INDEX"
+    pip_install "torch==$torch_version" --index-url "$FLOWERBED_TORCH_INDEX"
   else
-    pip_install torch==2.13.0
+    pip_install "torch==$torch_version"
   fi
 fi
 

@@ -42,6 +42,7 @@ def fake_python(tmp_path: Path, pip: str, managed: bool = False) -> Path:
 def run_setup(python: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHON": str(python)}
     env.pop("FLOWERBED_TORCH_INDEX", None)
+    env.pop("FLOWERBED_TORCH", None)
     return subprocess.run(
         ["bash", str(SETUP), *args],
         capture_output=True,
@@ -108,6 +109,7 @@ def test_a_system_managed_python_is_refused_with_the_venv_command(
 def test_torch_comes_from_the_index_given(tmp_path: Path) -> None:
     python = fake_python(tmp_path, "exit 0")
     env = {**os.environ, "PYTHON": str(python)}
+    env.pop("FLOWERBED_TORCH", None)
     env["FLOWERBED_TORCH_INDEX"] = "https://download.pytorch.org/whl/cpu"
     done = subprocess.run(
         ["bash", str(SETUP)], capture_output=True, text=True, env=env, check=False
@@ -118,6 +120,19 @@ def test_torch_comes_from_the_index_given(tmp_path: Path) -> None:
         "-m pip install -q torch==2.13.0 --index-url "
         "https://download.pytorch.org/whl/cpu" in calls
     )
+
+
+def test_torch_version_can_be_chosen(tmp_path: Path) -> None:
+    python = fake_python(tmp_path, "exit 0")
+    env = {**os.environ, "PYTHON": str(python), "FLOWERBED_TORCH": "2.15.0"}
+    env.pop("FLOWERBED_TORCH_INDEX", None)
+    done = subprocess.run(
+        ["bash", str(SETUP)], capture_output=True, text=True, env=env, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    calls = (tmp_path / "calls").read_text()
+    assert "-m pip install -q torch==2.15.0\n" in calls
+    assert "torch==2.13.0" not in calls
 
 
 @pytest.mark.parametrize("arg", ["--devv", "dev"])
