@@ -31,7 +31,9 @@ has its own, the loss and optimiser factory as ``"package.module:attribute"``
 so they must be installed on the board; the reply holds the member's layers
 (``arrays``), optimiser state (``optimizer``), measurements (``metrics``) and a
 ``span`` ConfigRecord (address, ``failure`` text). A lost peer is not an error:
-the reply says ``span-ok = 0`` with the step it stopped at. ``query`` profiles the
+the reply says ``span-ok = 0`` with the step it stopped at and the ranks it
+found gone (``span-lost-ranks``); a ClientApp whose SuperNode dies during a
+segment ends itself, so its peers stop at once. ``query`` profiles the
 board for the plan's mode; ``evaluate`` evaluates the whole model. Problems of the
 plan or the board (bad plan, rendezvous port in use, address not this board's,
 missing data) are error replies naming the problem; the SuperNode keeps running.
@@ -61,6 +63,7 @@ from flowerbed.parallel.pipeline.stage import LOCAL_DATASET
 from flowerbed.parallel.plan import MemberPlan, PlanError, check_address
 from flowerbed.parallel.store import MOMENTUM_PREFIX
 from flowerbed.parallel.user_code import build_layers
+from flowerbed.parallel.watchdog import start_supernode_watchdog
 from flwr.app import (
     Array,
     ArrayRecord,
@@ -210,7 +213,11 @@ HANDLED = (SpanBoardError, PlanError, RendezvousError, DataError, ValueError)
 
 @app.train()
 def train(message: Message, context: Context) -> Message:
-    """Run one segment of the plan's mode; reply with state and measurements."""
+    """Run one segment of the plan's mode; reply with state and measurements.
+
+    A watchdog ends this process if its SuperNode dies meanwhile
+    (:mod:`flowerbed.parallel.watchdog`), so that its peers stop at once."""
+    start_supernode_watchdog()
     try:
         member = member_context(context)
         plan = MemberPlan.from_config(message_config(message))

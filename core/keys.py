@@ -63,6 +63,9 @@ SPAN_OK = "span-ok"
 """1 when the member finished its segment, 0 when it stopped on a lost peer."""
 SPAN_FAILED_STEP = "span-failed-step"
 """Global step in progress when the segment stopped (-1: before the first step)."""
+SPAN_LOST_RANKS = "span-lost-ranks"
+"""Ranks a member that stopped on a lost peer found gone (their liveness port
+refused or did not answer; absent when it found none)."""
 SPAN_CONSISTENT_STEP = "span-consistent-step"
 """Newest global step at which the member holds both its own layers and its ring
 predecessor's replica on disk (-1: none)."""

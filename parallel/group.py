@@ -24,6 +24,17 @@ Two timeouts, both from the plan:
 :func:`joined_group` turns both into :class:`PeerFailure`; a rendezvous port that
 is in use, or an advertised address that is not this board's, is a
 :class:`RendezvousError` (the plan is wrong, no peer is lost).
+
+Which peer was lost: gloo's error names a socket, not a rank. So every member
+keeps a *liveness port* open on its advertised address for as long as its
+process lives (:func:`liveness_port`; a thread accepts and closes each
+connection) and publishes it in the segment's store when it joins. A member
+that loses a peer connects to every peer's liveness port (:func:`probe_peers`,
+at most :data:`LIVENESS_PROBE_S` each, all at once): a refused or unanswered
+connection means that peer's process (or board) is gone, and its rank goes into
+the :class:`PeerFailure` (``lost_ranks``) and the reply, so the server need not
+wait for Flower's heartbeat to learn it. A peer that is alive but busy still
+answers (the kernel completes the connection).
 """
 
 from __future__ import annotations
@@ -31,11 +42,12 @@ from __future__ import annotations
 import contextlib
 import datetime
 import errno
+import json
 import logging
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from .plan import MemberPlan
@@ -54,6 +66,15 @@ GLOO_FAILURE_MARKERS = (
 """Substrings of gloo/c10d errors that mean a peer is gone or unresponsive."""
 STORE_GRACE_S = 5.0
 """Seconds beyond the join timeout before a silent rendezvous counts as lost."""
+LIVENESS_PROBE_S = 1.0
+"""Seconds a connection to a peer's liveness port may take before the peer counts
+as gone (on a LAN a live board answers in milliseconds; a process that died is
+refused at once, a board without power does not answer)."""
+LIVENESS_KEY = "flowerbed/alive/{rank}"
+"""Store key under which a member publishes its liveness address and port."""
+
+_listeners: dict[str, socket.socket] = {}
+_listeners_lock = threading.Lock()
 
 
 class RendezvousError(RuntimeError):
@@ -67,10 +88,20 @@ class PeerFailure(RuntimeError):
     ``replicate`` ...), ``step`` the global step in progress (-1 if none).
     """
 
-    def __init__(self, message: str, *, phase: str, step: int = -1) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        phase: str,
+        step: int = -1,
+        lost_ranks: tuple[int, ...] = (),
+    ) -> None:
         super().__init__(message)
         self.phase = phase
         self.step = step
+        self.lost_ranks = lost_ranks
+        """Ranks found gone by :func:`probe_peers` (empty: none found, or not
+        probed, as in a failed join)."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -118,6 +149,85 @@ def check_bindable(host: str, port: int) -> None:
         raise RendezvousError(f"cannot listen on {host}:{port}: {err}") from err
 
 
+def liveness_port(address: str) -> int:
+    """This process's liveness port on ``address``, opened on first use and kept
+    open until the process exits (module doc). Raises :class:`RendezvousError`
+    when ``address`` is not this machine's."""
+    with _listeners_lock:
+        sock = _listeners.get(address)
+        if sock is None:
+            sock = socket.socket(_family(address), socket.SOCK_STREAM)
+            try:
+                sock.bind((address, 0))
+                sock.listen(64)
+            except OSError as err:
+                sock.close()
+                raise RendezvousError(
+                    f"cannot open a liveness port on {address}: {err}"
+                ) from err
+            threading.Thread(
+                target=_answer, args=(sock,), name="span-liveness", daemon=True
+            ).start()
+            _listeners[address] = sock
+        return int(sock.getsockname()[1])
+
+
+def _answer(sock: socket.socket) -> None:
+    """Accept and close every connection: being there is the answer."""
+    while True:
+        try:
+            conn, _ = sock.accept()
+        except OSError:
+            return
+        conn.close()
+
+
+def probe_peers(
+    peers: Mapping[int, tuple[str, int]], timeout: float = LIVENESS_PROBE_S
+) -> dict[int, str]:
+    """The ranks of ``peers`` (rank -> liveness host and port) that are gone, with
+    why: the connection was refused, failed, or took over ``timeout`` seconds.
+    All peers are probed at once, so this takes at most about ``timeout``."""
+    gone: dict[int, str] = {}
+
+    def probe(rank: int, host: str, port: int) -> None:
+        try:
+            with socket.create_connection((host, port), timeout=timeout):
+                pass
+        except TimeoutError:
+            gone[rank] = f"{host}:{port} did not answer within {timeout:g} s"
+        except OSError as err:
+            gone[rank] = f"{host}:{port} {_os_reason(err)}"
+
+    threads = [
+        threading.Thread(target=probe, args=(rank, host, port), daemon=True)
+        for rank, (host, port) in peers.items()
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout + 1.0)
+    return dict(sorted(gone.items()))
+
+
+def describe_lost(gone: Mapping[int, str]) -> str:
+    """``gone`` (rank -> why) as a clause of a failure message."""
+    if not gone:
+        return (
+            "every peer's process still answers (one hung, or left on a failure "
+            "of its own)"
+        )
+    return "gone: " + "; ".join(
+        f"rank {rank} ({why})" for rank, why in sorted(gone.items())
+    )
+
+
+def _os_reason(err: OSError) -> str:
+    if isinstance(err, ConnectionRefusedError):
+        return "refused the connection: its process is gone"
+    return f"cannot be reached: {err.strerror or err}"
+
+
 def is_peer_failure(err: BaseException) -> bool:
     """Whether a torch.distributed error means a lost or unresponsive peer."""
     text = str(err)
@@ -149,14 +259,20 @@ def joined_group(plan: MemberPlan, address: str) -> Iterator[None]:
     join = datetime.timedelta(seconds=plan.join_timeout_s)
     operation = datetime.timedelta(seconds=plan.timeout_s)
     started = time.monotonic()
+    alive_port = liveness_port(address)
     try:
         store = _connect_store(plan, join)
         # The join is a barrier on the store, bounded by the join timeout:
         # init_process_group's own timeout bounds both its rendezvous and every
         # later operation of the group (gloo ignores pg_options' timeout), so it
         # gets the operation timeout, and by then every member is there.
+        store.set(
+            LIVENESS_KEY.format(rank=plan.rank),
+            json.dumps([address, alive_port]),
+        )
         store.set(f"flowerbed/arrived/{plan.rank}", "1")
         store.wait([f"flowerbed/arrived/{r}" for r in range(plan.world_size)], join)
+        peers = _peer_liveness(store, plan)
         options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
         options._timeout = operation
@@ -184,18 +300,39 @@ def joined_group(plan: MemberPlan, address: str) -> Iterator[None]:
         ) from err
     try:
         yield
-    except PeerFailure:
-        raise
+    except PeerFailure as err:
+        if err.lost_ranks or err.phase == "join":
+            raise
+        gone = probe_peers(peers)
+        raise PeerFailure(
+            f"{err}; {describe_lost(gone)}",
+            phase=err.phase,
+            step=err.step,
+            lost_ranks=tuple(gone),
+        ) from err
     except RuntimeError as err:
         if is_peer_failure(err):
+            gone = probe_peers(peers)
             raise PeerFailure(
-                f"rank {plan.rank} lost a peer: {_short(err)}", phase="train"
+                f"rank {plan.rank} lost a peer: {_short(err)}; {describe_lost(gone)}",
+                phase="train",
+                lost_ranks=tuple(gone),
             ) from err
         raise
     finally:
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
         del store
+
+
+def _peer_liveness(store: Any, plan: MemberPlan) -> dict[int, tuple[str, int]]:
+    """Every other member's liveness address (published before it arrived)."""
+    peers: dict[int, tuple[str, int]] = {}
+    for rank in range(plan.world_size):
+        if rank != plan.rank:
+            host, port = json.loads(store.get(LIVENESS_KEY.format(rank=rank)))
+            peers[rank] = (str(host), int(port))
+    return peers
 
 
 def _connect_store(plan: MemberPlan, join: datetime.timedelta) -> Any:

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from flowerbed import keys
 from torch import nn
 
 from .emulation import DeviceSpeed
@@ -100,6 +101,12 @@ class MemberResult:
     optimizer: dict[str, np.ndarray] = field(default_factory=dict)
     failure: str = ""
     info: dict[str, Any] = field(default_factory=dict)
+
+
+def lost_ranks_metric(lost_ranks: tuple[int, ...]) -> dict[str, MetricValue]:
+    """The reply metric naming the peers a member found gone
+    (:attr:`~flowerbed.parallel.group.PeerFailure.lost_ranks`); none when empty."""
+    return {keys.SPAN_LOST_RANKS: list(lost_ranks)} if lost_ranks else {}
 
 
 def module_state(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> State:

@@ -21,7 +21,13 @@ import torch
 from flowerbed import keys
 
 from .group import PeerFailure, joined_group
-from .member import MemberContext, MemberResult, MetricValue, exchange_ring
+from .member import (
+    MemberContext,
+    MemberResult,
+    MetricValue,
+    exchange_ring,
+    lost_ranks_metric,
+)
 from .plan import MemberPlan
 
 PROBE_BYTES = "probe-bytes"
@@ -51,7 +57,11 @@ def run(
     except PeerFailure as err:
         return MemberResult(
             ok=False,
-            metrics={keys.SPAN_OK: 0, keys.TRAIN_TIME_S: time.monotonic() - begin},
+            metrics={
+                keys.SPAN_OK: 0,
+                keys.TRAIN_TIME_S: time.monotonic() - begin,
+                **lost_ranks_metric(err.lost_ranks),
+            },
             failure=f"{err.phase}: {err}",
         )
     link = statistics.median(seconds) if seconds else 0.0

@@ -6,11 +6,16 @@ advertised addresses, profiles them with a query, sends each member its plan and
 its share of the weights per segment, gathers the replies, and tells apart the
 three ways a segment can end badly:
 
-- a member reports a **lost peer** (``span-ok = 0``): the members who do not
-  answer within a grace period after that are **lost** (their board died);
-  the grace is the plan's operation timeout (every survivor leaves the group
-  within it once a peer is gone) or, when the loss happened while joining, the
-  join timeout, plus ``reply_margin_s`` for Flower's reply path;
+- a member reports a **lost peer** (``span-ok = 0``), naming the ranks it found
+  gone (``span-lost-ranks``: their liveness port refused or did not answer,
+  :mod:`flowerbed.parallel.group`): once every member has either answered or
+  been named gone by a survivor, the named ones get :data:`LOST_CONFIRM_S` more
+  (a member that finished and exited just before a survivor probed it has its
+  reply on the way) and are then **lost**, without waiting for Flower's node
+  heartbeat (a minute); members nobody named are waited for at most a grace
+  period: the plan's operation timeout (every survivor leaves the group within
+  it once a peer is gone) or, when the loss happened while joining, the join
+  timeout, plus ``reply_margin_s`` for Flower's reply path;
 - a member answers with an **error** (bad plan, rendezvous port in use, address
   not its own): it is alive, the plan was wrong; a port reported in use is
   skipped from then on;
@@ -39,7 +44,7 @@ import numpy as np
 from flowerbed import keys
 from flowerbed.clock import Clock, clock_of
 from flowerbed.parallel.group import STORE_GRACE_S, segment_port
-from flowerbed.parallel.plan import MemberPlan, check_address
+from flowerbed.parallel.plan import PLAN_KEY, MemberPlan, check_address
 from flowerbed.replies import ReplyRejected, check_evaluate_reply
 from flowerbed.strategies.accumulation import MetricsAccumulator
 from flowerbed.strategies.inflight import InFlight, Ticket
@@ -67,6 +72,11 @@ GONE_CODES = (
 """Flower error codes that mean the member's node or process is gone (lost), as
 opposed to an error its ClientApp reported (alive, plan or board problem)."""
 
+LOST_CONFIRM_S = 1.0
+"""Seconds the server still waits for members that survivors named gone, once
+everyone else has answered: a SuperNode pushes a finished ClientApp's reply
+within half a second (flwr's SuperNode loop), so a member that left just before
+it was probed is heard from in time, while a dead one costs only this."""
 DEFAULT_RENDEZVOUS_PORT = 29500
 DEFAULT_RENDEZVOUS_PORTS = 50
 DEFAULT_JOIN_TIMEOUT_S = 60.0
@@ -122,6 +132,11 @@ class SegmentOutcome:
             and not self.lost
             and all(r.ok for r in self.replies.values())
         )
+
+    @property
+    def answered(self) -> set[int]:
+        """Members heard from: a reply, an error reply or a malformed one."""
+        return set(self.replies) | set(self.errors) | set(self.rejected)
 
     @property
     def failed_members(self) -> set[int]:
@@ -444,74 +459,96 @@ class SpanJobStrategy(FedAvg):
 
         Waits for every member, at most ``timeout``; once a member reports a lost
         peer or errs, waits at most the grace period (module doc) for the rest,
-        who then count as lost. ``check`` may reject a reply (raise
-        :class:`ReplyRejected`) on mode-specific grounds.
+        who then count as lost; members that survivors name gone are counted lost
+        :data:`LOST_CONFIRM_S` after everyone else has answered. ``check`` may
+        reject a reply (raise :class:`ReplyRejected`) on mode-specific grounds.
         """
         start = self.clock.now()
+        messages = list(messages)
+        ranks = _ranks(messages, self.configrecord_key)
         sent = self.inflight.push(messages, server_round)
         members = {self.inflight.tickets[i].node_id for i in sent}
         outcome = SegmentOutcome()
-        until = start + timeout
+        until = [start + timeout]  # a grace period or a naming brings it forward
+        # node -> why it is gone: named by survivors (reporter -> their failure
+        # text) or by Flower's error code (reporter 0, the SuperLink)
+        gone: dict[int, dict[int, str]] = {}
 
-        def grace(join: bool) -> None:
-            nonlocal until
-            until = min(until, self.clock.now() + self._grace(join=join))
-
-        for reply, ticket in self._segment_replies(lambda: until):
-            node_id = ticket.node_id
-            if reply.has_error():
-                reason = reply.error.reason or f"error code {reply.error.code}"
-                if reply.error.code in GONE_CODES:
-                    log(WARNING, "segment: node %d is gone: %s", node_id, reason)
-                    continue  # counted as lost below
-                outcome.errors[node_id] = reason
+        for reply, ticket in self._segment_replies(lambda: until[0]):
+            join = self._file_reply(reply, ticket.node_id, outcome, check, ranks, gone)
+            now = self.clock.now()
+            if join is not None:
+                until[0] = min(until[0], now + self._grace(join=join))
+            silent = members - outcome.answered
+            if silent and silent <= set(gone):
+                until[0] = min(until[0], now + LOST_CONFIRM_S)
+        outcome.lost = members - outcome.answered
+        for node_id in sorted(outcome.lost):
+            rank = ranks.get(node_id, -1)
+            if node_id in gone:
                 log(
                     WARNING,
-                    "segment: node %d answered with an error: %s",
+                    "segment: node %d (rank %d) is lost: %s found it gone (%s)",
                     node_id,
-                    reason,
+                    rank,
+                    ", ".join(
+                        "the SuperLink" if n == 0 else f"node {n}"
+                        for n in sorted(gone[node_id])
+                    ),
+                    next(iter(gone[node_id].values())),
                 )
-                port = _port_in_use(reason)
-                if port is not None:
-                    self.bad_ports.add(port)
-                grace(join=True)
-                continue
-            try:
-                checked = check_segment_reply(reply)
-                if check is not None:
-                    check(checked)
-            except ReplyRejected as err:
-                outcome.rejected[node_id] = err.reason
+            else:
                 log(
                     WARNING,
-                    "segment: rejected reply from node %d: %s",
+                    "segment: no reply from node %d (rank %d) within the grace "
+                    "period: counted as lost",
                     node_id,
-                    err.reason,
+                    rank,
                 )
-                grace(join=False)
-                continue
-            outcome.replies[node_id] = checked
-            if not checked.ok:
-                log(
-                    INFO,
-                    "segment: node %d lost a peer: %s",
-                    node_id,
-                    checked.failure,
-                )
-                grace(join=checked.failure.startswith("join"))
-        answered = set(outcome.replies) | set(outcome.errors) | set(outcome.rejected)
-        # Members whose node or ClientApp is gone (Flower's error codes) never
-        # appear in ``answered`` and are lost with the silent ones.
-        outcome.lost = members - answered
-        if outcome.lost:
-            log(
-                WARNING,
-                "segment: no reply from nodes %s: counted as lost",
-                sorted(outcome.lost),
-            )
         self.inflight.forget(sent)
         outcome.seconds = self.clock.now() - start
         return outcome
+
+    def _file_reply(
+        self,
+        reply: Message,
+        node_id: int,
+        outcome: SegmentOutcome,
+        check: Callable[[SegmentReply], object] | None,
+        ranks: Mapping[int, int],
+        gone: dict[int, dict[int, str]],
+    ) -> bool | None:
+        """File one segment reply into ``outcome`` (and ``gone``); return whether
+        it starts a grace period for the others (True: a join-phase one), or None."""
+        if reply.has_error():
+            reason = reply.error.reason or f"error code {reply.error.code}"
+            if reply.error.code in GONE_CODES:
+                log(WARNING, "segment: node %d is gone: %s", node_id, reason)
+                gone.setdefault(node_id, {})[0] = reason
+                return None  # counted as lost
+            outcome.errors[node_id] = reason
+            log(WARNING, "segment: node %d answered with an error: %s", node_id, reason)
+            port = _port_in_use(reason)
+            if port is not None:
+                self.bad_ports.add(port)
+            return True
+        try:
+            checked = check_segment_reply(reply)
+            if check is not None:
+                check(checked)
+        except ReplyRejected as err:
+            outcome.rejected[node_id] = err.reason
+            log(
+                WARNING, "segment: rejected reply from node %d: %s", node_id, err.reason
+            )
+            return False
+        outcome.replies[node_id] = checked
+        if checked.ok:
+            return None
+        log(INFO, "segment: node %d lost a peer: %s", node_id, checked.failure)
+        for lost in _named_nodes(checked, ranks, node_id):
+            gone.setdefault(lost, {})[node_id] = checked.failure
+        return checked.failure.startswith("join")
 
     def _segment_replies(
         self, until: Callable[[], float]
@@ -563,6 +600,43 @@ class SpanJobStrategy(FedAvg):
                 continue
             acc.add(metrics, float(metrics[self.weighted_by_key]))  # type: ignore[arg-type]
         return acc.result(self.evaluate_metrics_aggr_fn)
+
+
+def _ranks(messages: Iterable[Message], config_key: str) -> dict[int, int]:
+    """Node -> rank, from the plans the segment's messages carry."""
+    out: dict[int, int] = {}
+    for message in messages:
+        config = message.content.config_records.get(config_key)
+        raw = config.get(PLAN_KEY) if config is not None else None
+        if isinstance(raw, str):
+            with contextlib.suppress(ValueError, TypeError, AttributeError):
+                out[message.metadata.dst_node_id] = int(json.loads(raw)["rank"])
+    return out
+
+
+def _named_nodes(
+    reply: SegmentReply, ranks: Mapping[int, int], reporter: int
+) -> list[int]:
+    """The members a failed reply names gone (``span-lost-ranks``); ranks that are
+    not in the segment, or the reporter's own, are ignored and logged."""
+    value = reply.metrics.get(keys.SPAN_LOST_RANKS, [])
+    values = value if isinstance(value, list) else [value]
+    by_rank = {rank: node for node, rank in ranks.items()}
+    out = []
+    for rank in values:
+        node = by_rank.get(int(rank)) if float(rank).is_integer() else None
+        if node is None or node == reporter:
+            log(
+                WARNING,
+                "segment: node %d names rank %r gone, which is not a peer of its "
+                "segment (ranks %s): ignored",
+                reporter,
+                rank,
+                sorted(by_rank),
+            )
+            continue
+        out.append(node)
+    return out
 
 
 def _port_in_use(reason: str) -> int | None:

@@ -64,6 +64,7 @@ def ring_then_one_dies(rank: int, world: int, port: int) -> dict:
                 exchange_ring(mine, rank, world)
     except PeerFailure as err:  # joined_group turns gloo's error into PeerFailure
         out["failure"] = (err.phase, str(err), time.monotonic() - out["begin"])
+        out["lost_ranks"] = list(err.lost_ranks)
     return out
 
 
@@ -93,6 +94,9 @@ def test_members_exchange_around_the_ring_and_survivors_learn_of_a_loss_fast() -
         assert phase == "train"
         assert "lost a peer" in text
         assert 0 <= seconds < 30
+        # ... and names the rank whose process is gone: its liveness port refused.
+        assert out["lost_ranks"] == [2], text
+        assert "rank 2 (127.0.0.1:" in text and "refused" in text, text
     assert results[1][1]["pair"] == [0.0, 1.0, 2.0, 3.0]
 
 

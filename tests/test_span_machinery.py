@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from flowerbed import keys
 from flowerbed.clients.span_app import SpanBoardError, member_context
 from flowerbed.parallel.group import free_port
 from flowerbed.parallel.plan import MemberPlan
@@ -141,10 +143,17 @@ def test_a_killed_member_is_lost_and_the_survivors_answer(grid: ProcessGrid) -> 
     s.attach(grid)
     plans = probe_plans(s, [1, 2, 3], rounds=200)
     messages = s.segment_messages(plans, {}, {}, ConfigRecord(), 120)
-    killer = threading.Timer(3.0, grid.kill, args=(2,))
+    killed: list[float] = []
+
+    def kill() -> None:
+        grid.kill(2)
+        killed.append(time.monotonic())
+
+    killer = threading.Timer(3.0, kill)
     killer.start()
     try:
         out = s.run_segment(messages, 1, 120)
+        ended = time.monotonic()
     finally:
         killer.join()
     assert out.lost == {2}
@@ -152,6 +161,11 @@ def test_a_killed_member_is_lost_and_the_survivors_answer(grid: ProcessGrid) -> 
     for reply in out.replies.values():
         assert not reply.ok
         assert "lost a peer" in reply.failure
+        # The survivors name node 2's rank (1) gone, so the segment ends without
+        # waiting out the grace period (timeout_s + reply_margin_s = 13 s) that
+        # covers members nobody named.
+        assert reply.metrics[keys.SPAN_LOST_RANKS] == [1], reply.failure
+    assert ended - killed[0] < s._grace(join=False), ended - killed[0]
 
 
 def context(node_config: dict) -> Context:

@@ -46,11 +46,13 @@ import statistics
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from logging import INFO
 from typing import Any
 
 import numpy as np
 import torch
 from flowerbed import keys
+from flwr.supercore import log
 from torch import nn
 
 from ..emulation import TimedModule
@@ -61,6 +63,7 @@ from ..member import (
     MemberResult,
     MetricValue,
     load_module_state,
+    lost_ranks_metric,
     module_state,
     result_arrays,
 )
@@ -366,6 +369,19 @@ def run(
             try:
                 _register_compression(ddp, plan)
                 setup = time.monotonic() - begin
+                log(
+                    INFO,
+                    "large batch %s segment %d: rank %d of %d, samples %d-%d of "
+                    "each batch, steps %d-%d",
+                    plan.job,
+                    plan.segment,
+                    plan.rank,
+                    plan.world_size,
+                    first,
+                    stop - 1,
+                    plan.start_step,
+                    plan.end_step - 1,
+                )
                 for step in range(plan.start_step, plan.end_step):
                     timed.step = step
                     timed.reset()
@@ -392,6 +408,7 @@ def run(
                 keys.SPAN_OK: 0,
                 keys.SPAN_FAILED_STEP: step if step >= plan.start_step else -1,
                 keys.TRAIN_TIME_S: time.monotonic() - begin,
+                **lost_ranks_metric(err.lost_ranks),
             },
             failure=f"{err.phase}: {err}",
         )

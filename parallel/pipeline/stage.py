@@ -58,6 +58,7 @@ from ..member import (
     MemberResult,
     MetricValue,
     load_module_state,
+    lost_ranks_metric,
     module_state,
     recv_state,
     result_arrays,
@@ -359,6 +360,7 @@ def run_segment(
     data = job_data(plan.dataset, context) if plan.rank == 0 else None
     seg = _Segment(plan)
     failure = ""
+    lost: tuple[int, ...] = ()
     try:
         with joined_group(plan, context.address):
             state, seg.moved_bytes = _gather_sources(plan, store, arrays)
@@ -389,6 +391,7 @@ def run_segment(
             store.save(OWN, plan.end_step, layers, module_state(stage, optimizer))
     except PeerFailure as err:
         failure = f"{err.phase}: {err}"
+        lost = err.lost_ranks
         log(
             WARNING,
             "pipeline %s: rank %d stopped at step %d: %s",
@@ -397,7 +400,9 @@ def run_segment(
             seg.step,
             failure,
         )
-    return _result(plan, seg, timed, stage, optimizer, store, failure, arrived)
+    result = _result(plan, seg, timed, stage, optimizer, store, failure, arrived)
+    result.metrics.update(lost_ranks_metric(lost))
+    return result
 
 
 def _broadcast_labels(

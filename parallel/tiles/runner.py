@@ -35,6 +35,7 @@ from ..member import (
     MemberResult,
     MetricValue,
     load_module_state,
+    lost_ranks_metric,
     module_state,
     result_arrays,
 )
@@ -165,6 +166,7 @@ def run(
     step = plan.start_step
     done = 0
     failure = ""
+    lost: tuple[int, ...] = ()
     setup = 0.0
     try:
         with joined_group(plan, context.address):
@@ -176,7 +178,10 @@ def run(
                 done += 1
     except PeerFailure as err:
         failure = f"{err.phase}: {err}"
-    return result_of(plan, member, optimizer, done, step, failure, arrived, setup)
+        lost = err.lost_ranks
+    result = result_of(plan, member, optimizer, done, step, failure, arrived, setup)
+    result.metrics.update(lost_ranks_metric(lost))
+    return result
 
 
 def result_of(
