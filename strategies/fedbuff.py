@@ -61,7 +61,8 @@ class FedBuff(RuntimeWeightedFedAvg):
     delta_k``. ``w_k`` follows ``weighting`` (default ``"examples"``, i.e.
     ``num-examples``); with ``"fednova"`` each delta is also divided by its steps.
     Alg. 1 hands the buffered update to a server optimiser; this one is SGD with
-    momentum ``beta = server_momentum`` (FedAvgM, Hsu et al., 2019, Sec. 3)::
+    momentum ``beta = server_momentum`` (FedAvgM, Hsu et al., 2019, Sec. 3; 0 by
+    default, the update above)::
 
         u_v = eta_g * sum_k p_k s(tau_k) delta_k,   m_(v+1) = beta m_v + u_v,
         x_(v+1) = x_v + m_(v+1)                     (m_0 = 0; beta = 0: as above)

@@ -363,9 +363,9 @@ class Buffering:
         (an update is then on average 4 versions old).
     server_learning_rate : float (default: 1.0)
         ``eta_g``.
-    server_momentum : float (default: 0.5)
+    server_momentum : float (default: 0.0)
         ``beta`` of the server's momentum on the buffered update (FedAvgM, Hsu
-        et al., 2019, Sec. 3; the server optimiser of FedBuff's Alg. 1); 0 is
+        et al., 2019, Sec. 3, as the server optimiser of FedBuff's Alg. 1); 0 is
         plain FedBuff.
     evaluate_every : int (default: 1)
         Evaluate every this many versions.
@@ -374,7 +374,7 @@ class Buffering:
     concurrency: int | None = None
     buffer_size: int | None = None
     server_learning_rate: float = 1.0
-    server_momentum: float = 0.5
+    server_momentum: float = 0.0
     evaluate_every: int = 1
 
     def __post_init__(self) -> None:

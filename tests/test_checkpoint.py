@@ -20,6 +20,7 @@ from flowerbed.strategies.checkpoints import (
     load_checkpoint,
     save_checkpoint,
 )
+from flowerbed.strategies.options import Buffering
 from flowerbed.strategies.round_metrics import ROUND_CLOCK_S
 from flwr.serverapp.strategy import Result
 from test_strategies_fakes import FakeGrid, config_of, node, silent, weights
@@ -111,13 +112,16 @@ def test_checkpoint_holds_quarantine_and_speeds(tmp_path: Path) -> None:
 def test_fedbuff_resumes_at_the_checkpointed_version(tmp_path: Path) -> None:
     path = tmp_path / "buff.ckpt"
     grid = FakeGrid({1: node(1.0, seconds=1.0), 2: node(1.0, seconds=2.0)})
-    FedBuff(buffer_size=1, checkpoint_path=path).start(grid, weights(), num_rounds=2)
+    buffering = Buffering(buffer_size=1, server_momentum=0.5)
+    FedBuff(buffering=buffering, checkpoint_path=path).start(
+        grid, weights(), num_rounds=2
+    )
     grid = FakeGrid({1: node(1.0, seconds=1.0), 2: node(1.0, seconds=2.0)})
-    result = FedBuff(buffer_size=1, checkpoint_path=path).start(
+    result = FedBuff(buffering=buffering, checkpoint_path=path).start(
         grid, weights(), num_rounds=3
     )
     assert sorted(result.train_metrics_clientapp) == [1, 2, 3]
-    # Server momentum 0.5 (FedBuff's default): v1 = 0 + m1, m1 = 1 (node 1,
+    # Server momentum 0.5: v1 = 0 + m1, m1 = 1 (node 1,
     # t=1); v2 = v1 + m2, m2 = 0.5 + 1/sqrt(2) (node 2 from v0, t=2); resumed:
     # fresh work on v2 and the momentum at zero, node 1 answers first: v3 = v2 + 1.
     assert float(result.arrays["w"].numpy()[0]) == pytest.approx(2.5 + 2**-0.5)

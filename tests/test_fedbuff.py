@@ -137,11 +137,11 @@ def test_server_momentum_and_learning_rate_follow_the_written_out_case() -> None
     assert float(result.arrays["w"].numpy()[0]) == pytest.approx(expected, rel=1e-6)
 
 
-def test_default_server_momentum_is_one_half() -> None:
-    # K = 1, eta_g = 1: x1 = 1, x2 = 1 + (0.5 + 1) = 2.5 (node 1's first two replies)
-    assert Buffering().server_momentum == 0.5
+def test_the_default_server_step_is_fedbuffs_own_without_momentum() -> None:
+    # K = 1, eta_g = 1, beta = 0: node 1's first two replies, x2 = 1 + 1 = 2
+    assert Buffering().server_momentum == 0.0
     result = fedbuff().start(fleet(), weights(), num_rounds=2)
-    assert float(result.arrays["w"].numpy()[0]) == pytest.approx(2.5)
+    assert float(result.arrays["w"].numpy()[0]) == pytest.approx(2.0)
 
 
 @pytest.mark.parametrize("beta", [-0.1, 1.0, math.nan])
