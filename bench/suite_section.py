@@ -42,10 +42,19 @@ class SuitePlan:
 
     @property
     def cells(self) -> list[tuple[str, str, int]]:
+        """(workload, strategy, seed); a workload with ``max_seeds`` takes only
+        that many of :attr:`seeds`."""
+        from flowerbed.bench.suite import WORKLOADS
+
+        def seeds_of(w: str) -> list[int]:
+            limit = WORKLOADS[w].max_seeds
+            return self.seeds[:limit] if limit else self.seeds
+
         return [
             (w, s, seed)
             for seed in self.seeds
             for w in self.workloads
+            if seed in seeds_of(w)
             for s in self.strategies
         ]
 

@@ -15,6 +15,10 @@ FLEETS: dict[str, dict[str, float]] = {
     # the heterogeneity FTPipeHD evaluates (MISSION.md, S3).
     "phones-10x": {"low-end-phone": 0.4, "galaxy-s10": 0.3, "pixel-7": 0.3},
     "boards": {"rpi3b": 0.25, "rpi4b": 0.35, "rpi5": 0.25, "jetson-nano": 0.15},
+    # Two boards of the same radio, the faster ~1.8x the slower in compute.
+    "boards-2x": {"rpi4b": 0.5, "rpi5": 0.5},
+    # Pi 3B against Pi 5: ~4.6x in compute, ~3x in Wi-Fi throughput.
+    "boards-4x": {"rpi3b": 0.5, "rpi5": 0.5},
     "mixed": {
         "low-end-phone": 0.25,
         "galaxy-s10": 0.15,

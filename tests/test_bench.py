@@ -55,7 +55,19 @@ def test_quick_bench_writes_page_results_and_one_plot_per_workload(
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert set(data["summary"][workload]["configs"]) <= set(suite.CONFIGS)
     assert data["headline"]["available"]
-    assert [t["name"] for t in data["targets"]] == ["device-correlated", "iid", "ideal"]
+    populations = [n for n, w in suite.WORKLOADS.items() if w.cohort < w.population]
+    assert [t["name"] for t in data["targets"]] == (
+        [f"match-{n}" for n in suite.WORKLOADS]
+        + ["device-correlated"]
+        + [f"fedbuff-{n}" for n in populations]
+        + ["ideal"]
+    )
+    for cell in data["cells"]:
+        if "skipped" not in cell:
+            energy = cell["energy_curve"]
+            assert len(energy) == len(cell["curve"]) and energy == sorted(energy)
+            # work is counted when it ended, pulled or not, never more than it all
+            assert energy[-1] <= cell["energy_j"] * (1 + 1e-9)
     machinery = results["sections"]["machinery"]["data"]
     assert list(machinery) == list(PARTS)
     agg = machinery["aggregation"]
@@ -282,26 +294,86 @@ def test_ray_points_not_rerun_are_carried_over_with_their_date() -> None:
     assert again["points"][-1]["carried_from"] == old["measured"]
 
 
-def test_targets_say_met_or_not_from_the_comparisons() -> None:
-    dev = {
+def _comparison(**fields: Any) -> dict[str, Any]:
+    out = {
         "available": True,
         "speedups": [1.5, 3.0, 2.5],
         "final_accuracy_diff_points": {"mean": 0.5},
         "slow_accuracy_diff_points": {"mean": 4.0},
         "flowerbed_over_ideal": 1.6,
         "flower_over_ideal": 2.0,
-    }
-    iid = {
-        "available": True,
         "median_ttt_flowerbed": 10.0,
         "median_ttt_flower": 12.0,
-        "energy_ratio_flower_over_flowerbed": {"geomean": 1.2},
+        "energy_to_target_ratio_flower_over_flowerbed": {"geomean": 1.2},
+        "samples_everyone": False,
+        "others": {"fedbuff": 13.0},
     }
-    targets = suite.check_targets({"mnist1d-device": dev, "mnist1d-iid": iid})
+    return {**out, **fields}
+
+
+def test_targets_say_met_or_not_from_the_comparisons() -> None:
+    dev = _comparison()
+    small = _comparison(
+        samples_everyone=True,
+        median_ttt_flowerbed=12.5,
+        final_accuracy_diff_points={"mean": -0.4},
+    )
+    targets = suite.check_targets({"mnist1d-device": dev, "boards": small})
     met = {t["name"]: t["met"] for t in targets}
-    assert met == {"device-correlated": True, "iid": True, "ideal": False}
+    # FedBuff is judged on populations only (13 > 12: not met); the small fleet's
+    # default is later than Flower's best
+    assert met == {
+        "match-mnist1d-device": True,
+        "match-boards": False,
+        "device-correlated": True,
+        "fedbuff-mnist1d-device": False,
+        "ideal": False,
+    }
     dev["slow_accuracy_diff_points"] = {"mean": 2.9}
+    met = {t["name"]: t["met"] for t in suite.check_targets({"mnist1d-device": dev})}
+    assert not met["device-correlated"]
+    # more energy to the target, or none where both reached it: not met
+    for energy in ({"geomean": 0.95}, {"geomean": None}):
+        dev["energy_to_target_ratio_flower_over_flowerbed"] = energy
+        targets = suite.check_targets({"mnist1d-device": dev})
+        (match,) = [t for t in targets if t["name"].startswith("match")]
+        assert not match["met"]
+    # 0.6 points below Flower's best: not met
+    dev = _comparison(final_accuracy_diff_points={"mean": -0.6})
     assert not suite.check_targets({"mnist1d-device": dev})[0]["met"]
+
+
+def test_energy_to_the_target_is_read_where_the_curve_first_reaches_it() -> None:
+    cell = {
+        "curve": [[1, 10.0, 0.5, 0.1], [2, 20.0, 0.7, 0.2], [3, 30.0, 0.9, 0.3]],
+        "energy_curve": [5.0, 9.0, 14.0],
+    }
+    assert suite.energy_to(cell, 0.6) == 9.0
+    assert suite.energy_to(cell, 0.95) is None
+    assert suite.energy_to({"curve": cell["curve"]}, 0.6) is None  # not recorded
+
+
+def test_the_comparison_uses_the_one_default_not_the_best_flowerbed_row() -> None:
+    w = suite.WORKLOADS["digits"]
+    s = suite.scenario_of(w, 1)
+    budget = suite.budget_seconds(w, s)
+    fast = budget / 10
+    configs = {
+        "flwr-fedavg-q50": _entry("flower", [fast] * 3, [0.9] * 3),
+        suite.RECOMMENDED: _entry("flowerbed", [2 * fast] * 3, [0.9] * 3),
+        "fedbuff": _entry("flowerbed", [fast / 2] * 3, [0.9] * 3),
+    }
+    for e, joules in ((configs["flwr-fedavg-q50"], 50.0), (configs["deadline"], 25.0)):
+        e["energy_to"] = {"0.95": [joules] * 3}
+    summary = {"configs": configs, "targets": {0.95: 0.9}}
+    c = suite.compare(w, s, summary)
+    assert c["flowerbed"] == suite.RECOMMENDED and c["flower"] == "flwr-fedavg-q50"
+    assert c["speedup"]["geomean"] == pytest.approx(0.5)
+    assert c["others"] == {"fedbuff": pytest.approx(fast / 2)}
+    ratio = c["energy_to_target_ratio_flower_over_flowerbed"]
+    assert ratio["geomean"] == pytest.approx(2.0) and c["energy_to_target_seeds"] == 3
+    del configs[suite.RECOMMENDED]
+    assert not suite.compare(w, s, summary)["available"]
 
 
 def test_planned_memory_follows_each_algorithm() -> None:

@@ -379,7 +379,9 @@ def test_the_quick_summary_says_so_first_and_judges_nothing() -> None:
 
 def test_the_full_summary_gives_the_headline_and_judges_the_targets() -> None:
     lines, _ = cli.summary(list(SECTIONS), results(quick=False), quick=False)
-    assert lines[0].startswith("Headline on toy (1 seed): the best flowerbed default")
+    assert lines[0].startswith(
+        "Headline on toy (1 seed): flowerbed's recommended default, deadline,"
+    )
     assert lines[1].startswith("- **met**: toy: at least as fast (x 0.97).")
 
 
