@@ -490,7 +490,9 @@ def _throughput_lines(t: Mapping[str, Any]) -> list[str]:
         "legacy": "in-process, per node as before batching (fresh model and arrays "
         "decoded per message; reproduced baseline)",
         "per-node": "in-process, per node (one ClientApp call per message)",
-        "batched": "in-process, batched (one process)",
+        "batched": "in-process, batched (one process; PyTorch, the default)",
+        "batched-c": "in-process, batched, opted in to the C kernels "
+        "(`FLOWERBED_C_KERNELS=1`)",
         "workers": "in-process, batched over worker processes",
         "ray": "`flwr run` on Flower's simulation engine (Ray)",
     }
@@ -579,6 +581,20 @@ def _throughput_lines(t: Mapping[str, Any]) -> list[str]:
         lines += [
             "Batched over today's per-node path: "
             + ", ".join(f"{n} nodes {x:.1f}x" for n, x in t["speedup"].items())
+            + ".",
+            "",
+        ]
+    if t.get("c_speedup_vs_legacy"):
+        lines += [
+            "Opted in to the C kernels, over the per-node path before batching: "
+            + ", ".join(
+                f"{n} nodes {x:.1f}x" for n, x in t["c_speedup_vs_legacy"].items()
+            )
+            + "; the default path's node-tasks per CPU-second as a share of the "
+            "C kernels': "
+            + ", ".join(
+                f"{n} nodes {x:.2f}x" for n, x in (t.get("default_of_c") or {}).items()
+            )
             + ".",
             "",
         ]
