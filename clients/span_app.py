@@ -52,7 +52,6 @@ from typing import Any
 import numpy as np
 import torch
 from flowerbed import keys
-from flowerbed.clients.board_app import chunked_evaluate
 from flowerbed.data import DataError
 from flowerbed.parallel.emulation import DeviceSpeed
 from flowerbed.parallel.group import RendezvousError
@@ -283,6 +282,8 @@ def evaluate(message: Message, context: Context) -> Message:
         else:
             data = load_job_dataset(dataset)
             x, y = data.x_test, data.y_test
+        from flowerbed.clients.board_app import chunked_evaluate  # evaluate only
+
         begin = time.monotonic()
         loss, acc = chunked_evaluate(model, x, y)
     except HANDLED as err:

@@ -31,7 +31,9 @@ process lives (:func:`liveness_port`; a thread accepts and closes each
 connection) and publishes it in the segment's store when it joins. A member
 that loses a peer connects to every peer's liveness port (:func:`probe_peers`,
 at most :data:`LIVENESS_PROBE_S` each, all at once): a refused or unanswered
-connection means that peer's process (or board) is gone, and its rank goes into
+connection means that peer's process (or board) is gone (when none is, the
+probe is repeated a few times within a second: a process being killed may close
+its gloo connections before its liveness port), and its rank goes into
 the :class:`PeerFailure` (``lost_ranks``) and the reply, so the server need not
 wait for Flower's heartbeat to learn it. A peer that is alive but busy still
 answers (the kernel completes the connection).
@@ -70,6 +72,11 @@ LIVENESS_PROBE_S = 1.0
 """Seconds a connection to a peer's liveness port may take before the peer counts
 as gone (on a LAN a live board answers in milliseconds; a process that died is
 refused at once, a board without power does not answer)."""
+LIVENESS_RECHECKS = 3
+"""Probes after the first, :data:`LIVENESS_RECHECK_S` apart, when the first finds
+no peer gone: a process being killed closes its gloo connections and its
+liveness port one after the other, and its peers may probe in between."""
+LIVENESS_RECHECK_S = 0.25
 LIVENESS_KEY = "flowerbed/alive/{rank}"
 """Store key under which a member publishes its liveness address and port."""
 
@@ -172,6 +179,17 @@ def liveness_port(address: str) -> int:
         return int(sock.getsockname()[1])
 
 
+def close_liveness(address: str) -> None:
+    """Close this process's liveness port on ``address``: from now on its peers
+    find it gone (a process that is stopping and will not reply)."""
+    with _listeners_lock:
+        sock = _listeners.pop(address, None)
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+        sock.close()
+
+
 def _answer(sock: socket.socket) -> None:
     """Accept and close every connection: being there is the answer."""
     while True:
@@ -208,6 +226,28 @@ def probe_peers(
     for thread in threads:
         thread.join(timeout + 1.0)
     return dict(sorted(gone.items()))
+
+
+def find_lost(
+    peers: Mapping[int, tuple[str, int]],
+    rechecks: int = LIVENESS_RECHECKS,
+    pause_s: float = LIVENESS_RECHECK_S,
+) -> dict[int, str]:
+    """:func:`probe_peers`, repeated up to ``rechecks`` times ``pause_s`` apart
+    while it finds no peer gone (see :data:`LIVENESS_RECHECKS`)."""
+    gone = probe_peers(peers)
+    for _ in range(rechecks):
+        if gone or not peers:
+            break
+        time.sleep(pause_s)
+        gone = probe_peers(peers)
+    return gone
+
+
+def close_all_liveness() -> None:
+    """Close every liveness port of this process (it is about to end)."""
+    for address in list(_listeners):
+        close_liveness(address)
 
 
 def describe_lost(gone: Mapping[int, str]) -> str:
@@ -303,16 +343,22 @@ def joined_group(plan: MemberPlan, address: str) -> Iterator[None]:
     except PeerFailure as err:
         if err.lost_ranks or err.phase == "join":
             raise
-        gone = probe_peers(peers)
+        gone = find_lost(peers)
         raise PeerFailure(
             f"{err}; {describe_lost(gone)}",
             phase=err.phase,
             step=err.step,
             lost_ranks=tuple(gone),
         ) from err
+    except (SystemExit, KeyboardInterrupt):
+        # The process is being stopped (Flower's SIGINT when its SuperNode is
+        # gone): it will not reply, so stop answering for it before the group's
+        # connections close and the peers probe.
+        close_liveness(address)
+        raise
     except RuntimeError as err:
         if is_peer_failure(err):
-            gone = probe_peers(peers)
+            gone = find_lost(peers)
             raise PeerFailure(
                 f"rank {plan.rank} lost a peer: {_short(err)}; {describe_lost(gone)}",
                 phase="train",

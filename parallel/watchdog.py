@@ -31,6 +31,8 @@ from logging import ERROR
 
 from flwr.supercore import log
 
+from .group import close_all_liveness
+
 RUNTIME_API_FLAG = "--runtime-api-address"
 """flwr-clientapp's option naming its SuperNode's Runtime API (flwr 1.42)."""
 WATCH_INTERVAL_S = 0.5
@@ -81,6 +83,8 @@ def reachable(host: str, port: int, timeout: float = PROBE_TIMEOUT_S) -> bool:
 
 def _stop(reason: str) -> None:
     log(ERROR, "span member stops: %s", reason)
+    sys.stderr.flush()
+    close_all_liveness()  # before the gloo connections, so peers find it gone
     os._exit(WATCHDOG_EXIT_CODE)
 
 

@@ -1,26 +1,33 @@
-"""LargeBatchSync in a real deployment: 3 flower-supernode processes on 127.0.0.1.
+"""LargeBatchSync in a real deployment: 4 flower-supernode processes on 127.0.0.1.
 
 The boards run ``flowerbed.clients.span_app:app`` (DDP over gloo between the
-SuperNodes' ClientApp processes); one SuperNode is killed with its ClientApp
-while the first segment runs: that segment fails fast and the next one
-completes with the other two.
+SuperNodes' ClientApp processes). In round 1, once a member has started its
+segment's steps, its SuperNode is killed with its ClientApp (a board losing
+power); in round 2 another member's ``flower-supernode`` process alone (its
+ClientApp must notice and end itself). Each time the segment fails fast, the
+next one starts at most 10 s after the kill without the lost board, the log says
+which member was lost and why, and the job completes with the other members.
 """
 
 from __future__ import annotations
 
 import json
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 from procs import Federation, free_port
+from span_kills import (
+    FAILURE_BOUND_S,
+    FIRST_STEP_BOUND_S,
+    FLOWER_ENV,
+    failure_to_next_step,
+    kill,
+    wait_all_gone,
+    wait_for_segment,
+)
 
 pytestmark = pytest.mark.slow
-
-SETTLE_S = 5.0
-"""Seconds from the segment's ClientApp start to the kill: time to join the group
-(a kill before that is a loss at the rendezvous, which the test accepts too)."""
 
 SERVER_APP = """
 import json
@@ -40,7 +47,7 @@ def main(grid: Grid, context: Context) -> None:
     strategy = LargeBatchSync(
         fraction_evaluate=0.0,
         min_train_nodes=2,
-        min_available_nodes=3,
+        min_available_nodes=4,
         model="deep-mlp",
         model_args=ARGS,
         dataset="digits",
@@ -87,7 +94,7 @@ serverapp = "fblargebatch.server:app"
 clientapp = "flowerbed.clients.span_app:app"
 
 [tool.flwr.app.config]
-steps = 40
+steps = 20
 port = 29500
 out-file = ""
 """
@@ -103,40 +110,62 @@ def write_app(root: Path) -> Path:
     return app_dir
 
 
-def test_a_supernode_killed_mid_segment_and_the_next_segment_completes(
+def test_killed_boards_are_found_in_seconds_and_the_next_segments_complete(
     tmp_path: Path,
 ) -> None:
     app_dir = write_app(tmp_path)
     out = tmp_path / "result.json"
-    with Federation(tmp_path / "fed") as fed:
+    with Federation(tmp_path / "fed", env=FLOWER_ENV) as fed:
         fed.start_superlink()
         # equal emulated boards: deep-mlp(16, 3) at 1e5 FLOP/s, ~0.5 s a step
         nodes = [
             fed.add_supernode(
                 {"address": "127.0.0.1", "emulate-gflops": 1e-4}, name=f"board{i}"
             )
-            for i in range(3)
+            for i in range(4)
         ]
         fed.wait_for_nodes(nodes)
         run = fed.submit(
-            app_dir, {"steps": 40, "port": free_port(), "out-file": str(out)}
+            app_dir, {"steps": 20, "port": free_port(), "out-file": str(out)}
         )
-        # Each message starts a ClientApp process: the first the speed profile,
-        # the second round 1's segment. Its 40 steps take at least 20 s of
-        # emulated compute however idle the host, so a few seconds after that
-        # start the board is joining or training, never done.
-        started = "Start `flwr-clientapp` process"
-        first = nodes[2].wait_for_log(started, timeout=300)
-        nodes[2].wait_for_log(started, timeout=300, start=first.end())
-        time.sleep(SETTLE_S)
-        nodes[2].kill()
+        # Round 1: once board 3 has joined and starts its steps (its 20 steps
+        # take at least 10 s of emulated compute), cut its power.
+        segment = wait_for_segment(nodes[3], 0, timeout=300)
+        killed_at = kill(nodes[3], "board")
+        seconds = {}
+        seconds["board"] = failure_to_next_step(
+            nodes[:3], killed_at, segment, also={"server": run.log}
+        )
+        # Round 2: once board 2 starts a segment after round 1's, kill only its
+        # flower-supernode process.
+        retry = wait_for_segment(nodes[2], segment, timeout=120)
+        segment = wait_for_segment(nodes[2], retry, timeout=300)
+        killed_at = kill(nodes[2], "supernode")
+        seconds["supernode"] = failure_to_next_step(
+            nodes[:2], killed_at, segment, also={"server": run.log}
+        )
+        left = wait_all_gone(nodes[2])
         result = run.wait(900)
         logs = "\n".join(f"--- {n.name} ---\n{n.log()[-1500:]}" for n in nodes)
     why = f"{result.log[-4000:]}\n{logs}"
+    for mode, found in seconds.items():
+        print(
+            f"large batch, {mode} killed: next segment delivered after "
+            f"{found.delivered_s:.1f} s, its first step after "
+            f"{found.first_step_s:.1f} s\n{found.timeline}"
+        )
+    assert not left, f"processes of the killed SuperNode left running: {left}\n{why}"
+    for mode, found in seconds.items():
+        assert found.delivered_s <= FAILURE_BOUND_S, f"{mode}:\n{found.timeline}"
+        assert found.first_step_s <= FIRST_STEP_BOUND_S, f"{mode}:\n{found.timeline}"
     assert result.status == "finished:completed", why
     assert out.exists(), why
     data = json.loads(out.read_text())
-    assert len(data["lost"]) == 1, why
+    assert len(data["lost"]) == 2, why
     first, second = data["rounds"]["1"], data["rounds"]["2"]
-    assert first["attempts"] >= 2 and first["members"] == 2, why
-    assert second["members"] == 2 and second["replica-max-diff"] == 0.0, why
+    assert first["attempts"] >= 2 and first["members"] == 3, why
+    assert second["attempts"] >= 2 and second["members"] == 2, why
+    assert second["replica-max-diff"] == 0.0, why
+    # The log names each lost member and why: its peers found it gone.
+    assert result.log.count("found it gone") >= 2, why
+    assert "refused the connection: its process is gone" in result.log, why

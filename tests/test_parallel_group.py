@@ -68,6 +68,38 @@ def ring_then_one_dies(rank: int, world: int, port: int) -> dict:
     return out
 
 
+def one_is_stopped(rank: int, world: int, port: int) -> dict:
+    """Rank 1 is stopped (SystemExit, as Flower's SIGINT handler raises) inside
+    the group, then lingers (its exit handlers); rank 0 goes on exchanging."""
+    out: dict = {}
+    plan = make_plan(rank, world, port)
+    try:
+        with joined_group(plan, HOST):
+            mine = {f"{rank}.weight": torch.zeros(3)}
+            exchange_ring(mine, rank, world)
+            if rank == 1:
+                raise SystemExit(2)
+            for _ in range(100):
+                exchange_ring(mine, rank, world)
+    except SystemExit:
+        time.sleep(5.0)  # still alive while the peer probes
+        out["stopped"] = True
+    except PeerFailure as err:
+        out["lost_ranks"] = list(err.lost_ranks)
+        out["failure"] = str(err)
+    return out
+
+
+@pytest.mark.slow
+def test_a_member_being_stopped_is_found_gone_while_its_process_lingers() -> None:
+    results = run_ranks(one_is_stopped, 2, 2, free_port(), timeout=90)
+    assert results[1] == ("ok", {"stopped": True}), results[1]
+    status, out = results[0]
+    assert status == "ok", out
+    # its liveness port closed before its gloo connections did
+    assert out["lost_ranks"] == [1], out["failure"]
+
+
 def join_alone(rank: int, port: int) -> tuple[str, str, float]:
     plan = make_plan(0, 2, port, join_timeout_s=3.0)
     begin = time.monotonic()
