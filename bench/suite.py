@@ -135,6 +135,27 @@ class Workload:
         return min(1.0, self.cohort / eligible)
 
 
+def _small_fleet(name: str, fleet: str, description: str) -> Workload:
+    """A small fleet sampled whole: :data:`SMALL_FLEET` devices of ``fleet``,
+    digits IID, LeNet-5 charged as itself, always available, as ``digits`` runs."""
+    return Workload(
+        name,
+        description,
+        "digits",
+        "lenet",
+        "iid",
+        fleet,
+        SMALL_FLEET,
+        SMALL_FLEET,
+        "",
+        False,
+        15,
+        learning_rate=0.05,
+        local_steps=10,
+        batch_size=16,
+    )
+
+
 WORKLOADS: dict[str, Workload] = {
     w.name: w
     for w in (
@@ -200,92 +221,37 @@ WORKLOADS: dict[str, Workload] = {
             local_steps=10,
             batch_size=16,
         ),
-        Workload(
+        _small_fleet(
+            "boards",
             "boards",
             "scikit-learn digits, IID, 20 Raspberry Pi 3B/4B/5 and Jetson Nano boards "
             "all sampled every round, always available, LeNet-5 charged as itself "
             "(task times ~8x apart)",
-            "digits",
-            "lenet",
-            "iid",
-            "boards",
-            SMALL_FLEET,
-            SMALL_FLEET,
-            "",
-            False,
-            15,
-            learning_rate=0.05,
-            local_steps=10,
-            batch_size=16,
         ),
-        Workload(
+        _small_fleet(
+            "uniform",
             "uniform",
             "scikit-learn digits, IID, 20 identical Raspberry Pi 4B boards all sampled "
             "every round: the control, where no strategy has anything to gain",
-            "digits",
-            "lenet",
-            "iid",
-            "uniform",
-            SMALL_FLEET,
-            SMALL_FLEET,
-            "",
-            False,
-            15,
-            learning_rate=0.05,
-            local_steps=10,
-            batch_size=16,
         ),
-        Workload(
+        _small_fleet(
+            "boards-2x",
             "boards-2x",
             "scikit-learn digits, IID, 20 boards, half Raspberry Pi 4B and half Pi 5, "
             "all sampled every round (task times ~1.5x apart)",
-            "digits",
-            "lenet",
-            "iid",
-            "boards-2x",
-            SMALL_FLEET,
-            SMALL_FLEET,
-            "",
-            False,
-            15,
-            learning_rate=0.05,
-            local_steps=10,
-            batch_size=16,
         ),
-        Workload(
+        _small_fleet(
+            "boards-4x",
             "boards-4x",
             "scikit-learn digits, IID, 20 boards, half Raspberry Pi 3B and half Pi 5, "
             "all sampled every round (task times ~4x apart)",
-            "digits",
-            "lenet",
-            "iid",
-            "boards-4x",
-            SMALL_FLEET,
-            SMALL_FLEET,
-            "",
-            False,
-            15,
-            learning_rate=0.05,
-            local_steps=10,
-            batch_size=16,
         ),
-        Workload(
+        _small_fleet(
             "mixed-20",
+            "mixed",
             "scikit-learn digits, IID, 20 phones and boards of the `mixed` fleet all "
             "sampled every round (task times ~16x apart: a low-end phone's uplink "
             "against a Jetson's Ethernet)",
-            "digits",
-            "lenet",
-            "iid",
-            "mixed",
-            SMALL_FLEET,
-            SMALL_FLEET,
-            "",
-            False,
-            15,
-            learning_rate=0.05,
-            local_steps=10,
-            batch_size=16,
         ),
         Workload(
             "mixed-population",
