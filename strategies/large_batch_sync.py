@@ -31,6 +31,7 @@ import math
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from logging import INFO, WARNING
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -137,8 +138,10 @@ class LargeBatchSync(SpanJobStrategy):
         ``optimizer``); a factory steps at the schedule's rate.
     query_timeout_s : float (default: 60)
         How long to wait for profiling answers.
-    rendezvous_port, rendezvous_ports, join_timeout_s, timeout_s, reply_margin_s
-        As in :class:`~flowerbed.strategies.span.SpanJobStrategy`.
+    rendezvous_port, rendezvous_ports, join_timeout_s, timeout_s, reply_margin_s,
+    checkpoint_path
+        As in :class:`~flowerbed.strategies.span.SpanJobStrategy` (a resumed job
+        profiles the boards connected then).
 
     Attributes
     ----------
@@ -204,6 +207,7 @@ class LargeBatchSync(SpanJobStrategy):
         join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         reply_margin_s: float = DEFAULT_REPLY_MARGIN_S,
+        checkpoint_path: str | Path | None = None,
     ) -> None:
         super().__init__(
             fraction_train,
@@ -221,6 +225,7 @@ class LargeBatchSync(SpanJobStrategy):
             join_timeout_s=join_timeout_s,
             timeout_s=timeout_s,
             reply_margin_s=reply_margin_s,
+            checkpoint_path=checkpoint_path,
         )
         checks = [
             (
@@ -577,7 +582,15 @@ class LargeBatchSync(SpanJobStrategy):
         train_config = ConfigRecord() if train_config is None else train_config
         evaluate_config = ConfigRecord() if evaluate_config is None else evaluate_config
         result = Result(arrays=initial_arrays)
-        if evaluate_fn is not None:
+        arrays = initial_arrays
+        first_round = 1
+        resumed = self.resume(initial_arrays, result, num_rounds)
+        if resumed is not None:
+            first_round = resumed.round + 1
+            self.step = resumed.step
+            self.central_optimizer = resumed.optimizer
+            arrays = result.arrays = arrayrecord(resumed.arrays)
+        elif evaluate_fn is not None:
             res = evaluate_fn(0, initial_arrays)
             if res is not None:
                 result.evaluate_metrics_serverapp[0] = res
@@ -590,8 +603,7 @@ class LargeBatchSync(SpanJobStrategy):
                 f"only {len(self.speeds)} node(s) can take part, min_train_nodes is "
                 f"{self.min_train_nodes}" + (f" ({reasons})" if reasons else "")
             )
-        arrays = initial_arrays
-        for server_round in range(1, num_rounds + 1):
+        for server_round in range(first_round, num_rounds + 1):
             log(INFO, "")
             log(INFO, "[ROUND %s/%s] step %d", server_round, num_rounds, self.step)
             done = self._round(server_round, arrays, train_config, grid)
@@ -609,6 +621,9 @@ class LargeBatchSync(SpanJobStrategy):
                 res = evaluate_fn(server_round, arrays)
                 if res is not None:
                     result.evaluate_metrics_serverapp[server_round] = res
+            self.save_round(
+                server_round, self.step, arrays, self.central_optimizer, result
+            )
         return result
 
     def _round(

@@ -21,6 +21,7 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from logging import INFO, WARNING
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -211,8 +212,10 @@ class PipelineTraining(SpanJobStrategy):
         Result keeps the last good weights).
     seed : int (default: 0)
         Seed of the batch order (and of the model built on the server).
-    rendezvous_port, rendezvous_ports, join_timeout_s, timeout_s, reply_margin_s
-        See :class:`flowerbed.strategies.span.SpanJobStrategy`.
+    rendezvous_port, rendezvous_ports, join_timeout_s, timeout_s, reply_margin_s,
+    checkpoint_path
+        See :class:`flowerbed.strategies.span.SpanJobStrategy`. A resumed job
+        re-profiles the boards connected then and plans afresh from its step.
 
     Attributes
     ----------
@@ -283,6 +286,7 @@ class PipelineTraining(SpanJobStrategy):
         join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         reply_margin_s: float = DEFAULT_REPLY_MARGIN_S,
+        checkpoint_path: str | Path | None = None,
     ) -> None:
         super().__init__(
             fraction_train,
@@ -300,6 +304,7 @@ class PipelineTraining(SpanJobStrategy):
             join_timeout_s=join_timeout_s,
             timeout_s=timeout_s,
             reply_margin_s=reply_margin_s,
+            checkpoint_path=checkpoint_path,
         )
         checks = [
             (bool(model), "model is required: a layered model name or 'pkg.mod:fn'"),
@@ -689,8 +694,17 @@ class PipelineTraining(SpanJobStrategy):
         result = Result(arrays=initial_arrays)
         self.job = f"pipe-{uuid.uuid4().hex[:12]}"
         self.central = {k: v.numpy() for k, v in initial_arrays.items()}
-        self.holdings = Holdings(self.num_layers, central_step=0)
-        if evaluate_fn is not None:
+        arrays = initial_arrays
+        first_round = 1
+        resumed = self.resume(initial_arrays, result, num_rounds)
+        if resumed is not None:
+            first_round = resumed.round + 1
+            self.step = resumed.step
+            self.central = resumed.arrays
+            self.central_optimizer = resumed.optimizer
+            arrays = result.arrays = arrayrecord(resumed.arrays)
+        self.holdings = Holdings(self.num_layers, central_step=self.step)
+        if evaluate_fn is not None and resumed is None:
             res = evaluate_fn(0, initial_arrays)
             if res is not None:
                 result.evaluate_metrics_serverapp[0] = res
@@ -705,8 +719,7 @@ class PipelineTraining(SpanJobStrategy):
                 f"only {len(self.members)} node(s) can take part, min_train_nodes is "
                 f"{self.min_train_nodes}" + (f" ({reasons})" if reasons else "")
             )
-        arrays = initial_arrays
-        for server_round in range(1, num_rounds + 1):
+        for server_round in range(first_round, num_rounds + 1):
             log(INFO, "")
             log(INFO, "[ROUND %s/%s] step %d", server_round, num_rounds, self.step)
             self.admit(grid, grid.get_node_ids())  # newcomers, returning boards
@@ -725,6 +738,9 @@ class PipelineTraining(SpanJobStrategy):
                 res = evaluate_fn(server_round, arrays)
                 if res is not None:
                     result.evaluate_metrics_serverapp[server_round] = res
+            self.save_round(
+                server_round, self.step, arrays, self.central_optimizer, result
+            )
         return result
 
     def _event(self, text: str, quiet: bool = False) -> None:

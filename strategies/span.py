@@ -38,6 +38,7 @@ import math
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
+from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
@@ -49,6 +50,7 @@ from flowerbed.replies import ReplyRejected, check_evaluate_reply
 from flowerbed.strategies.accumulation import MetricsAccumulator
 from flowerbed.strategies.inflight import InFlight, Ticket
 from flowerbed.strategies.sampling import WAIT_FOR_NODES_S
+from flowerbed.strategies.span_checkpoint import Resumed, SpanCheckpoint
 from flwr.app import (
     Array,
     ArrayRecord,
@@ -60,7 +62,7 @@ from flwr.app import (
 )
 from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import FedAvg
+from flwr.serverapp.strategy import FedAvg, Result
 from flwr.supercore import log
 
 GONE_CODES = (
@@ -258,6 +260,11 @@ class SpanJobStrategy(FedAvg):
         lost.
     reply_margin_s : float (default: 15)
         Extra seconds for replies to travel through Flower after a loss.
+    checkpoint_path : str or Path, optional (default: None)
+        Where the job's state is saved after every completed round (the model,
+        the optimiser state, the step, the metric histories;
+        :mod:`flowerbed.strategies.span_checkpoint`); a checkpoint already
+        there is resumed: the job goes on from its last completed round.
     """
 
     mode = "probe"
@@ -284,6 +291,7 @@ class SpanJobStrategy(FedAvg):
         join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         reply_margin_s: float = DEFAULT_REPLY_MARGIN_S,
+        checkpoint_path: str | Path | None = None,
     ) -> None:
         super().__init__(
             fraction_train,
@@ -311,6 +319,11 @@ class SpanJobStrategy(FedAvg):
         self.join_timeout_s = float(join_timeout_s)
         self.timeout_s = float(timeout_s)
         self.reply_margin_s = float(reply_margin_s)
+        self.checkpoint = (
+            None
+            if checkpoint_path is None
+            else SpanCheckpoint(checkpoint_path, type(self).__name__)
+        )
         self.bad_ports: set[int] = set()
         self._segment = 0
         self._inflight: InFlight | None = None
@@ -348,6 +361,38 @@ class SpanJobStrategy(FedAvg):
             f"{self.rendezvous_port + self.rendezvous_ports - 1} was reported in use; "
             "free some or choose another range (rendezvous_port)"
         )
+
+    # ------------------------------------------------------------------ checkpoints
+    def resume(
+        self, initial_arrays: ArrayRecord, result: Result, num_rounds: int
+    ) -> Resumed | None:
+        """The checkpoint's state (None without ``checkpoint_path`` or a file
+        there; the Result's histories restored), after checking that the next
+        checkpoint can be written when rounds remain."""
+        if self.checkpoint is None:
+            return None
+        resumed = self.checkpoint.resume(initial_arrays, result)
+        if resumed is None or resumed.round < num_rounds:
+            self.checkpoint.check_writable()
+        return resumed
+
+    def save_round(
+        self,
+        server_round: int,
+        step: int,
+        arrays: ArrayRecord,
+        optimizer: Mapping[str, np.ndarray],
+        result: Result,
+    ) -> None:
+        """Checkpoint a completed round (nothing without ``checkpoint_path``)."""
+        if self.checkpoint is not None:
+            self.checkpoint.save(
+                server_round,
+                step,
+                {k: v.numpy() for k, v in arrays.items()},
+                optimizer,
+                result,
+            )
 
     # ------------------------------------------------------------------ members
     def discover(self, grid: Grid, count: int, timeout: float) -> list[int]:
