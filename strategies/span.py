@@ -12,10 +12,12 @@ three ways a segment can end badly:
   been named gone by a survivor, the named ones get :data:`LOST_CONFIRM_S` more
   (a member that finished and exited just before a survivor probed it has its
   reply on the way) and are then **lost**, without waiting for Flower's node
-  heartbeat (a minute); members nobody named are waited for at most a grace
-  period: the plan's operation timeout (every survivor leaves the group within
-  it once a peer is gone) or, when the loss happened while joining, the join
-  timeout, plus ``reply_margin_s`` for Flower's reply path;
+  heartbeat (a minute); the server also checks every :data:`LIVENESS_CHECK_S`
+  whether the SuperLink still lists the silent members' nodes (one that left or
+  missed its heartbeats is gone too); members nobody named are waited for at
+  most a grace period: the plan's operation timeout (every survivor leaves the
+  group within it once a peer is gone) or, when the loss happened while joining,
+  the join timeout, plus ``reply_margin_s`` for Flower's reply path;
 - a member answers with an **error** (bad plan, rendezvous port in use, address
   not its own): it is alive, the plan was wrong; a port reported in use is
   skipped from then on;
@@ -79,6 +81,9 @@ LOST_CONFIRM_S = 1.0
 everyone else has answered: a SuperNode pushes a finished ClientApp's reply
 within half a second (flwr's SuperNode loop), so a member that left just before
 it was probed is heard from in time, while a dead one costs only this."""
+LIVENESS_CHECK_S = 1.0
+"""Seconds between the server's own liveness checks of members not heard from,
+once a member reported a loss (:meth:`SpanJobStrategy.run_segment`)."""
 DEFAULT_RENDEZVOUS_PORT = 29500
 DEFAULT_RENDEZVOUS_PORTS = 50
 DEFAULT_JOIN_TIMEOUT_S = 60.0
@@ -519,14 +524,33 @@ class SpanJobStrategy(FedAvg):
         # text) or by Flower's error code (reporter 0, the SuperLink)
         gone: dict[int, dict[int, str]] = {}
 
-        for reply, ticket in self._segment_replies(lambda: until[0]):
-            join = self._file_reply(reply, ticket.node_id, outcome, check, ranks, gone)
-            now = self.clock.now()
-            if join is not None:
-                until[0] = min(until[0], now + self._grace(join=join))
+        check_at = [math.inf]  # the server's next liveness check (after a loss)
+
+        def settle(now: float) -> None:
             silent = members - outcome.answered
             if silent and silent <= set(gone):
                 until[0] = min(until[0], now + LOST_CONFIRM_S)
+
+        def bound() -> float:
+            return min(until[0], check_at[0])
+
+        while True:
+            for reply, ticket in self._segment_replies(bound):
+                join = self._file_reply(
+                    reply, ticket.node_id, outcome, check, ranks, gone
+                )
+                now = self.clock.now()
+                if join is not None:
+                    until[0] = min(until[0], now + self._grace(join=join))
+                    check_at[0] = min(check_at[0], now + LIVENESS_CHECK_S)
+                settle(now)
+            now = self.clock.now()
+            silent = members - outcome.answered
+            if not silent or now >= until[0]:
+                break
+            self._check_liveness(silent - set(gone), gone)
+            check_at[0] = now + LIVENESS_CHECK_S
+            settle(now)
         outcome.lost = members - outcome.answered
         for node_id in sorted(outcome.lost):
             rank = ranks.get(node_id, -1)
@@ -553,6 +577,21 @@ class SpanJobStrategy(FedAvg):
         self.inflight.forget(sent)
         outcome.seconds = self.clock.now() - start
         return outcome
+
+    def _check_liveness(
+        self, silent: set[int], gone: dict[int, dict[int, str]]
+    ) -> None:
+        """The server's own liveness check of members not heard from: a node the
+        SuperLink no longer lists (it deregistered, or missed its heartbeats)
+        is gone (reporter 0, the SuperLink)."""
+        if not silent:
+            return
+        listed = set(self.inflight.grid.get_node_ids())
+        for node_id in sorted(silent - listed):
+            gone.setdefault(node_id, {})[0] = (
+                "the SuperLink no longer lists its node (it left, or missed its "
+                "heartbeats)"
+            )
 
     def _file_reply(
         self,
