@@ -1141,6 +1141,16 @@ def compare(
             for n, e in configs.items()
             if e["family"] == "flowerbed" and n != ours
         },
+        "others_reached": {
+            n: e["reached"][key]
+            for n, e in configs.items()
+            if e["family"] == "flowerbed" and n != ours
+        },
+        "others_seeds": {
+            n: len(e["seeds"])
+            for n, e in configs.items()
+            if e["family"] == "flowerbed" and n != ours
+        },
         "median_ttt_flowerbed": median_ttt(a, fraction, budget),
         "median_ttt_flower": median_ttt(b, fraction, budget),
         "reached_flowerbed": a["reached"][key],
@@ -1281,14 +1291,19 @@ def check_targets(comparisons: Mapping[str, Mapping[str, Any]]) -> list[dict[str
         fedbuff = c.get("others", {}).get(FEDBUFF)
         if fedbuff is None:
             continue
+        reached = c.get("others_reached", {}).get(FEDBUFF, 0)
+        seeds = c.get("others_seeds", {}).get(FEDBUFF, 0)
         out.append(
             {
                 "name": f"fedbuff-{name}",
-                "text": f"{name}: FedBuff with its defaults reaches the target no "
-                "later than the best-tuned Flower configuration (median over seeds)",
-                "met": bool(fedbuff <= c["median_ttt_flower"]),
+                "text": f"{name}: FedBuff with its defaults reaches the target (in "
+                "most seeds) no later than the best-tuned Flower configuration "
+                "(median over seeds)",
+                # a tie at the budget (neither reached it) is not a result
+                "met": bool(2 * reached > seeds and fedbuff <= c["median_ttt_flower"]),
                 "median_ttt_fedbuff": fedbuff,
                 "median_ttt_flower": c["median_ttt_flower"],
+                "fedbuff_reached": f"{reached} of {seeds}",
             }
         )
     if dev.get("available"):

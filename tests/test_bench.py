@@ -307,6 +307,8 @@ def _comparison(**fields: Any) -> dict[str, Any]:
         "energy_to_target_ratio_flower_over_flowerbed": {"geomean": 1.2},
         "samples_everyone": False,
         "others": {"fedbuff": 13.0},
+        "others_reached": {"fedbuff": 3},
+        "others_seeds": {"fedbuff": 3},
     }
     return {**out, **fields}
 
@@ -329,6 +331,13 @@ def test_targets_say_met_or_not_from_the_comparisons() -> None:
         "fedbuff-mnist1d-device": False,
         "ideal": False,
     }
+    # FedBuff as fast as Flower only because neither reached the target: not met
+    tie = _comparison(others={"fedbuff": 12.0}, others_reached={"fedbuff": 1})
+    met = {t["name"]: t["met"] for t in suite.check_targets({"mnist1d-device": tie})}
+    assert not met["fedbuff-mnist1d-device"]
+    tie["others_reached"] = {"fedbuff": 2}
+    met = {t["name"]: t["met"] for t in suite.check_targets({"mnist1d-device": tie})}
+    assert met["fedbuff-mnist1d-device"]
     dev["slow_accuracy_diff_points"] = {"mean": 2.9}
     met = {t["name"]: t["met"] for t in suite.check_targets({"mnist1d-device": dev})}
     assert not met["device-correlated"]
