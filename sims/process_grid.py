@@ -105,6 +105,19 @@ class _Node:
     pending: dict[str, Message] = field(default_factory=dict)
 
 
+def _await_ready(nodes: Iterable[_Node], timeout: float) -> None:
+    """Take each node process's "ready" (it has imported the ClientApp)."""
+    deadline = time.monotonic() + timeout
+    for node in nodes:
+        conn = node.conn
+        assert conn is not None
+        if not conn.poll(max(0.0, deadline - time.monotonic())):
+            raise TimeoutError(f"node {node.node_id} did not start within {timeout} s")
+        tag, _ = conn.recv()
+        if tag != "ready":
+            raise RuntimeError(f"node {node.node_id} sent {tag!r} before 'ready'")
+
+
 class ProcessGrid(Grid):
     """Flower ``Grid`` over local worker processes (see the module docstring).
 
@@ -192,24 +205,20 @@ class ProcessGrid(Grid):
                     os.environ[key] = value
         child.close()
         node.conn = parent
-        self._nodes[node.node_id] = node
         if wait:
-            self.wait_ready([node.node_id])
+            # Ready before it is listed: a node the strategy can see may be polled
+            # by pull_messages from another thread, which would take its "ready"
+            # for a reply (and this wait would then take the reply).
+            _await_ready([node], 120.0)
+        self._nodes[node.node_id] = node
         return node.node_id
 
     def wait_ready(
         self, node_ids: Iterable[int] | None = None, timeout: float = 120.0
     ) -> None:
         """Wait until the nodes' processes have imported the ClientApp."""
-        deadline = time.monotonic() + timeout
-        for node_id in list(node_ids) if node_ids is not None else list(self._nodes):
-            conn = self._nodes[node_id].conn
-            assert conn is not None
-            if not conn.poll(max(0.0, deadline - time.monotonic())):
-                raise TimeoutError(f"node {node_id} did not start within {timeout} s")
-            tag, _ = conn.recv()
-            if tag != "ready":
-                raise RuntimeError(f"node {node_id} sent {tag!r} before 'ready'")
+        ids = list(node_ids) if node_ids is not None else list(self._nodes)
+        _await_ready([self._nodes[i] for i in ids], timeout)
 
     def pid(self, node_id: int) -> int:
         return int(self._nodes[node_id].process.pid)
