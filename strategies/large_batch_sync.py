@@ -51,7 +51,6 @@ from flwr.app import (
     RecordDict,
 )
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Result
 from flwr.supercore import log
 
 from .span import (
@@ -285,14 +284,9 @@ class LargeBatchSync(SpanJobStrategy):
         self.speeds: dict[int, float] = {}
         """Smoothed samples per second of each member."""
         self.addresses: dict[int, str] = {}
-        self.lost: set[int] = set()
-        self.refused: dict[int, str] = {}
-        self.step = 0
         self.job = ""
-        self.central_optimizer: dict[str, np.ndarray] = {}
         self.cohort: list[int] = []
         self._plans: dict[int, MemberPlan] = {}
-        self._timeout = 3600.0
 
     def reference_job(self) -> ReferenceJob:
         """This job as one device would train it: pass it to
@@ -554,86 +548,52 @@ class LargeBatchSync(SpanJobStrategy):
             "dataset": self.dataset,
         }
 
-    # ------------------------------------------------------------------ the loop
-    def start(
-        self,
-        grid: Grid,
-        initial_arrays: ArrayRecord,
-        num_rounds: int = 3,
-        timeout: float = 3600,
-        train_config: ConfigRecord | None = None,
-        evaluate_config: ConfigRecord | None = None,
-        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
-    ) -> Result:
-        """Run ``num_rounds`` segments of ``steps_per_round`` steps (FedAvg's contract).
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Evaluation messages to ``fraction_evaluate`` of the last cohort's live
+        members (at least ``min_evaluate_nodes`` when there are) with the whole
+        model and :meth:`evaluation_query`."""
+        del grid
+        if self.fraction_evaluate <= 0:
+            return []
+        alive = [n for n in self.cohort if n not in self.lost]
+        count = max(
+            self.min_evaluate_nodes, math.ceil(len(alive) * self.fraction_evaluate)
+        )
+        record = ConfigRecord(dict(config))
+        record[keys.SPAN_QUERY] = json.dumps(self.evaluation_query())
+        record[keys.SERVER_ROUND] = server_round
+        return [
+            Message(
+                RecordDict(
+                    {self.arrayrecord_key: arrays, self.configrecord_key: record}
+                ),
+                dst_node_id=node,
+                message_type=MessageType.EVALUATE,
+                ttl=self._timeout,
+            )
+            for node in alive[: min(count, len(alive))]
+        ]
 
-        The Result's ``arrays`` is the last completed round's model. Raises
-        ``ValueError`` before sending anything when ``initial_arrays`` do not fit
-        the model and ``RuntimeError`` when fewer than ``min_train_nodes`` nodes
-        can take part (their reasons in the message). A round whose
-        ``max_attempts`` segments all fail ends the run (logged).
-        """
+    # ------------------------------------------------------------------ the rounds
+    def _check_initial(self, initial_arrays: ArrayRecord) -> None:
         check_initial_arrays(initial_arrays, self.reference_state, self.model)
-        self._timeout = float(timeout)
-        log(INFO, "Starting %s strategy:", type(self).__name__)
-        self.summary()
-        self.attach(grid)
-        self.job = f"lb-{uuid.uuid4().hex[:12]}"
-        train_config = ConfigRecord() if train_config is None else train_config
-        evaluate_config = ConfigRecord() if evaluate_config is None else evaluate_config
-        result = Result(arrays=initial_arrays)
-        arrays = initial_arrays
-        first_round = 1
-        resumed = self.resume(initial_arrays, result, num_rounds)
-        if resumed is not None:
-            first_round = resumed.round + 1
-            self.step = resumed.step
-            self.central_optimizer = resumed.optimizer
-            arrays = result.arrays = arrayrecord(resumed.arrays)
-        elif evaluate_fn is not None:
-            res = evaluate_fn(0, initial_arrays)
-            if res is not None:
-                result.evaluate_metrics_serverapp[0] = res
-        self.admit(grid, self.discover(grid, 10**6, timeout))
-        if len(self.speeds) < max(1, self.min_train_nodes):
-            reasons = "; ".join(
-                f"node {n}: {r}" for n, r in sorted(self.refused.items())
-            )
-            raise RuntimeError(
-                f"only {len(self.speeds)} node(s) can take part, min_train_nodes is "
-                f"{self.min_train_nodes}" + (f" ({reasons})" if reasons else "")
-            )
-        for server_round in range(first_round, num_rounds + 1):
-            log(INFO, "")
-            log(INFO, "[ROUND %s/%s] step %d", server_round, num_rounds, self.step)
-            done = self._round(server_round, arrays, train_config, grid)
-            if done is None:
-                log(WARNING, "round %d did not complete: stopping", server_round)
-                break
-            arrays, metrics = done
-            result.arrays = arrays
-            result.train_metrics_clientapp[server_round] = metrics
-            log(INFO, "\t└──> %s", dict(metrics))
-            evaluated = self._evaluate(server_round, arrays, evaluate_config, grid)
-            if evaluated is not None:
-                result.evaluate_metrics_clientapp[server_round] = evaluated
-            if evaluate_fn is not None:
-                res = evaluate_fn(server_round, arrays)
-                if res is not None:
-                    result.evaluate_metrics_serverapp[server_round] = res
-            self.save_round(
-                server_round, self.step, arrays, self.central_optimizer, result
-            )
-        return result
 
-    def _round(
-        self,
-        server_round: int,
-        arrays: ArrayRecord,
-        config: ConfigRecord,
-        grid: Grid,
-    ) -> tuple[ArrayRecord, MetricRecord] | None:
-        """Segments until one completes: each failure drops the lost members."""
+    def _new_job(self) -> None:
+        self.job = f"lb-{uuid.uuid4().hex[:12]}"
+
+    def _prepare_run(self, grid: Grid, done: int) -> None:
+        """Admit every connected node that profiles with a speed."""
+        del done
+        self.admit(grid, self.discover(grid, 10**6, self._timeout))
+        self._require_members(len(self.speeds))
+
+    def _segment_round(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> tuple[ArrayRecord | None, MetricRecord | None] | None:
+        """Segments until one completes (at most ``max_attempts``): each failure
+        drops the lost members."""
         for attempt in range(1, self.max_attempts + 1):
             self.admit(grid, grid.get_node_ids())  # newcomers and returning boards
             cohort = self.choose_cohort()
@@ -689,40 +649,3 @@ class LargeBatchSync(SpanJobStrategy):
         self.step += self.steps_per_round
         metrics[ROUND_ATTEMPTS] = attempt
         return new, metrics
-
-    def _evaluate(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> MetricRecord | None:
-        if self.fraction_evaluate <= 0:
-            return None
-        del grid
-        alive = [n for n in self.cohort if n not in self.lost]
-        count = max(
-            self.min_evaluate_nodes, math.ceil(len(alive) * self.fraction_evaluate)
-        )
-        chosen = alive[: min(count, len(alive))]
-        if not chosen:
-            return None
-        record = ConfigRecord(dict(config))
-        record[keys.SPAN_QUERY] = json.dumps(self.evaluation_query())
-        record[keys.SERVER_ROUND] = server_round
-        messages = [
-            Message(
-                RecordDict(
-                    {self.arrayrecord_key: arrays, self.configrecord_key: record}
-                ),
-                dst_node_id=node,
-                message_type=MessageType.EVALUATE,
-                ttl=self._timeout,
-            )
-            for node in chosen
-        ]
-        sent = self.inflight.push(messages, server_round)
-        replies = [
-            reply
-            for reply, _, _ in self.inflight.replies(
-                self.clock.now() + self._timeout, kind=MessageType.EVALUATE
-            )
-        ]
-        self.inflight.forget(sent)
-        return self.aggregate_evaluate(server_round, replies)

@@ -57,7 +57,6 @@ from flwr.app import (
     RecordDict,
 )
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Result
 from flwr.supercore import log
 
 from .span import (
@@ -385,16 +384,10 @@ class PipelineTraining(SpanJobStrategy):
         # The run's state.
         self.members: dict[int, SpanMember] = {}
         """Nodes admitted to the job (profiled, with an address)."""
-        self.lost: set[int] = set()
-        """Members that died or failed a plan the others could run."""
-        self.refused: dict[int, str] = {}
-        """Nodes that cannot take part, and why."""
         self.evaluate_timeout_s = query_timeout_s
         self.job = ""
         self.layout: Layout | None = None
-        self.step = 0
         self.central: dict[str, np.ndarray] = {}
-        self.central_optimizer: dict[str, np.ndarray] = {}
         self.holdings = Holdings(self.num_layers)
         self.events: list[str] = []
         """Re-partitions and recoveries, as logged."""
@@ -405,7 +398,6 @@ class PipelineTraining(SpanJobStrategy):
         """Node -> computing power measured when it was admitted."""
         self._pending: dict[int, MemberPlan] = {}
         self._sources: tuple[LayerSource, ...] = ()
-        self._timeout = 3600.0
         self._total_steps = 0
 
     def reference_job(self) -> ReferenceJob:
@@ -648,110 +640,40 @@ class PipelineTraining(SpanJobStrategy):
             for node_id in live[:count]
         ]
 
-    def evaluate_round(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> MetricRecord | None:
-        """Push :meth:`configure_evaluate`'s messages, wait at most
-        ``evaluate_timeout_s``, aggregate what came back."""
-        messages = list(self.configure_evaluate(server_round, arrays, config, grid))
-        if not messages:
-            return None
-        sent = self.inflight.push(messages, server_round)
-        until = self.clock.now() + self.evaluate_timeout_s
-        replies = [
-            r for r, _, _ in self.inflight.replies(until, kind=MessageType.EVALUATE)
-        ]
-        self.inflight.forget(sent)
-        return self.aggregate_evaluate(server_round, replies)
-
-    # ------------------------------------------------------------------ the loop
-    def start(
-        self,
-        grid: Grid,
-        initial_arrays: ArrayRecord,
-        num_rounds: int = 3,
-        timeout: float = 3600,
-        train_config: ConfigRecord | None = None,
-        evaluate_config: ConfigRecord | None = None,
-        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
-    ) -> Result:
-        """Run ``num_rounds`` rounds of ``steps_per_round`` pipeline steps.
-
-        FedAvg's contract: the Result's ``arrays`` is the whole model (the last
-        completed round's; the initial one if none completed). Raises
-        ``ValueError`` before sending anything when ``initial_arrays`` do not fit
-        the model, and ``RuntimeError`` when fewer than ``min_train_nodes`` nodes
-        can take part (each one's reason logged and in the message).
-        """
+    # ------------------------------------------------------------------ the rounds
+    def _check_initial(self, initial_arrays: ArrayRecord) -> None:
         check_initial_arrays(initial_arrays, self.reference_state, self.model)
-        self._timeout = float(timeout)
-        self._total_steps = num_rounds * self.steps_per_round
-        log(INFO, "Starting %s strategy:", type(self).__name__)
-        self.summary()
-        self.attach(grid)
-        train_config = ConfigRecord() if train_config is None else train_config
-        evaluate_config = ConfigRecord() if evaluate_config is None else evaluate_config
-        result = Result(arrays=initial_arrays)
+
+    def _new_job(self) -> None:
+        self._total_steps = self._num_rounds * self.steps_per_round
         self.job = f"pipe-{uuid.uuid4().hex[:12]}"
-        self.central = {k: v.numpy() for k, v in initial_arrays.items()}
-        arrays = initial_arrays
-        first_round = 1
-        resumed = self.resume(initial_arrays, result, num_rounds)
-        if resumed is not None:
-            first_round = resumed.round + 1
-            self.step = resumed.step
-            self.central = resumed.arrays
-            self.central_optimizer = resumed.optimizer
-            arrays = result.arrays = arrayrecord(resumed.arrays)
+
+    def _prepare_run(self, grid: Grid, done: int) -> None:
+        """The central copy is the (resumed) model; admit ``fraction_train`` of
+        the connected nodes (at least ``min_train_nodes``)."""
+        del done
+        self.central = dict(self._global_np)
         self.holdings = Holdings(self.num_layers, central_step=self.step)
-        if evaluate_fn is not None and resumed is None:
-            res = evaluate_fn(0, initial_arrays)
-            if res is not None:
-                result.evaluate_metrics_serverapp[0] = res
-        nodes = self.discover(grid, 10**6, timeout)
+        nodes = self.discover(grid, 10**6, self._timeout)
         take = max(self.min_train_nodes, math.ceil(len(nodes) * self.fraction_train))
         self.admit(grid, nodes[:take])
-        if len(self.members) < max(1, self.min_train_nodes):
-            reasons = "; ".join(
-                f"node {n}: {r}" for n, r in sorted(self.refused.items())
-            )
-            raise RuntimeError(
-                f"only {len(self.members)} node(s) can take part, min_train_nodes is "
-                f"{self.min_train_nodes}" + (f" ({reasons})" if reasons else "")
-            )
-        for server_round in range(first_round, num_rounds + 1):
-            log(INFO, "")
-            log(INFO, "[ROUND %s/%s] step %d", server_round, num_rounds, self.step)
-            self.admit(grid, grid.get_node_ids())  # newcomers, returning boards
-            done = self._round(server_round, train_config, grid, timeout)
-            if done is None:
-                log(WARNING, "round %d did not complete: stopping", server_round)
-                break
-            arrays, metrics = done
-            result.arrays = arrays
-            result.train_metrics_clientapp[server_round] = metrics
-            log(INFO, "\t└──> %s", dict(metrics))
-            evaluated = self.evaluate_round(server_round, arrays, evaluate_config, grid)
-            if evaluated is not None:
-                result.evaluate_metrics_clientapp[server_round] = evaluated
-            if evaluate_fn is not None:
-                res = evaluate_fn(server_round, arrays)
-                if res is not None:
-                    result.evaluate_metrics_serverapp[server_round] = res
-            self.save_round(
-                server_round, self.step, arrays, self.central_optimizer, result
-            )
-        return result
+        self._require_members(len(self.members))
+
+    def _evaluate_wait(self) -> float:
+        return self.evaluate_timeout_s
 
     def _event(self, text: str, quiet: bool = False) -> None:
         if not quiet:
             self.events.append(text)
         log(INFO, "PipelineTraining: %s", text)
 
-    def _round(
-        self, server_round: int, config: ConfigRecord, grid: Grid, timeout: float
-    ) -> tuple[ArrayRecord, MetricRecord] | None:
-        """Segments until the round's K steps are done, recovering from losses."""
+    def _segment_round(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> tuple[ArrayRecord | None, MetricRecord | None] | None:
+        """Admit newcomers, then segments until the round's K steps are done,
+        recovering from losses (each from the central copy: ``arrays``' values)."""
+        del arrays
+        self.admit(grid, grid.get_node_ids())  # newcomers, returning boards
         end = server_round * self.steps_per_round
         book = _Book()
         began = self.clock.now()
@@ -780,7 +702,7 @@ class PipelineTraining(SpanJobStrategy):
                 server_round, arrayrecord(self.central), config, grid
             )
             outcome = self.run_segment(
-                messages, server_round, timeout, self.check_reply
+                messages, server_round, self._timeout, self.check_reply
             )
             self.layout = layout
             if outcome.complete:

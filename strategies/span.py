@@ -25,9 +25,19 @@ three ways a segment can end badly:
   wrong shape): rejected and logged, its sender treated like a lost member for
   this segment (its layers are recovered from replicas), never the end of the job.
 
+Its rounds run through the one round template,
+:meth:`flowerbed.strategies.rounds.RoundLoop.start`: the template's start-up
+(Flower's lines, the clock, the initial evaluation) resumes from the span
+checkpoint (:meth:`SpanJobStrategy._resume`); a round's work is a segment round
+(:meth:`SpanJobStrategy._segment_round`, which ends the run when it returns
+None); evaluation pushes ``configure_evaluate``'s messages and hands the replies
+to ``aggregate_evaluate``; a completed round is checkpointed.
+
 Subclasses (``PipelineTraining``; the large-batch and fused-tile jobs) decide
-what a plan says and how replies combine into the model; they call
-:meth:`discover`, :meth:`profile_members` and :meth:`run_segment`. Rendezvous
+what a plan says and how replies combine into the model: they find their members
+in ``_prepare_run`` (:meth:`discover`, :meth:`profile_members`), run a round's
+segments in ``_segment_round`` (:meth:`run_segment`) and say which evaluation
+messages to send in ``configure_evaluate``. Rendezvous
 ports rotate over ``rendezvous_port .. rendezvous_port + rendezvous_ports - 1``,
 one per segment (a gloo group cannot shrink, so each segment has a new group).
 """
@@ -51,6 +61,7 @@ from flowerbed.parallel.plan import PLAN_KEY, MemberPlan, check_address
 from flowerbed.replies import ReplyRejected, check_evaluate_reply
 from flowerbed.strategies.accumulation import MetricsAccumulator
 from flowerbed.strategies.inflight import InFlight, Ticket
+from flowerbed.strategies.rounds import RoundLoop, RoundTally
 from flowerbed.strategies.sampling import WAIT_FOR_NODES_S
 from flowerbed.strategies.span_checkpoint import Resumed, SpanCheckpoint
 from flwr.app import (
@@ -64,7 +75,7 @@ from flwr.app import (
 )
 from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import FedAvg, Result
+from flwr.serverapp.strategy import Result, Strategy
 from flwr.supercore import log
 
 GONE_CODES = (
@@ -244,8 +255,15 @@ def arrayrecord(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
     return ArrayRecord({k: Array(np.asarray(v)) for k, v in arrays.items()})
 
 
-class SpanJobStrategy(FedAvg):
+class SpanJobStrategy(RoundLoop):
     """Base of strategies whose members train one job together (see module doc).
+
+    ``start()`` is :meth:`~flowerbed.strategies.rounds.RoundLoop.start` (FedAvg's
+    signature and Result: ``arrays`` is the last completed round's model, the
+    initial one if none completed). It raises ``ValueError`` before sending
+    anything when ``initial_arrays`` do not fit the model, and ``RuntimeError``
+    when fewer than ``min_train_nodes`` nodes can take part (each one's reason
+    logged and in the message).
 
     Parameters
     ----------
@@ -324,15 +342,22 @@ class SpanJobStrategy(FedAvg):
         self.join_timeout_s = float(join_timeout_s)
         self.timeout_s = float(timeout_s)
         self.reply_margin_s = float(reply_margin_s)
+        self._init_loop(None)  # the span checkpoint below, not RoundLoop's
         self.checkpoint = (
             None
             if checkpoint_path is None
             else SpanCheckpoint(checkpoint_path, type(self).__name__)
         )
         self.bad_ports: set[int] = set()
+        self.step = 0
+        """Global optimiser steps the job has completed."""
+        self.central_optimizer: dict[str, np.ndarray] = {}
+        """The optimiser state between segments (saved in checkpoints)."""
+        self.lost: set[int] = set()
+        """Members that died or failed a plan the others could run."""
+        self.refused: dict[int, str] = {}
+        """Nodes that cannot take part, and why."""
         self._segment = 0
-        self._inflight: InFlight | None = None
-        self._clock: Clock | None = None
 
     # ------------------------------------------------------------------ plumbing
     def attach(self, grid: Grid) -> None:
@@ -342,7 +367,7 @@ class SpanJobStrategy(FedAvg):
 
     @property
     def clock(self) -> Clock:
-        if self._clock is None:
+        if self._inflight is None:
             raise RuntimeError("call attach(grid) first")
         return self._clock
 
@@ -366,6 +391,151 @@ class SpanJobStrategy(FedAvg):
             f"{self.rendezvous_port + self.rendezvous_ports - 1} was reported in use; "
             "free some or choose another range (rendezvous_port)"
         )
+
+    # ------------------------------------------------------------------ the rounds
+    def start_wrapped(
+        self,
+        wrapper: Strategy,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int = 3,
+        timeout: float = 3600,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+    ) -> Result:
+        """Refused: a span job trains one model across its members, so there are
+        no client updates for a wrapper (differential privacy) to clip or noise."""
+        raise TypeError(
+            f"{type(wrapper).__name__} cannot wrap {type(self).__name__}: its "
+            "members train one model together and return it, not client updates "
+            "to clip and noise; run it unwrapped"
+        )
+
+    def _check_initial(self, initial_arrays: ArrayRecord) -> None:
+        """Raise ValueError unless ``initial_arrays`` fit the job's model (the
+        first thing ``start()`` does; subclasses check names and shapes)."""
+
+    def _new_job(self) -> None:
+        """Hook run when ``start()`` begins, before the resume (a subclass names
+        the job)."""
+
+    def _begin(
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int,
+        timeout: float,
+        train_config: ConfigRecord | None,
+        evaluate_config: ConfigRecord | None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None,
+    ) -> tuple[Result, int]:
+        """Check the initial arrays, start a new job, then the template's start-up
+        (which resumes through :meth:`_resume`)."""
+        self._check_initial(initial_arrays)
+        self._num_rounds = num_rounds
+        self._new_job()
+        return super()._begin(
+            grid,
+            initial_arrays,
+            num_rounds,
+            timeout,
+            train_config,
+            evaluate_config,
+            evaluate_fn,
+        )
+
+    def _resume(self, initial_arrays: ArrayRecord, result: Result) -> int:
+        """Resume from the span checkpoint (:meth:`resume`): the model, the step,
+        the optimiser state, the strategy's :meth:`state`; return the last
+        completed round (0 without a checkpoint)."""
+        resumed = self.resume(initial_arrays, result, self._num_rounds)
+        if resumed is None:
+            return 0
+        self.step = resumed.step
+        self.central_optimizer = dict(resumed.optimizer)
+        self.load_state(dict(resumed.state))
+        self._set_global(arrayrecord(resumed.arrays))
+        return resumed.round
+
+    def _require_members(self, count: int) -> None:
+        """Raise RuntimeError unless ``count`` members (at least one, at least
+        ``min_train_nodes``) can take part; the refused nodes' reasons are in
+        the message."""
+        if count >= max(1, self.min_train_nodes):
+            return
+        reasons = "; ".join(f"node {n}: {r}" for n, r in sorted(self.refused.items()))
+        raise RuntimeError(
+            f"only {count} node(s) can take part, min_train_nodes is "
+            f"{self.min_train_nodes}" + (f" ({reasons})" if reasons else "")
+        )
+
+    def _segment_round(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> tuple[ArrayRecord | None, MetricRecord | None] | None:
+        """A round's work: its segments from ``arrays`` (the current model), with
+        ``configure_train``'s messages; the new model (None: unchanged) and the
+        round's metrics, or None to end the run (the reason logged)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} does not say what a segment round is: "
+            "SpanJobStrategy is the base of PipelineTraining, LargeBatchSync and "
+            "TiledTraining"
+        )
+
+    def _train_stage(
+        self, server_round: int, config: ConfigRecord, grid: Grid, result: Result
+    ) -> None:
+        """The template's round work: a segment round; None from it ends the run."""
+        log(INFO, "%s: step %d", type(self).__name__, self.step)
+        done = self._segment_round(server_round, self._global, config, grid)
+        if done is None:
+            log(WARNING, "round %d did not complete: stopping", server_round)
+            self._stop = True
+            return
+        arrays, metrics = done
+        if metrics is not None:
+            log(INFO, "\t└──> %s", dict(metrics))
+            result.train_metrics_clientapp[server_round] = metrics
+        if arrays is not None:
+            self._set_global(arrays)
+            result.arrays = arrays
+            self._updates_applied += 1
+
+    def evaluate_members(
+        self, server_round: int, messages: Iterable[Message], wait: float
+    ) -> MetricRecord | None:
+        """Push evaluation ``messages``, wait at most ``wait`` clock seconds,
+        ``aggregate_evaluate`` what came back (None when there is nothing to send)."""
+        messages = list(messages)
+        if not messages:
+            return None
+        sent = self.inflight.push(messages, server_round)
+        until = self.clock.now() + wait
+        replies = [
+            reply
+            for reply, _, _ in self.inflight.replies(until, kind=MessageType.EVALUATE)
+        ]
+        self.inflight.forget(sent)
+        return self.aggregate_evaluate(server_round, replies)
+
+    def _evaluate_stage(
+        self, server_round: int, config: ConfigRecord, grid: Grid, result: Result
+    ) -> None:
+        """``configure_evaluate``'s messages, their replies aggregated."""
+        messages = self.configure_evaluate(server_round, self._global, config, grid)
+        metrics = self.evaluate_members(server_round, messages, self._evaluate_wait())
+        if metrics is not None:
+            log(INFO, "\t└──> Aggregated MetricRecord: %s", metrics)
+            result.evaluate_metrics_clientapp[server_round] = metrics
+
+    def _write_checkpoint(self, server_round: int, result: Result) -> None:
+        self.save_round(
+            server_round, self.step, self._global, self.central_optimizer, result
+        )
+
+    def _stall_cause(self, tally: RoundTally) -> str:
+        del tally
+        return "every segment failed: the warnings above name the lost members"
 
     # ------------------------------------------------------------------ checkpoints
     def resume(
@@ -397,6 +567,7 @@ class SpanJobStrategy(FedAvg):
                 {k: v.numpy() for k, v in arrays.items()},
                 optimizer,
                 result,
+                self.state(),
             )
 
     # ------------------------------------------------------------------ members

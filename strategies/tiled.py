@@ -63,7 +63,6 @@ from flwr.app import (
     RecordDict,
 )
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Result
 from flwr.supercore import log
 
 from .span import (
@@ -364,7 +363,6 @@ class TiledTraining(SpanJobStrategy):
         self.profile_size = profile_size
         self.eval_samples = eval_samples
         self.job = f"tiles-{int(time.time() * 1000) % 10**9}"
-        self.step = 0
         """Global steps done (the next segment starts here)."""
         self.boards: list[Board] = []
         self.segment: SegmentPlan | None = None
@@ -762,6 +760,46 @@ class TiledTraining(SpanJobStrategy):
         outcome = self.run_segment(messages, server_round, timeout, self.check_reply)
         return self.aggregate_segment(server_round, outcome)
 
+    def _evaluation_messages(
+        self,
+        server_round: int,
+        arrays: ArrayRecord,
+        config: ConfigRecord,
+        ttl: float,
+    ) -> list[Message]:
+        """Rank 0's evaluation message (none without a dataset or boards)."""
+        del server_round
+        if (
+            self.fraction_evaluate <= 0
+            or self.dataset == "synthetic"
+            or not self.boards
+        ):
+            return []
+        query = dict(self.profile_query())
+        query.update({"dataset": self.dataset, "eval-samples": self.eval_samples})
+        record = ConfigRecord(dict(config))
+        record[keys.SPAN_QUERY] = json.dumps(query)
+        head = self.rank_order(self.boards)[0].node_id
+        return [
+            Message(
+                RecordDict(
+                    {self.configrecord_key: record, self.arrayrecord_key: arrays}
+                ),
+                dst_node_id=head,
+                message_type=MessageType.EVALUATE,
+                ttl=ttl,
+            )
+        ]
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Rank 0 evaluates the whole model on the dataset's test split."""
+        del grid
+        return self._evaluation_messages(
+            server_round, arrays, config, self.round_timeout
+        )
+
     def evaluate_round(
         self,
         server_round: int,
@@ -770,93 +808,35 @@ class TiledTraining(SpanJobStrategy):
         timeout: float,
     ) -> MetricRecord | None:
         """Rank 0 evaluates the whole model on the dataset's test split."""
-        if (
-            self.fraction_evaluate <= 0
-            or self.dataset == "synthetic"
-            or not self.boards
-        ):
-            return None
-        query = dict(self.profile_query())
-        query.update({"dataset": self.dataset, "eval-samples": self.eval_samples})
-        record = ConfigRecord(dict(config))
-        record[keys.SPAN_QUERY] = json.dumps(query)
-        head = self.rank_order(self.boards)[0].node_id
-        message = Message(
-            RecordDict({self.configrecord_key: record, self.arrayrecord_key: arrays}),
-            dst_node_id=head,
-            message_type=MessageType.EVALUATE,
-            ttl=timeout,
-        )
-        sent = self.inflight.push([message], server_round)
-        replies = [
-            reply
-            for reply, _, _ in self.inflight.replies(
-                self.clock.now() + timeout, kind=MessageType.EVALUATE
-            )
-        ]
-        self.inflight.forget(sent)
-        return self.aggregate_evaluate(server_round, replies)
+        messages = self._evaluation_messages(server_round, arrays, config, timeout)
+        return self.evaluate_members(server_round, messages, timeout)
 
-    def start(
-        self,
-        grid: Grid,
-        initial_arrays: ArrayRecord,
-        num_rounds: int = 3,
-        timeout: float = 3600,
-        train_config: ConfigRecord | None = None,
-        evaluate_config: ConfigRecord | None = None,
-        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
-    ) -> Result:
-        """Run ``num_rounds`` segments of tiled training (FedAvg's signature).
-
-        A round whose segment fails (a board lost) changes no weights and is
-        counted; the next one re-plans without the lost boards. A plan that
-        cannot be made (too little memory, tiles smaller than their halo) ends
-        the run with the weights so far in the Result and the reason logged.
-        """
-        log(INFO, "Starting %s strategy:", self.__class__.__name__)
-        self.summary()
-        self.attach(grid)
-        self.round_timeout = timeout
-        train_config = ConfigRecord() if train_config is None else train_config
-        evaluate_config = ConfigRecord() if evaluate_config is None else evaluate_config
+    # ------------------------------------------------------------------ the rounds
+    def _check_initial(self, initial_arrays: ArrayRecord) -> None:
         self.check_arrays(to_numpy(initial_arrays), "initial_arrays")
-        self.boards = self.select_boards(grid, timeout)
-        self.plan_segment(self.boards)  # a plan that cannot be made fails here
-        result = Result()
-        result.arrays = initial_arrays
-        arrays = initial_arrays
-        if evaluate_fn:
-            first = evaluate_fn(0, arrays)
-            if first is not None:
-                result.evaluate_metrics_serverapp[0] = first
-        for server_round in range(1, num_rounds + 1):
-            log(INFO, "")
-            log(INFO, "[ROUND %s/%s]", server_round, num_rounds)
-            if self.segment is not None and not self.boards:
-                log(
-                    WARNING, "no boards left: stopping after round %d", server_round - 1
-                )
-                break
-            try:
-                new, metrics = self.train_round(
-                    grid, server_round, arrays, train_config, timeout
-                )
-            except (PlanError, TileError) as err:
-                # only after a loss: the first plan was checked above
-                log(WARNING, "round %d: no plan: %s; stopping", server_round, err)
-                break
-            result.train_metrics_clientapp[server_round] = metrics
-            if new is not None:
-                arrays = new
-                result.arrays = arrays
-            evaluation = self.evaluate_round(
-                server_round, arrays, evaluate_config, timeout
-            )
-            if evaluation is not None:
-                result.evaluate_metrics_clientapp[server_round] = evaluation
-            if evaluate_fn:
-                central = evaluate_fn(server_round, arrays)
-                if central is not None:
-                    result.evaluate_metrics_serverapp[server_round] = central
-        return result
+
+    def _prepare_run(self, grid: Grid, done: int) -> None:
+        """Pick the boards; a plan that cannot be made for them fails here."""
+        del done
+        self.round_timeout = self._timeout
+        self.boards = self.select_boards(grid, self._timeout)
+        self.plan_segment(self.boards)
+
+    def _segment_round(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> tuple[ArrayRecord | None, MetricRecord | None] | None:
+        """One segment: a failed one (a board lost) changes no weights and the
+        next round re-plans without the lost boards; no boards left, or no plan
+        for those left, ends the run."""
+        if self.segment is not None and not self.boards:
+            log(WARNING, "no boards left: stopping after round %d", server_round - 1)
+            return None
+        try:
+            return self.train_round(grid, server_round, arrays, config, self._timeout)
+        except (PlanError, TileError) as err:
+            # only after a loss: the first plan was checked in _prepare_run
+            log(WARNING, "round %d: no plan: %s; stopping", server_round, err)
+            return None
+
+    def _evaluate_wait(self) -> float:
+        return self.round_timeout
