@@ -422,10 +422,10 @@ def _configs() -> list[Config]:
         Config(
             "deadline",
             "flowerbed",
-            'DeadlineFedAvg with the defaults of `strategy = "deadline"` '
-            "(adaptive deadline with two speeds: the 80th percentile of recent "
-            "task times while it is at most 5x the 30th, else the 30th; partial "
-            "work sized to the deadline per device; late updates)",
+            'DeadlineFedAvg.recommended(), the defaults of `strategy = "deadline"` '
+            "(adaptive deadline at the 20th percentile of recent full-work task "
+            "times; partial work sized to the deadline per device, each node's "
+            "lateness after its deadline learnt from its replies; late updates)",
             _flowerbed("deadline"),
         ),
         Config(
@@ -462,19 +462,24 @@ def _configs() -> list[Config]:
         )
     )
     deadline = {"adaptive_deadline": True, "partial_work": True}
-    for name, options, text in (
+    variants: tuple[tuple[str, dict[str, Any], str], ...] = (
+        (
+            "deadline-two-speed",
+            {"deadline_percentile": None, "learn_margin": False},
+            "two speeds (the 80th percentile of recent task times while it is at "
+            "most 5x the 30th, else the 30th) and a fixed share of the deadline "
+            "for nodes (work_fraction 0.8): the default until this release",
+        ),
+        (
+            "deadline-fixed-share",
+            {"learn_margin": False},
+            "every node given 0.8 of the deadline (work_fraction), its lateness "
+            "not learnt",
+        ),
         (
             "deadline-p30",
             {"deadline_percentile": 30.0},
-            "deadline_percentile=30 every round, with the pacer (1-2 points lower "
-            "than Flower's FedAvg at equal rounds on the README's 20-round digits "
-            "example, tests/test_deadline_sweep.py)",
-        ),
-        (
-            "deadline-p30-nosizing",
-            {"deadline_percentile": 30.0, "min_batch_size": 0},
-            "deadline_percentile=30 and no work sizing (min_batch_size=0: slow "
-            "phones answer zero steps)",
+            "deadline_percentile=30",
         ),
         (
             "deadline-p80",
@@ -482,17 +487,13 @@ def _configs() -> list[Config]:
             "deadline_percentile=80 and no work sizing (min_batch_size=0)",
         ),
         (
-            "deadline-p80-sized",
-            {"deadline_percentile": 80.0},
-            "deadline_percentile=80 (with work sizing and the pacer): the default "
-            "before the two speeds",
-        ),
-        (
-            "deadline-two-pacer",
+            "deadline-pacer",
             {"pacer_step": 0.1},
-            "with the accuracy pacer on (pacer_step=0.1, as with a fixed percentile)",
+            "with Oort's pacer on (pacer_step=0.1)",
         ),
-    ):
+    )
+    for name, options, text in variants:
+        options = {"deadline_percentile": 20.0, "pacer_step": 0.0, **options}
         out.append(
             Config(
                 name,

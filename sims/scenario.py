@@ -25,6 +25,7 @@ from flowerbed.sims.notices import our_settings
 from flowerbed.sims.outputs import check_output_dir, summarise, write_run_folder
 from flowerbed.sims.population import cached_dataset, check_population
 from flowerbed.sims.recorder import RoundRecord, RunRecorder
+from flowerbed.strategies.options import RECOMMENDED_DEADLINES
 from flwr.app import ArrayRecord, ConfigRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, FedProx, Strategy
@@ -61,12 +62,15 @@ STRATEGIES: dict[str, StrategyFactory] = {
     "fedavg": lambda s: FedAvg(**flower_args(s)),
     "fedprox": lambda s: FedProx(proximal_mu=s.proximal_mu, **flower_args(s)),
     "runtime-weighted": flowerbed_strategy("RuntimeWeightedFedAvg"),
-    # deadline-s > 0: that fixed deadline; 0: an adaptive one (DeadlineFedAvg docs)
+    # deadline-s > 0: that fixed deadline; 0: the recommended adaptive one
+    # (RECOMMENDED_DEADLINES, DeadlineFedAvg docs)
     "deadline": flowerbed_strategy(
         "DeadlineFedAvg",
         deadline_s=lambda s: s.deadline_s or None,
         adaptive_deadline=lambda s: s.deadline_s == 0,
         partial_work=True,
+        deadline_percentile=RECOMMENDED_DEADLINES.deadline_percentile,
+        pacer_step=RECOMMENDED_DEADLINES.pacer_step,
     ),
     "fedbuff": flowerbed_strategy("FedBuff"),
 }

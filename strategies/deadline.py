@@ -6,13 +6,15 @@ import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from logging import INFO, WARNING
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 import numpy as np
 from flowerbed import keys
 from flowerbed.replies import UNAVAILABLE_CODES
 from flowerbed.strategies.checkpoints import (
+    FINITE,
     METRIC_VALUES,
+    NODE_IDS,
     NON_NEGATIVE,
     ROUNDS,
     Bounds,
@@ -42,6 +44,7 @@ from .options import (
     DEFAULT_WAIT_RATIO,
     FAST_PERCENTILE,
     PATIENT_PERCENTILE,
+    RECOMMENDED_DEADLINES,
     Deadlines,
     Staleness,
     copy_fields,
@@ -63,6 +66,16 @@ noisy accuracies. On the mnist1d suite (device-correlated labels, seeds 1-5)
 it wandered (up to 1.8 in seed 1: rounds of ~1.8x the 30th percentile) and the
 two-speed deadline reached 58.7% accuracy in 3,781, 5,603, 3,943, 4,558 and
 3,613 virtual s with it, 3,658, 3,322, 3,440, 3,628 and 4,460 without."""
+LATENESS_MEMORY = 3
+"""Replies per node whose largest lateness the node's deadline allows for."""
+LATENESS_SAMPLE = 100
+"""Lateness values of the fleet a node without its own is judged by."""
+LATENESS_PERCENTILE = 80.0
+"""Percentile of the fleet's lateness given to a node without its own."""
+LATENESS_SLACK = 0.02
+"""Share of the deadline kept free beyond a node's learnt lateness."""
+MIN_DEADLINE_SHARE = 0.1
+"""Smallest share of the deadline a node is given, however late it replies."""
 WHOLE_WORK_PERCENTILE = PATIENT_PERCENTILE
 """The adaptive deadline's percentile without partial work: without it the slow
 nodes' full-work durations are never seen, only that they did not finish, so
@@ -273,6 +286,7 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
     over_selection: float
     partial_work: bool
     work_fraction: float
+    learn_margin: bool
     min_batch_size: int
     late_updates: bool
     min_completion: int  # None resolved
@@ -343,6 +357,30 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
         self._round_least: list[float] = []
         self._batch: float | None = None
         """The round's assigned batch size (``batch-size`` of its config)."""
+        self.lateness: dict[int, list[float]] = {}
+        """Per node, the seconds its last (up to three) replies that stopped at
+        their deadline arrived after their ``deadline-s``, newest last
+        (:meth:`node_deadline`)."""
+        self._given: dict[int, float] = {}
+        """The ``deadline-s`` each node was last sent."""
+
+    @classmethod
+    def recommended(cls, *args: Any, **kwargs: Any) -> Self:
+        """The strategy with flowerbed's one recommended default.
+
+        ``DeadlineFedAvg.recommended(fraction_train=0.5)`` takes FedAvg's
+        arguments (and this class's, ``deadlines`` excepted) and sets
+        ``deadlines=RECOMMENDED_DEADLINES``: the configuration of ``strategy =
+        "deadline"`` that docs/BENCHMARKS.md compares with Flower's best-tuned
+        timeout on every workload. Plain ``DeadlineFedAvg()`` keeps its
+        documented defaults (no deadline: Flower's wait for all).
+        """
+        if "deadlines" in kwargs:
+            raise TypeError(
+                "recommended() sets deadlines itself: to choose them, use "
+                "DeadlineFedAvg(deadlines=Deadlines(...))"
+            )
+        return cls(*args, deadlines=RECOMMENDED_DEADLINES, **kwargs)
 
     def summary(self) -> None:
         """Log the configuration: the deadline branch, then the base strategy's."""
@@ -404,9 +442,36 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
         deadline = self.pacing * base
         if self.partial_work:
             least = self._least_seconds(server_round)
-            if least is not None and deadline * self.work_fraction < least:
-                deadline = least * self.deadline_growth / self.work_fraction
+            if least is not None:
+                deadline = max(deadline, self._deadline_floor(deadline, least))
         return min(deadline, self._timeout)
+
+    def _deadline_floor(self, deadline: float, least: float) -> float:
+        """The shortest deadline that leaves the percentile's node one step.
+
+        With the fleet's lateness ``l`` known (``learn_margin``, see
+        :meth:`node_deadline`): ``(P_p(least) + max(l, 0)) / (1 - 0.02)``, the
+        deadline whose ``deadline-s`` covers the transfers and one smallest
+        step. Otherwise, when ``work_fraction * D < P_p(least)``, ``D`` grows
+        as for a censored percentile to ``P_p(least) * deadline_growth /
+        work_fraction`` (the fixed share gives no better estimate of what
+        comes after ``deadline-s``). On digits with 50 phones (transfers ~85%
+        of a fast phone's task) that growth set rounds 1.6x the 30th
+        percentile's duration, longer than Flower's best timeout.
+        """
+        late = self._fleet_lateness() if self.learn_margin else None
+        if late is not None:
+            return (least + max(late, 0.0)) / (1 - LATENESS_SLACK)
+        if deadline * self.work_fraction < least:
+            return least * self.deadline_growth / self.work_fraction
+        return deadline
+
+    def _fleet_lateness(self) -> float | None:
+        """The 80th percentile of the fleet's last 100 lateness values."""
+        if not self.lateness:
+            return None
+        recent = [max(v) for v in list(self.lateness.values())[-LATENESS_SAMPLE:]]
+        return float(np.percentile(recent, LATENESS_PERCENTILE))
 
     def _least_seconds(self, server_round: int) -> float | None:
         """``P_p(least)``: what a partial-work deadline must leave a node.
@@ -434,9 +499,70 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
         rounds = self.max_staleness + 2 if self.late_updates else 2
         return max(self._deadline * rounds, MIN_MESSAGE_TTL_S)
 
+    def node_deadline(self, node_id: int, deadline: float) -> float:
+        """The ``deadline-s`` node ``node_id`` gets in a round of ``deadline`` s.
+
+        Without ``learn_margin``: ``work_fraction * D``. With it, ``D`` less
+        the time the node's replies need after its ``deadline-s``, learnt from
+        its replies that stopped at the deadline (partial work) or came after
+        it: ``l_i = t_rtt - deadline-s``. The node gets::
+
+            deadline-s = clamp(D - max(l, 0) - 0.02 D, 0.1 D, D)
+
+        with ``l`` the largest of the node's last three lateness values, else
+        the 80th percentile of that value over the last 100 nodes seen late,
+        else ``(1 - work_fraction) D``. The largest, not the last: a node stops
+        at its last whole step before ``deadline-s``, so one reply can
+        understate what comes after it by up to a step.
+
+        What comes after a node's ``deadline-s`` depends on the node: a
+        board's client stops training at it and then uploads
+        (``flowerbed.clients.timed``), a simulated device counts its
+        transfers in it, Flower's delivery adds the SuperNode's polling. A
+        fixed share of ``D`` cut the fast nodes' work where nothing comes
+        after it (in the suite's small fleets, a fifth of every round's steps)
+        and was too little where the upload is most of the task.
+        The 2% is a margin for jitter, not a measured value.
+        """
+        if not self.learn_margin:
+            return self.work_fraction * deadline
+        seen = self.lateness.get(node_id)
+        late = max(seen) if seen else self._fleet_lateness()
+        if late is None:
+            return self.work_fraction * deadline
+        given = deadline - max(late, 0.0) - LATENESS_SLACK * deadline
+        return min(deadline, max(MIN_DEADLINE_SHARE * deadline, given))
+
+    def _note_lateness(self, reply: Message, ticket: Ticket, arrived: float) -> None:
+        """Record how late after its ``deadline-s`` a reply that used all of it
+        arrived (see :meth:`node_deadline`): one that stopped short of its
+        assigned steps, or came after its ``deadline-s``, having done at least
+        one step (a node that could not start says nothing about what follows
+        its training)."""
+        given = self._given.get(ticket.node_id)
+        if given is None or reply.has_error() or not reply.has_content():
+            return
+        metrics = next(iter(reply.content.metric_records.values()), MetricRecord())
+        steps = _number(metrics, keys.NUM_STEPS)
+        if not steps:  # no step: its time says nothing of what follows training
+            return
+        round_trip = arrived - ticket.sent_at
+        stopped = (
+            steps is not None
+            and ticket.assigned_steps is not None
+            and steps < ticket.assigned_steps
+        )
+        if stopped or round_trip > given:
+            seen = self.lateness.pop(ticket.node_id, [])  # newest node last
+            self.lateness[ticket.node_id] = [*seen, round_trip - given][
+                -LATENESS_MEMORY:
+            ]
+
     def _node_config(self, node_id: int, config: ConfigRecord) -> ConfigRecord:
         if self.partial_work and self._deadline is not None:
-            config[keys.DEADLINE_S] = self.work_fraction * self._deadline
+            given = self.node_deadline(node_id, self._deadline)
+            self._given[node_id] = given
+            config[keys.DEADLINE_S] = given
             if self.min_batch_size:
                 config[keys.MIN_BATCH_SIZE] = self.min_batch_size
         return config
@@ -508,6 +634,7 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
             until, kind=MessageType.TRAIN, done=done
         ):
             staleness = server_round - ticket.server_round
+            self._note_lateness(reply, ticket, arrived)
             if staleness == 0:
                 handed = self._hand_over(
                     reply, ticket, arrived, self._bases[server_round]
@@ -737,6 +864,7 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
             "durations": [[o.round, o.seconds, o.censored] for o in self.durations],
             "progress": self.progress,
             "least": [[r, s] for r, s in self.least],
+            "lateness": [[n, s] for n, seen in self.lateness.items() for s in seen],
         }
         return state
 
@@ -751,8 +879,14 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
         ]
         progress = saved.numbers("progress", METRIC_VALUES)
         least = saved.rows("least", ROUNDS, NON_NEGATIVE) if "least" in saved else []
+        lateness = (
+            saved.rows("lateness", NODE_IDS, FINITE) if "lateness" in saved else []
+        )
         super().load_state(state)
         self.pacing = pacing
         self.durations = durations
         self.progress = progress
         self.least = [(int(r), float(s)) for r, s in least]
+        self.lateness = {}
+        for n, s in lateness:
+            self.lateness.setdefault(int(n), []).append(float(s))

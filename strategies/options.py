@@ -255,7 +255,14 @@ class Deadlines:
     partial_work : bool (default: False)
         Send ``deadline-s`` so nodes stop in time and report partial work.
     work_fraction : float (default: 0.8)
-        Share of the deadline nodes may train for (the rest is for upload).
+        Share of the deadline a node may use (``deadline-s``) until its
+        lateness is known (``learn_margin``), or always without it: the rest
+        is for transfers and delivery.
+    learn_margin : bool (default: True)
+        Learn each node's lateness (how long after its ``deadline-s`` its
+        reply arrives) from replies that stopped at their deadline, and send
+        ``deadline-s = D - lateness - 2% of D`` instead of ``work_fraction *
+        D`` (:meth:`~flowerbed.strategies.DeadlineFedAvg.node_deadline`).
     min_batch_size : int (default: 4)
         With partial work, also send ``min-batch-size``: a node that cannot
         finish one step of its batch inside the deadline trains one step on the
@@ -284,6 +291,7 @@ class Deadlines:
     over_selection: float = 1.0
     partial_work: bool = False
     work_fraction: float = 0.8
+    learn_margin: bool = True
     min_batch_size: int = DEFAULT_MIN_BATCH_SIZE
     late_updates: bool = True
     min_completion: int | None = 1
@@ -326,6 +334,21 @@ class Deadlines:
             ],
             "Deadlines",
         )
+
+
+RECOMMENDED_PERCENTILE = 20.0
+"""The recommended deadline's percentile of recent full-work durations."""
+RECOMMENDED_DEADLINES = Deadlines(
+    adaptive_deadline=True,
+    deadline_percentile=RECOMMENDED_PERCENTILE,
+    pacer_step=0.0,
+    partial_work=True,
+)
+"""flowerbed's one recommended default (``strategy = "deadline"``,
+:meth:`~flowerbed.strategies.DeadlineFedAvg.recommended`): an adaptive
+deadline at the 20th percentile of the last rounds' full-work durations,
+partial work sized to it per device with each node's lateness learnt, late
+updates, no pacer. Why these values: docs/strategies/deadline.md."""
 
 
 @dataclass(frozen=True)

@@ -350,3 +350,22 @@ def test_the_benchmark_and_the_run_config_mean_the_same_deadline_strategy() -> N
     settings = ("adaptive_deadline", "deadline_percentile", "partial_work")
     assert {k: vars(bench)[k] for k in settings} == {k: vars(run)[k] for k in settings}
     assert run.adaptive_deadline and run.partial_work and run.late_updates
+
+
+def test_the_run_configs_deadline_is_the_recommended_one_users_are_told_of() -> None:
+    # README's drop-in `DeadlineFedAvg.recommended(...)` and `strategy =
+    # "deadline"` are one configuration: RECOMMENDED_DEADLINES.
+    from flowerbed.sims.config import Scenario
+    from flowerbed.sims.scenario import STRATEGIES
+    from flowerbed.strategies.options import RECOMMENDED_DEADLINES
+
+    run = STRATEGIES["deadline"](Scenario.from_run_config({"strategy": "deadline"}))
+    mine = DeadlineFedAvg.recommended(fraction_train=0.5)
+    assert mine.deadlines == RECOMMENDED_DEADLINES
+    assert mine.fraction_train == 0.5
+    fields = [f for f in vars(RECOMMENDED_DEADLINES) if f != "deadline_s"]
+    assert {f: getattr(run, f) for f in fields} == {f: getattr(mine, f) for f in fields}
+    assert mine.deadline_percentile == 20.0 and mine.pacer_step == 0.0
+    assert mine.learn_margin and mine.partial_work and mine.adaptive_deadline
+    with pytest.raises(TypeError, match="sets deadlines itself"):
+        DeadlineFedAvg.recommended(deadlines=RECOMMENDED_DEADLINES)
