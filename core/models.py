@@ -28,7 +28,7 @@ virtual clock can charge in place of the small model actually trained.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
@@ -607,46 +607,73 @@ class ModelCutError(ValueError):
     """A model that cannot be cut into pipeline stages as asked."""
 
 
-def build_sequential(
-    name: str, args: dict[str, object] | None = None, seed: int | None = None
-) -> nn.Sequential:
-    """Build a layered model: a name from :data:`SEQUENTIAL_MODELS` or ``"pkg.mod:fn"``.
+def build_named_module(
+    name: str,
+    args: Mapping[str, object] | None = None,
+    seed: int | None = None,
+    importer: Callable[[str], Callable[..., object]] | None = None,
+    error: type[ValueError] = ValueError,
+) -> nn.Module:
+    """Any ``nn.Module``: a name from :data:`SEQUENTIAL_MODELS` or ``"pkg.mod:fn"``.
 
-    ``fn(**args)`` must return an ``nn.Sequential`` (raises :class:`ModelCutError`
-    otherwise); conv and linear layers are He-initialised, from ``seed`` if given,
-    so every process building the same spec gets the same weights.
+    ``fn(**args)`` builds it; conv and linear layers are He-initialised, from
+    ``seed`` if given, so every process building the same spec gets the same
+    weights. ``importer`` resolves a ``"pkg.mod:fn"`` name (default: import the
+    module, take the attribute). An unknown name, arguments the factory refuses,
+    or a factory that returns no ``nn.Module`` raise ``error``.
     """
-    import importlib
-
-    args = dict(args or {})
+    arguments = dict(args or {})
     if name in SEQUENTIAL_MODELS:
-        factory: Callable[..., nn.Module] = SEQUENTIAL_MODELS[name]
+        factory: Callable[..., object] = SEQUENTIAL_MODELS[name]
     elif ":" in name:
-        module, _, attr = name.partition(":")
-        try:
-            factory = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as err:
-            raise ValueError(f"model {name!r} cannot be imported: {err}") from err
+        factory = (importer or _import_factory)(name)
     else:
-        raise ValueError(
-            f"unknown layered model {name!r}; valid choices: "
+        raise error(
+            f"unknown model {name!r}; valid choices: "
             f"{', '.join(sorted(SEQUENTIAL_MODELS))}, or 'package.module:function'"
         )
     if seed is not None:
         torch.manual_seed(seed)
     try:
-        model = factory(**args)
+        model = factory(**arguments)
     except TypeError as err:
-        raise ValueError(
-            f"model {name!r} does not accept arguments {args}: {err}"
+        raise error(
+            f"model {name!r} does not accept arguments {arguments}: {err}"
         ) from err
+    if not isinstance(model, nn.Module):
+        raise error(
+            f"model {name!r} returned a {type(model).__name__}, not an nn.Module"
+        )
+    return he_init(model)
+
+
+def _import_factory(name: str) -> Callable[..., object]:
+    import importlib
+
+    module, _, attr = name.partition(":")
+    try:
+        factory: Callable[..., object] = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"model {name!r} cannot be imported: {err}") from err
+    return factory
+
+
+def build_sequential(
+    name: str, args: Mapping[str, object] | None = None, seed: int | None = None
+) -> nn.Sequential:
+    """A layered model (:func:`build_named_module`) that a pipeline can cut.
+
+    The model must be an ``nn.Sequential`` (raises :class:`ModelCutError`
+    otherwise).
+    """
+    model = build_named_module(name, args, seed)
     if not isinstance(model, nn.Sequential):
         raise ModelCutError(
             f"model {name!r} is a {type(model).__name__}, not an nn.Sequential: a "
             "pipeline cuts between top-level layers, so wrap the model's parts in "
             "an nn.Sequential (keep each residual block whole as one layer)"
         )
-    return he_init(model)  # type: ignore[return-value]
+    return model
 
 
 def layer_shapes(model: nn.Sequential, sample: torch.Tensor) -> list[tuple[int, ...]]:

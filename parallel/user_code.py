@@ -300,37 +300,21 @@ def build_module(
     """Any ``nn.Module``: a name of ``flowerbed.models.SEQUENTIAL_MODELS`` or a
     factory ``"package.module:function"`` called with ``args``.
 
-    Conv and linear layers are He-initialised from ``seed`` if given
-    (:func:`flowerbed.models.he_init`), as ``flowerbed.models.build_sequential``
-    does, so every process building the same name gets the same weights.
+    :func:`flowerbed.models.build_named_module` builds it (conv and linear
+    layers He-initialised from ``seed`` if given, so every process building the
+    same name gets the same weights); a name that does not import, arguments the
+    factory refuses or a result that is no ``nn.Module`` raise
+    :class:`UserCodeError`.
     """
-    import torch
-    from flowerbed.models import SEQUENTIAL_MODELS, he_init
-    from torch import nn
+    from flowerbed.models import build_named_module
 
-    arguments = dict(args or {})
-    if name in SEQUENTIAL_MODELS:
-        factory: Callable[..., Any] = SEQUENTIAL_MODELS[name]
-    elif ":" in name:
-        factory = load(name, "model")
-    else:
-        raise UserCodeError(
-            f"unknown model {name!r}; valid choices: "
-            f"{', '.join(sorted(SEQUENTIAL_MODELS))}, or '{SPEC_FORM}'"
-        )
-    if seed is not None:
-        torch.manual_seed(seed)
-    try:
-        model = factory(**arguments)
-    except TypeError as err:
-        raise UserCodeError(
-            f"model {name!r} does not accept arguments {arguments}: {err}"
-        ) from None
-    if not isinstance(model, nn.Module):
-        raise UserCodeError(
-            f"model {name!r} returned a {type(model).__name__}, not an nn.Module"
-        )
-    return he_init(model)
+    return build_named_module(
+        name,
+        args,
+        seed,
+        importer=lambda spec: load(spec, "model"),
+        error=UserCodeError,
+    )
 
 
 def cut_points(model: Any, name: str = "") -> Any:
