@@ -393,19 +393,10 @@ class SpanJobStrategy(RoundLoop):
         )
 
     # ------------------------------------------------------------------ the rounds
-    def start_wrapped(
-        self,
-        wrapper: Strategy,
-        grid: Grid,
-        initial_arrays: ArrayRecord,
-        num_rounds: int = 3,
-        timeout: float = 3600,
-        train_config: ConfigRecord | None = None,
-        evaluate_config: ConfigRecord | None = None,
-        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
-    ) -> Result:
+    def start_wrapped(self, wrapper: Strategy, *args: Any, **kwargs: Any) -> Result:
         """Refused: a span job trains one model across its members, so there are
         no client updates for a wrapper (differential privacy) to clip or noise."""
+        del args, kwargs
         raise TypeError(
             f"{type(wrapper).__name__} cannot wrap {type(self).__name__}: its "
             "members train one model together and return it, not client updates "
