@@ -7,12 +7,14 @@ but pushes messages and hands ``aggregate_train`` the replies as they arrive, on
 grid's clock (:func:`flowerbed.clock.clock_of`). Around those calls it keeps what a
 subclass needs to decide when a round closes (:class:`~.inflight.Arrival` per reply),
 warns when no update has been applied for :data:`STALL_ROUNDS` rounds, and writes and
-resumes checkpoints. Subclasses fill in the hooks: ``_prepare_round``,
-``_prepare_run``, ``_prepare_round``, ``_train_stage`` (a round's work: the
-asynchronous FedBuff fills a buffer here), ``_train_replies``, ``_close_train``,
-``_evaluate_stage``, ``_evaluate_wait``, ``_central_evaluation``, ``_after_round``,
-``_write_checkpoint``, ``_finish_run``, ``_stall_cause``, ``state``/``load_state``;
-a round that sets ``_stop`` ends the run.
+resumes checkpoints. Subclasses fill in the hooks: ``_prepare_run``,
+``_prepare_round``, ``_train_stage`` (a round's work: the asynchronous FedBuff
+fills a buffer here, the jobs that span devices run a segment round,
+:class:`~flowerbed.strategies.span.SpanJobStrategy`), ``_train_replies``,
+``_close_train``, ``_evaluate_stage``, ``_evaluate_wait``, ``_central_evaluation``,
+``_after_round``, ``_write_checkpoint``, ``_finish_run``, ``_resume``,
+``_stall_cause``, ``state``/``load_state``; a round that sets ``_stop`` ends the
+run.
 """
 
 from __future__ import annotations
