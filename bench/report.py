@@ -324,11 +324,18 @@ def _comparison_line(c: Mapping[str, Any]) -> str:
     to_target = c.get("energy_to_target_ratio_flower_over_flowerbed")
     if to_target is not None:
         n = c.get("energy_to_target_seeds", 0)
+        bounded = c.get("energy_to_target_bounded_seeds", 0)
+        where = f"{n} seed{'s' * (n != 1)} where flowerbed reached it"
+        if bounded:
+            where += (
+                f"; in {bounded} of them Flower never did, and its energy over "
+                "the whole run stands in for its energy to the target: a lower "
+                "bound"
+            )
         text += (
-            f", {_ci(to_target, 'geomean', '.2f')}x to the target"
-            + (f" ({n} seed{'s' * (n != 1)} where both reached it)" if n else "")
+            f", {_ci(to_target, 'geomean', '.2f')}x to the target ({where})"
             if to_target.get("geomean") is not None
-            else ", to the target: no seed where both reached it"
+            else ", to the target: no seed where flowerbed reached it"
         )
     if "slow_accuracy_diff_points" in c:
         text += (

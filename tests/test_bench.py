@@ -381,6 +381,19 @@ def test_the_comparison_uses_the_one_default_not_the_best_flowerbed_row() -> Non
     assert c["others"] == {"fedbuff": pytest.approx(fast / 2)}
     ratio = c["energy_to_target_ratio_flower_over_flowerbed"]
     assert ratio["geomean"] == pytest.approx(2.0) and c["energy_to_target_seeds"] == 3
+    # Flower never reaching the target in a seed: its whole run's energy is a
+    # lower bound of its energy to it, and the seed counts as bounded.
+    configs["flwr-fedavg-q50"]["energy_to"] = {"0.95": [50.0, None, None]}
+    configs["flwr-fedavg-q50"]["energy_j"] = [80.0, 75.0, 100.0]
+    c = suite.compare(w, s, summary)
+    assert c["energy_to_target_seeds"] == 3
+    assert c["energy_to_target_bounded_seeds"] == 2
+    ratio = c["energy_to_target_ratio_flower_over_flowerbed"]
+    assert ratio["geomean"] == pytest.approx((2.0 * 3.0 * 4.0) ** (1 / 3))
+    configs[suite.RECOMMENDED]["energy_to"] = {"0.95": [None] * 3}
+    c = suite.compare(w, s, summary)
+    assert c["energy_to_target_seeds"] == 0
+    assert c["energy_to_target_ratio_flower_over_flowerbed"]["geomean"] is None
     del configs[suite.RECOMMENDED]
     assert not suite.compare(w, s, summary)["available"]
 
