@@ -16,13 +16,18 @@ sends to its successor and receives from its predecessor at once: replication)
 and :func:`send_state` / :func:`recv_state` (one pair: layers moving at a
 segment start). States travel as serialised bytes, so names, dtypes and shapes
 arrive intact whatever the layer holds.
+
+Every mode's runner starts the same way: :func:`plan_training` reads the plan's
+training settings and imports its loss, :func:`plan_optimizer` builds the
+optimiser of the parameters the member holds; a name that does not import is a
+:class:`PlanError` before the member joins its group.
 """
 
 from __future__ import annotations
 
 import io
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,8 +39,9 @@ from torch import nn
 
 from .emulation import DeviceSpeed
 from .group import check_bindable
-from .plan import PlanError
+from .plan import MemberPlan, PlanError
 from .store import MOMENTUM_PREFIX, LayerStore, State
+from .user_code import LossFn, Training, UserCodeError
 
 MetricValue = int | float | list[int] | list[float]
 MOMENTUM_BUFFER = "momentum_buffer"
@@ -107,6 +113,36 @@ def lost_ranks_metric(lost_ranks: tuple[int, ...]) -> dict[str, MetricValue]:
     """The reply metric naming the peers a member found gone
     (:attr:`~flowerbed.parallel.group.PeerFailure.lost_ranks`); none when empty."""
     return {keys.SPAN_LOST_RANKS: list(lost_ranks)} if lost_ranks else {}
+
+
+def plan_training(plan: MemberPlan) -> tuple[Training, LossFn]:
+    """The plan's training settings and its loss, imported now: a loss or an
+    optimiser factory that does not import is a :class:`PlanError`."""
+    try:
+        training = Training.from_options(plan.options)
+        return training, training.loss_fn()
+    except UserCodeError as err:
+        raise PlanError(f"plan training: {err}") from None
+
+
+def plan_optimizer(
+    training: Training, plan: MemberPlan, params: Iterable[nn.Parameter]
+) -> torch.optim.Optimizer:
+    """The optimiser of ``params``: the job's own factory
+    (:meth:`Training.make_optimizer`) or, without one, SGD with the plan's
+    learning rate, momentum and weight decay; a factory that fails is a
+    :class:`PlanError`."""
+    try:
+        optimizer: torch.optim.Optimizer = training.make_optimizer(
+            params,
+            plan.lr,
+            lambda ps: torch.optim.SGD(
+                ps, lr=plan.lr, momentum=plan.momentum, weight_decay=plan.weight_decay
+            ),
+        )
+    except UserCodeError as err:
+        raise PlanError(f"plan training: {err}") from None
+    return optimizer
 
 
 def module_state(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> State:

@@ -65,11 +65,12 @@ from ..member import (
     load_module_state,
     lost_ranks_metric,
     module_state,
+    plan_training,
     result_arrays,
 )
 from ..plan import MemberPlan, PlanError
 from ..store import MOMENTUM_PREFIX
-from ..user_code import LossFn, Training, UserCodeError, build_module, set_lr
+from ..user_code import LossFn, UserCodeError, build_module, set_lr
 from .optimizers import LargeBatchOptimizer
 from .recipe import LrSchedule, loss_scale
 
@@ -267,11 +268,7 @@ def prepare(
     """The plan's :class:`Segment`: PlanError names a bad plan before anything runs."""
     share_of(plan)
     schedule = _schedule(plan)
-    try:
-        training = Training.from_options(plan.options)
-        loss_fn = training.loss_fn()
-    except UserCodeError as err:
-        raise PlanError(f"plan training: {err}") from None
+    training, loss_fn = plan_training(plan)
     model = build_member_model(plan, arrays)
     optimizer: LargeBatchOptimizer | torch.optim.Optimizer
     if training.custom_optimizer:

@@ -60,13 +60,15 @@ from ..member import (
     load_module_state,
     lost_ranks_metric,
     module_state,
+    plan_optimizer,
+    plan_training,
     recv_state,
     result_arrays,
     send_state,
 )
 from ..plan import SOURCE_CENTRAL, SOURCE_PEER, SOURCE_SELF, MemberPlan, PlanError
 from ..store import OWN, REPLICA, LayerStore, State, layer_of
-from ..user_code import Training, UserCodeError, build_layers
+from ..user_code import Training, build_layers
 
 INPUT_SHAPE = "input-shape"
 """Plan/query option: the shape of one sample (e.g. ``[1, 32, 32]``)."""
@@ -324,11 +326,7 @@ def run_segment(
     torch.manual_seed(plan.seed + plan.rank)
     model = _layers(plan.model, plan.model_args)
     check_pipeline_plan(plan, len(model))
-    try:
-        training = Training.from_options(plan.options)
-        training.loss_fn()  # a loss that cannot be imported fails before joining
-    except UserCodeError as err:
-        raise PlanError(f"plan training: {err}") from None
+    training, _ = plan_training(plan)  # a bad name fails before joining
     shape = _input_shape(plan.options)
     micro = plan.batch_size // plan.micro_batches
     shapes = layer_shapes(model, torch.zeros((micro, *shape)))
@@ -337,23 +335,7 @@ def run_segment(
     del model
     params = list(stage.parameters())
     # A stage of parameter-free layers (flatten, pooling) has nothing to optimise.
-    try:
-        optimizer = (
-            training.make_optimizer(
-                params,
-                plan.lr,
-                lambda ps: torch.optim.SGD(
-                    ps,
-                    lr=plan.lr,
-                    momentum=plan.momentum,
-                    weight_decay=plan.weight_decay,
-                ),
-            )
-            if params
-            else None
-        )
-    except UserCodeError as err:
-        raise PlanError(f"plan training: {err}") from None
+    optimizer = plan_optimizer(training, plan, params) if params else None
     timed = TimedModule(stage, context.speed)
     store = context.store(plan.job)
     store.prune([plan.start_step])  # older steps are done with, newer ones stale

@@ -37,10 +37,12 @@ from ..member import (
     load_module_state,
     lost_ranks_metric,
     module_state,
+    plan_optimizer,
+    plan_training,
     result_arrays,
 )
 from ..plan import MemberPlan, PlanError
-from ..user_code import Training, UserCodeError, build_layers
+from ..user_code import build_layers
 from .exact_step import (
     INPUT_SHAPE,
     TiledMember,
@@ -118,28 +120,11 @@ def prepare(
     model = _layers(plan.model, plan.model_args, plan.seed)
     geometry = front_geometry(model, settings.input_shape, settings.norm, costs=False)
     plan_layout = layout(geometry, settings.bounds, settings.weights, settings.bands)
-    try:
-        training = Training.from_options(plan.options)
-        member = TiledMember(
-            model,
-            plan_layout,
-            plan.rank,
-            settings,
-            speed=context.speed,
-            loss_fn=training.loss_fn(),
-        )
-        optimizer = training.make_optimizer(
-            member.modules().parameters(),
-            plan.lr,
-            lambda params: torch.optim.SGD(
-                params,
-                lr=plan.lr,
-                momentum=plan.momentum,
-                weight_decay=plan.weight_decay,
-            ),
-        )
-    except UserCodeError as err:
-        raise PlanError(f"plan training: {err}") from None
+    training, loss_fn = plan_training(plan)
+    member = TiledMember(
+        model, plan_layout, plan.rank, settings, speed=context.speed, loss_fn=loss_fn
+    )
+    optimizer = plan_optimizer(training, plan, member.modules().parameters())
     return member, optimizer, settings
 
 
