@@ -17,10 +17,10 @@ and :func:`send_state` / :func:`recv_state` (one pair: layers moving at a
 segment start). States travel as serialised bytes, so names, dtypes and shapes
 arrive intact whatever the layer holds.
 
-Every mode's runner starts the same way: :func:`plan_training` reads the plan's
-training settings and imports its loss, :func:`plan_optimizer` builds the
-optimiser of the parameters the member holds; a name that does not import is a
-:class:`PlanError` before the member joins its group.
+Every training mode's runner starts the same way: :func:`plan_training` reads
+the plan's training settings and imports its loss, :func:`plan_optimizer` builds
+the optimiser of the parameters the member holds; a name that does not import is
+a :class:`PlanError` before the member joins its group.
 """
 
 from __future__ import annotations
