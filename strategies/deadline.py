@@ -507,13 +507,17 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
         its replies that stopped at the deadline (partial work) or came after
         it: ``l_i = t_rtt - deadline-s``. The node gets::
 
-            deadline-s = clamp(D - max(l, 0) - 0.02 D, 0.1 D, D)
+            deadline-s = clamp(D - max(l, 0) - max(0.02 D, spread), 0.1 D, D)
 
         with ``l`` the largest of the node's last three lateness values, else
         the 80th percentile of that value over the last 100 nodes seen late,
         else ``(1 - work_fraction) D``. The largest, not the last: a node stops
         at its last whole step before ``deadline-s``, so one reply can
-        understate what comes after it by up to a step.
+        understate what comes after it by up to a step. ``spread`` is the
+        range of those three values (each taken as at least 0): a node whose
+        delivery varies (a SuperNode's polling, a ClientApp's start on a busy
+        board) keeps that much more in hand. The 2% is a margin for jitter,
+        not a measured value.
 
         What comes after a node's ``deadline-s`` depends on the node: a
         board's client stops training at it and then uploads
@@ -522,15 +526,16 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
         fixed share of ``D`` cut the fast nodes' work where nothing comes
         after it (in the suite's small fleets, a fifth of every round's steps)
         and was too little where the upload is most of the task.
-        The 2% is a margin for jitter, not a measured value.
         """
         if not self.learn_margin:
             return self.work_fraction * deadline
-        seen = self.lateness.get(node_id)
+        seen = [max(v, 0.0) for v in self.lateness.get(node_id, [])]
+        spread = max(seen) - min(seen) if seen else 0.0
         late = max(seen) if seen else self._fleet_lateness()
         if late is None:
             return self.work_fraction * deadline
-        given = deadline - max(late, 0.0) - LATENESS_SLACK * deadline
+        slack = max(LATENESS_SLACK * deadline, spread)
+        given = deadline - max(late, 0.0) - slack
         return min(deadline, max(MIN_DEADLINE_SHARE * deadline, given))
 
     def _note_lateness(self, reply: Message, ticket: Ticket, arrived: float) -> None:

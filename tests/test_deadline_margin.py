@@ -58,12 +58,13 @@ def test_a_late_board_gets_its_upload_taken_off_its_next_deadline() -> None:
     # and not sampled in round 2). Round 3's deadline-s for it is
     # 8 - 2.1 - 0.16 = 5.74: 5 steps, lands at 7.5 s, inside the round.
     # Stopping at its last whole step (5 s of 5.74 s) it looks only 1.76 s
-    # late; the largest of its recent values keeps round 4 in time too.
+    # late; the largest of its recent values keeps round 4 in time too, with
+    # their spread (0.34 s, more than 2% of D) in hand: 8 - 2.1 - 0.34 = 5.56.
     grid = FakeGrid({1: board(after_s=2.5), 2: board(after_s=0.0)})
     strategy = deadline_strategy()
     result = strategy.start(grid, weights(), num_rounds=4, train_config=ASSIGNED)
-    assert given(grid, 1) == pytest.approx([6.4, 5.74, 5.74])
-    assert strategy.lateness[1] == pytest.approx([2.1, 1.76, 1.76])
+    assert given(grid, 1) == pytest.approx([6.4, 5.74, 5.56])
+    assert strategy.lateness[1] == pytest.approx([2.1, 1.76, 1.94])
     assert result.train_metrics_clientapp[1][ROUND_PARTICIPANTS] == 1
     assert result.train_metrics_clientapp[3][ROUND_PARTICIPANTS] == 2
     assert result.train_metrics_clientapp[4][ROUND_PARTICIPANTS] == 2
@@ -87,6 +88,9 @@ def test_a_node_never_seen_late_gets_the_fleets_80th_percentile() -> None:
     strategy.lateness = {n: [0.0, float(n)] for n in range(1, 11)}  # 1 .. 10 s
     late = 8.2  # numpy's linear 80th percentile of 1..10
     assert strategy.node_deadline(99, 20.0) == pytest.approx(20 - late - 0.4)
+    # node 3's own values, 0 and 3 s: 3 s late with 3 s of spread in hand
+    assert strategy.node_deadline(3, 20.0) == pytest.approx(20 - 3 - 3)
+    strategy.lateness[3] = [2.9, 3.0]  # steady: 2% of D in hand
     assert strategy.node_deadline(3, 20.0) == pytest.approx(20 - 3 - 0.4)
 
 
