@@ -580,12 +580,10 @@ class LargeBatchSync(SpanJobStrategy):
     def _check_initial(self, initial_arrays: ArrayRecord) -> None:
         check_initial_arrays(initial_arrays, self.reference_state, self.model)
 
-    def _new_job(self) -> None:
-        self.job = f"lb-{uuid.uuid4().hex[:12]}"
-
     def _prepare_run(self, grid: Grid, done: int) -> None:
-        """Admit every connected node that profiles with a speed."""
+        """A new job; admit every connected node that profiles with a speed."""
         del done
+        self.job = f"lb-{uuid.uuid4().hex[:12]}"
         self.admit(grid, self.discover(grid, 10**6, self._timeout))
         self._require_members(len(self.speeds))
 

@@ -644,14 +644,12 @@ class PipelineTraining(SpanJobStrategy):
     def _check_initial(self, initial_arrays: ArrayRecord) -> None:
         check_initial_arrays(initial_arrays, self.reference_state, self.model)
 
-    def _new_job(self) -> None:
+    def _prepare_run(self, grid: Grid, done: int) -> None:
+        """A new job whose central copy is the (resumed) model; admit
+        ``fraction_train`` of the connected nodes (at least ``min_train_nodes``)."""
+        del done
         self._total_steps = self._num_rounds * self.steps_per_round
         self.job = f"pipe-{uuid.uuid4().hex[:12]}"
-
-    def _prepare_run(self, grid: Grid, done: int) -> None:
-        """The central copy is the (resumed) model; admit ``fraction_train`` of
-        the connected nodes (at least ``min_train_nodes``)."""
-        del done
         self.central = dict(self._global_np)
         self.holdings = Holdings(self.num_layers, central_step=self.step)
         nodes = self.discover(grid, 10**6, self._timeout)

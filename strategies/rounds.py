@@ -7,14 +7,14 @@ but pushes messages and hands ``aggregate_train`` the replies as they arrive, on
 grid's clock (:func:`flowerbed.clock.clock_of`). Around those calls it keeps what a
 subclass needs to decide when a round closes (:class:`~.inflight.Arrival` per reply),
 warns when no update has been applied for :data:`STALL_ROUNDS` rounds, and writes and
-resumes checkpoints. Subclasses fill in the hooks: ``_prepare_run``,
-``_prepare_round``, ``_train_stage`` (a round's work: the asynchronous FedBuff
-fills a buffer here, the jobs that span devices run a segment round,
-:class:`~flowerbed.strategies.span.SpanJobStrategy`), ``_train_replies``,
-``_close_train``, ``_evaluate_stage``, ``_evaluate_wait``, ``_central_evaluation``,
-``_after_round``, ``_write_checkpoint``, ``_finish_run``, ``_resume``,
-``_stall_cause``, ``state``/``load_state``; a round that sets ``_stop`` ends the
-run.
+resumes checkpoints. Subclasses fill in the hooks: ``_check_initial``,
+``_prepare_run``, ``_prepare_round``, ``_train_stage`` (a round's work: the
+asynchronous FedBuff fills a buffer here, the jobs that span devices run a
+segment round, :class:`~flowerbed.strategies.span.SpanJobStrategy`),
+``_train_replies``, ``_close_train``, ``_evaluate_stage``, ``_evaluate_wait``,
+``_central_evaluation``, ``_after_round``, ``_write_checkpoint``, ``_finish_run``,
+``_resume``, ``_stall_cause``, ``state``/``load_state``; a round that sets
+``_stop`` ends the run.
 """
 
 from __future__ import annotations
@@ -464,8 +464,10 @@ class RoundLoop(FedAvg):
         evaluate_config: ConfigRecord | None,
         evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None,
     ) -> tuple[Result, int]:
-        """Flower's start-up lines, clocks, resume, the check that the checkpoint
-        can be written (when rounds remain), the initial evaluation."""
+        """The check of ``initial_arrays``, Flower's start-up lines, clocks,
+        resume, the check that the checkpoint can be written (when rounds
+        remain), the initial evaluation."""
+        self._check_initial(initial_arrays)
         log(INFO, "Starting %s strategy:", type(self).__name__)
         log_strategy_start_info(
             num_rounds, initial_arrays, train_config, evaluate_config
@@ -534,6 +536,7 @@ class RoundLoop(FedAvg):
         and ``evaluate_fn``, as Flower's ``Strategy.start`` does, so a subclass
         overriding any of them changes the run.
         """
+        self._num_rounds = num_rounds
         result, done = self._begin(
             grid,
             initial_arrays,
@@ -545,7 +548,6 @@ class RoundLoop(FedAvg):
         )
         train_config = ConfigRecord() if train_config is None else train_config
         evaluate_config = ConfigRecord() if evaluate_config is None else evaluate_config
-        self._num_rounds = num_rounds
         self._stop = False
         self._prepare_run(grid, done)
         ran = 0
@@ -564,6 +566,10 @@ class RoundLoop(FedAvg):
                 break
         self._finish_run(result)
         return self._end(result, ran)
+
+    def _check_initial(self, initial_arrays: ArrayRecord) -> None:
+        """Hook run first, before anything is logged or sent: a subclass raises
+        ValueError when ``initial_arrays`` do not fit its model."""
 
     def _prepare_run(self, grid: Grid, done: int) -> None:
         """Hook run once before the first round (``done``: rounds a resumed run

@@ -34,8 +34,9 @@ None); evaluation pushes ``configure_evaluate``'s messages and hands the replies
 to ``aggregate_evaluate``; a completed round is checkpointed.
 
 Subclasses (``PipelineTraining``; the large-batch and fused-tile jobs) decide
-what a plan says and how replies combine into the model: they find their members
-in ``_prepare_run`` (:meth:`discover`, :meth:`profile_members`), run a round's
+what a plan says and how replies combine into the model: they check the
+initial arrays in ``_check_initial``, start the job and find its members in
+``_prepare_run`` (:meth:`discover`, :meth:`profile_members`), run a round's
 segments in ``_segment_round`` (:meth:`run_segment`) and say which evaluation
 messages to send in ``configure_evaluate``. Rendezvous
 ports rotate over ``rendezvous_port .. rendezvous_port + rendezvous_ports - 1``,
@@ -401,39 +402,6 @@ class SpanJobStrategy(RoundLoop):
             f"{type(wrapper).__name__} cannot wrap {type(self).__name__}: its "
             "members train one model together and return it, not client updates "
             "to clip and noise; run it unwrapped"
-        )
-
-    def _check_initial(self, initial_arrays: ArrayRecord) -> None:
-        """Raise ValueError unless ``initial_arrays`` fit the job's model (the
-        first thing ``start()`` does; subclasses check names and shapes)."""
-
-    def _new_job(self) -> None:
-        """Hook run when ``start()`` begins, before the resume (a subclass names
-        the job)."""
-
-    def _begin(
-        self,
-        grid: Grid,
-        initial_arrays: ArrayRecord,
-        num_rounds: int,
-        timeout: float,
-        train_config: ConfigRecord | None,
-        evaluate_config: ConfigRecord | None,
-        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None,
-    ) -> tuple[Result, int]:
-        """Check the initial arrays, start a new job, then the template's start-up
-        (which resumes through :meth:`_resume`)."""
-        self._check_initial(initial_arrays)
-        self._num_rounds = num_rounds
-        self._new_job()
-        return super()._begin(
-            grid,
-            initial_arrays,
-            num_rounds,
-            timeout,
-            train_config,
-            evaluate_config,
-            evaluate_fn,
         )
 
     def _resume(self, initial_arrays: ArrayRecord, result: Result) -> int:
