@@ -3,7 +3,8 @@
 The central evaluation (:class:`~flowerbed.sims.recorder.RunRecorder`) scores
 the global model on the whole test set every round. For a model that is a
 chain of 2-D convolutions, ReLUs, 2x2 max poolings, a flatten and linear layers
-(LeNet: :data:`CHAIN_LAYERS`), the convolutions can run on the kernels that
+(LeNet: the layers of :mod:`flowerbed.sims.layers` the node layout runs, from
+the model's one trace), the convolutions can run on the kernels that
 batched training compiles when opted in (:mod:`flowerbed.sims.conv_kernels`,
 ``FLOWERBED_C_KERNELS=1``) instead of oneDNN: the test set is cut into chunks
 of :data:`~flowerbed.sims.conv_kernels.LANES` images (the last one padded with
@@ -30,21 +31,28 @@ from flowerbed.sims.conv_kernels import (
     eligible,
     kernels_for,
 )
-from flowerbed.sims.grouped_sgd import pool_before_relu
-from torch import fx, nn
-
-CHAIN_LAYERS = (nn.Conv2d, nn.ReLU, nn.MaxPool2d, nn.Flatten, nn.Linear, nn.Identity)
-"""What the chain may hold (convolutions and poolings as :func:`kernel_pass`
-says; a flatten of all dimensions after the first; after it, no image layer)."""
+from flowerbed.sims.layers import (
+    Conv,
+    Flatten,
+    Linear,
+    MaxPool,
+    Unsupported,
+    layer_of,
+    pool_before_relu,
+    trace,
+)
+from torch import nn
 
 
 def kernel_pass(model: nn.Module) -> KernelPass | None:
     """``model``'s forward pass for inference (no autograd), its convolutions
-    on the compiled kernels; None when ``model`` is not a chain of
-    :data:`CHAIN_LAYERS` whose convolutions the kernels take (stride 1,
-    dilation 1, one group, numeric zero padding) and whose poolings are 2x2
-    windows of stride 2. Made once per model (cached); it reads the model's
-    weights at every call.
+    on the compiled kernels; None when ``model``'s trace is not a chain of
+    layers the node layout runs
+    (:attr:`~flowerbed.sims.layers.Layer.NODE_LAYOUT`), with convolutions the
+    kernels take (stride 1, dilation 1, one group, numeric zero padding),
+    poolings of 2x2 windows of stride 2, a flatten of all dimensions after the
+    first, and after it no image layer. Made once per model (cached); it reads
+    the model's weights at every call.
     """
     if model not in _PASSES:
         chain = _chain(model)
@@ -59,49 +67,37 @@ _PASSES: weakref.WeakKeyDictionary[nn.Module, KernelPass | None] = (
 
 
 def _chain(model: nn.Module) -> list[nn.Module] | None:
+    """The model's chain, each ReLU that feeds a max pooling moved after it
+    (:func:`~flowerbed.sims.layers.pool_before_relu`: the same values, exactly,
+    NaN included, from a quarter of the ReLUs); None if the pass does not run
+    it."""
     try:
-        traced = fx.symbolic_trace(model)
-    except Exception:  # data-dependent control flow, custom tracing
+        chain = trace(model).chain
+    except Unsupported:
         return None
-    chain: list[nn.Module] = []
-    previous = None
+    if chain is None:
+        return None
     images = True
-    for node in traced.graph.nodes:
-        if node.op == "placeholder" and previous is None:
-            previous = node
-        elif node.op == "call_module" and node.args == (previous,) and not node.kwargs:
-            module = traced.get_submodule(str(node.target))
-            if not _runs(module, images):
-                return None
-            images = images and not isinstance(module, nn.Flatten)
-            chain.append(module)
-            previous = node
-        elif node.op == "output" and node.args == (previous,):
-            return _pool_before_relu(chain) if not images and chain else None
-        else:
+    for module, name in chain:
+        if not _runs(module, name, images):
             return None
-    return None
+        images = images and not isinstance(module, nn.Flatten)
+    return None if images else [module for module, _ in pool_before_relu(chain)]
 
 
-def _pool_before_relu(chain: list[nn.Module]) -> list[nn.Module]:
-    """The chain with each ReLU that feeds a max pooling moved after it, as
-    :func:`~flowerbed.sims.grouped_sgd.pool_before_relu` moves it: the same
-    values (exactly, NaN included) from a quarter of the ReLUs."""
-    return [module for module, _ in pool_before_relu([(m, "") for m in chain])]
-
-
-def _runs(module: nn.Module, images: bool) -> bool:
+def _runs(module: nn.Module, name: str, images: bool) -> bool:
     """Whether the pass runs ``module`` where images (or, after the flatten,
     rows of features) arrive."""
-    if type(module) not in CHAIN_LAYERS:
+    layer = layer_of(module, name)  # in the table: the trace checked it
+    if not layer.NODE_LAYOUT:
         return False
-    if isinstance(module, nn.Conv2d):
-        return images and eligible(module, LANES)
-    if isinstance(module, nn.MaxPool2d):
+    if isinstance(layer, Conv):
+        return images and isinstance(module, nn.Conv2d) and eligible(module, LANES)
+    if isinstance(layer, MaxPool):
         return images and is_max_pool_2x2(module)
-    if isinstance(module, nn.Flatten):
-        return images and (module.start_dim, module.end_dim) == (1, -1)
-    if isinstance(module, nn.Linear):
+    if isinstance(layer, Flatten):
+        return images
+    if isinstance(layer, Linear):
         return not images
     return True  # ReLU, Identity
 
