@@ -2,86 +2,61 @@
 
 :func:`train_many` is :func:`flowerbed.clients.training.train_steps` for a group of
 nodes that share a model architecture: their weights are stacked along a leading
-node axis and every SGD step of every node is one vectorised computation (the
-forward pass by ``torch.func.vmap`` over ``torch.func.functional_call``, as in
-PyTorch's "Model ensembling" tutorial; the gradients by ordinary autograd), so
-the per-operator overhead that dominates tiny models is paid once per step
-instead of once per node and step. Each node keeps its own minibatch order (the
-same seeded permutation ``train_steps`` draws), its own step count, learning
-rate and FedProx term, so its result equals what ``train_steps`` computes for
-it alone, within float tolerance (different kernels sum in a different order;
-compare on the same convolution backend: PyTorch's oneDNN and native CPU paths
-themselves differ by ~1e-3 in MobileNet's weights after one step on digits).
+node axis and every SGD step of every node is one computation over all of them,
+through the layer library (:mod:`flowerbed.sims.layers`), so the per-operator
+overhead that dominates tiny models is paid once per step instead of once per
+node and step. Each node keeps its own minibatch order (the same seeded
+permutation ``train_steps`` draws), its own step count, learning rate and
+FedProx term, so its result equals what ``train_steps`` computes for it alone,
+within float tolerance (different kernels sum in a different order; compare on
+the same convolution backend: PyTorch's oneDNN and native CPU paths themselves
+differ by ~1e-3 in MobileNet's weights after one step on digits).
 
-Under vmap a convolution becomes one grouped convolution over all nodes; oneDNN
-runs those (and their backward pass) natively, where PyTorch's fallback loops
-over the groups: measured here, 50 MobileNet nodes train 10x faster with oneDNN
-on, so :func:`train_many` turns it on for its own computation only (per-node
-training keeps it off: see :func:`flowerbed.sims.node.single_threaded`).
+One step runs one of two ways, both from the library's layer objects:
 
-Models with buffers (batch-norm statistics) or random layers (dropout) cannot
-be batched this way; :func:`batchable` says which can.
+- a chain of layers whose backward is written out (LeNet, the 1-D CNN, the MLP,
+  logistic regression): :class:`~flowerbed.sims.grouped_sgd.GroupedSGD` walks
+  it back by hand and moves each node's weights in place as their gradients
+  come (1.3-1.5x fewer CPU-seconds per LeNet node-step than autograd, measured
+  here at 10 to 1,000 nodes);
+- any other graph of the library's layers (MobileNet's group norms and
+  residual additions): :class:`~flowerbed.sims.grouped.GroupedForward` runs
+  the forward pass and autograd the backward.
 
-The forward pass of models built from standard layers (every model of the zoo)
-skips vmap: :class:`~flowerbed.sims.grouped.GroupedForward` runs each layer on
-all nodes directly. For chains of convolutions, linear layers, ReLU, max
-pooling and flatten (LeNet, the 1-D CNN, the MLP, logistic regression) the
-backward pass skips autograd too: :class:`~flowerbed.sims.grouped_sgd.GroupedSGD`
-writes it out and moves each node's weights in place as their gradients come
-(1.3-1.5x fewer CPU-seconds per LeNet node-step, measured here at 10 to
-1,000 nodes). Other models (or layers they do not know) keep autograd, or vmap.
+A convolution of all nodes is one grouped convolution; oneDNN runs those (and
+their backward pass) natively, where PyTorch's fallback loops over the groups:
+measured here, 50 MobileNet nodes train 10x faster with oneDNN on, so
+:func:`train_many` turns it on for its own computation only (per-node training
+keeps it off: see :func:`flowerbed.sims.node.single_threaded`).
+
+Models the library does not run (buffers such as batch-norm statistics,
+random layers such as dropout, layers or functions not in its table) are
+trained per node; :func:`batchable` says which are batched.
 """
 
 from __future__ import annotations
 
 import functools
-import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from flowerbed.clients.training import TrainStats, minibatch_table, onednn
-from flowerbed.sims.grouped import grouped_forward
+from flowerbed.sims.grouped import GroupedForward, grouped_forward
 from flowerbed.sims.grouped_sgd import Rates, grouped_sgd
 from torch import nn
-from torch.func import functional_call, vmap
 
-UNBATCHABLE_LAYERS = (
-    nn.modules.dropout._DropoutNd,
-    nn.modules.batchnorm._NormBase,
-)
-"""Layers whose behaviour depends on randomness or on running statistics."""
+__all__ = ["NodeJob", "batchable", "grouped_forward", "train_many"]
 
 
 def batchable(model: nn.Module) -> bool:
-    """True when :func:`train_many` can train ``model``: no buffers or random
-    layers, every parameter trained.
-
-    The model's layers are looked at once (cached per model, as
-    :func:`~flowerbed.sims.grouped.grouped_forward` traces a model once: ~30 us
-    for LeNet, twice a round otherwise); which parameters are trained, at
-    every call.
-    """
-    parameters = _parameters(model)
-    return parameters is not None and all(p.requires_grad for p in parameters.values())
-
-
-_PARAMETERS: weakref.WeakKeyDictionary[nn.Module, dict[str, nn.Parameter] | None] = (
-    weakref.WeakKeyDictionary()
-)
-"""Parameters of models without buffers or random layers, None for the others."""
-
-
-def _parameters(model: nn.Module) -> dict[str, nn.Parameter] | None:
-    """The model's parameters by name, in order; None if it has buffers or
-    random layers (cached per model)."""
-    if model not in _PARAMETERS:
-        unbatchable = any(True for _ in model.buffers()) or any(
-            isinstance(m, UNBATCHABLE_LAYERS) for m in model.modules()
-        )
-        _PARAMETERS[model] = None if unbatchable else dict(model.named_parameters())
-    return _PARAMETERS[model]
+    """True when :func:`train_many` can train ``model``: the layer library runs
+    it (:func:`~flowerbed.sims.grouped.grouped_forward`, traced once per
+    model) and every parameter is trained (looked at every call)."""
+    return grouped_forward(model) is not None and all(
+        p.requires_grad for p in model.parameters()
+    )
 
 
 @dataclass(frozen=True)
@@ -121,13 +96,16 @@ def train_many(
         When ``model`` is not :func:`batchable`, or a job has no samples or
         negative steps.
     """
-    if not batchable(model):
+    grouped = grouped_forward(model)
+    if not batchable(model) or grouped is None:
         raise ValueError(
-            f"{type(model).__name__} has buffers or random layers: train it per node"
+            f"{type(model).__name__} has buffers, random layers, layers or "
+            "functions the layer library does not run (flowerbed.sims.layers."
+            "LAYERS), or frozen parameters: train it per node"
         )
     keep_freed_memory()
     with onednn():
-        return _train_groups(model, jobs)
+        return _train_groups(grouped, jobs)
 
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
@@ -165,7 +143,7 @@ def keep_freed_memory() -> bool:
 
 
 def _train_groups(
-    model: nn.Module, jobs: Sequence[NodeJob]
+    grouped: GroupedForward, jobs: Sequence[NodeJob]
 ) -> list[tuple[dict[str, np.ndarray], TrainStats]]:
     results: list[tuple[dict[str, np.ndarray], TrainStats] | None] = [None] * len(jobs)
     groups: dict[int, list[int]] = {}
@@ -177,16 +155,16 @@ def _train_groups(
         batch = max(1, min(job.batch_size, len(job.x)))
         groups.setdefault(batch, []).append(i)
     for batch, members in groups.items():
-        out = _train_group(model, [jobs[i] for i in members], batch)
+        out = _train_group(grouped, [jobs[i] for i in members], batch)
         for i, result in zip(members, out, strict=True):
             results[i] = result
     return [r for r in results if r is not None]
 
 
 def _train_group(
-    model: nn.Module, jobs: Sequence[NodeJob], batch: int
+    grouped: GroupedForward, jobs: Sequence[NodeJob], batch: int
 ) -> list[tuple[dict[str, np.ndarray], TrainStats]]:
-    names = list(_parameters(model) or ())
+    names = grouped.names
     n = len(jobs)
     # each node's own copy (moved in place), float32, stacked by NumPy: for a
     # round's arrays, ~40 against ~110 us (decoded to tensors, expanded, cloned)
@@ -201,7 +179,6 @@ def _train_group(
             )
             for name in names
         }
-    grouped = grouped_forward(model)
     written = grouped_sgd(grouped)
     if written is not None:
         stacked = written.lay_out(stacked)
@@ -229,20 +206,6 @@ def _train_group(
     # the steps all nodes take, laid out for the written-out step with one copy
     common = min(steps, default=0)
     packed = written.pack(x_steps[:common]) if written is not None else []
-    forward: Callable[[dict[str, torch.Tensor], torch.Tensor], torch.Tensor]
-    if grouped is not None:
-        forward = grouped
-    else:
-
-        def logits_of(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-            return functional_call(model, params, (x,))
-
-        # Only the forward pass is vectorised: the loss is taken outside vmap, where
-        # cross_entropy needs none of the decompositions (and their sympy import,
-        # ~1 s) that its batching rule pulls in.
-        forward = vmap(logits_of)
-    if written is None:  # the model's own layers run: in training mode
-        model.train()
     every_node = Rates(lr, mu, anchors)
     y_each = y_steps.unbind(0)
     for step in range(max(steps, default=0)):
@@ -251,7 +214,7 @@ def _train_group(
             if written is not None:
                 losses = written.step(stacked, packed[step], y, every_node)
             else:
-                losses = _autograd_step(forward, stacked, x_steps[step], y, every_node)
+                losses = _autograd_step(grouped, stacked, x_steps[step], y, every_node)
             full_losses.append(losses)
             continue
         rows = torch.tensor([i for i in range(n) if step < steps[i]])
@@ -261,7 +224,7 @@ def _train_group(
         if written is not None:
             losses = written.step(params, written.pack(x[None])[0], y, rates)
         else:
-            losses = _autograd_step(forward, params, x, y, rates)
+            losses = _autograd_step(grouped, params, x, y, rates)
         for name, t in stacked.items():  # the rows were copies: put them back
             t.index_copy_(0, rows, params[name])
         loss_sums.index_add_(0, rows, losses.mean(dim=1).double())
@@ -300,7 +263,7 @@ def _rows(
 
 
 def _autograd_step(
-    forward: Callable[[dict[str, torch.Tensor], torch.Tensor], torch.Tensor],
+    forward: GroupedForward,
     stacked: dict[str, torch.Tensor],
     x: torch.Tensor,
     y: torch.Tensor,

@@ -34,6 +34,7 @@ class GroupedForward:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.traced: Traced = trace(model)
+        self.names = [name for name, _ in model.named_parameters()]  # in order
 
     def __call__(
         self, params: dict[str, torch.Tensor], x: torch.Tensor

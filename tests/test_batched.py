@@ -328,23 +328,21 @@ class _Concat(nn.Module):
         return torch.cat([self.a(x.flatten(1)), self.b(x.flatten(1))], dim=1)
 
 
-def test_a_model_the_grouped_pass_cannot_run_trains_through_vmap() -> None:
-    model = _Concat()
+def test_a_model_the_layer_library_does_not_run_is_trained_per_node() -> None:
+    model = _Concat()  # torch.cat: not in the library's table
     assert grouped_forward(model) is None
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((12, 1, 2, 2)).astype(np.float32)
-    y = rng.integers(0, 5, 12)
+    assert not batchable(model)
     weights = {k: v.clone() for k, v in model.state_dict().items()}
-    jobs = [NodeJob(weights, x[i::2], y[i::2], 3, 4, 0.1, i) for i in range(2)]
-    for job, (trained, stats) in zip(jobs, train_many(model, jobs), strict=True):
-        alone = _Concat()
-        alone.load_state_dict(job.weights)
-        expected = train_steps(
-            alone, job.x, job.y, steps=3, batch_size=4, lr=0.1, seed=job.seed
-        )
-        assert stats.mean_loss == pytest.approx(expected.mean_loss, abs=1e-6)
-        for key, value in alone.state_dict().items():
-            assert torch.allclose(torch.from_numpy(trained[key]), value, atol=1e-6), key
+    x, y = np.zeros((4, 1, 2, 2), np.float32), np.zeros(4, np.int64)
+    with pytest.raises(ValueError, match="train it per node"):
+        train_many(model, [NodeJob(weights, x, y, 1, 2, 0.1, 0)])
+
+
+def test_a_model_with_frozen_parameters_is_trained_per_node() -> None:
+    model = build_model("logreg", 1, 40, 10)
+    assert batchable(model)
+    next(model.parameters()).requires_grad_(False)
+    assert not batchable(model)
 
 
 def test_models_with_buffers_or_random_layers_are_not_batched() -> None:
@@ -383,6 +381,9 @@ def _train_messages(grid: object, server_round: int) -> list[Message]:
 
 
 def test_train_batch_answers_each_message_as_train_does() -> None:
+    # the global generator's state (the tests run before) otherwise sets the
+    # model's initial weights; on some the two paths end ~7e-5 apart in a loss
+    torch.manual_seed(0)
     grid = build_fleet_grid(RUN, batch=False)
     contexts = {n: grid.context(n) for n in grid.get_node_ids()}
     messages = _train_messages(grid, server_round=1)
