@@ -196,19 +196,30 @@ def onednn() -> Iterator[None]:
         torch.backends.mkldnn.enabled = was  # type: ignore[assignment]
 
 
-def max_pool_2x2(x: torch.Tensor) -> torch.Tensor:
+def max_pool_2x2(x: torch.Tensor, height_dim: int = -2) -> torch.Tensor:
     """``max_pool2d(x, 2)``: the maximum of each 2x2 window, as two elementwise
     maxima (of row pairs, then of column pairs) over strided views.
 
-    The same values (a maximum is exact; NaN propagates as in ``max_pool2d``);
-    a trailing odd row or column is dropped, as ``max_pool2d`` drops it. PyTorch's
-    CPU kernel without indices (what inference runs) walks each channel's plane
-    on its own and is slow on small planes: measured here on digits' 360 test
-    images, LeNet's two poolings 0.73 and 0.47 ms that way, 0.08 and 0.07 ms here.
+    Rows are dimension ``height_dim`` of ``x``, columns the one after it (the
+    last two by default; the compiled kernels' layout ``(nodes, H, W, C,
+    batch)`` has them at 1 and 2). The same values (a maximum is exact; NaN
+    propagates as in ``max_pool2d``); a trailing odd row or column is dropped,
+    as ``max_pool2d`` drops it. PyTorch's CPU kernel without indices (what
+    inference runs) walks each channel's plane on its own and is slow on small
+    planes: measured here on digits' 360 test images, LeNet's two poolings 0.73
+    and 0.47 ms that way, 0.08 and 0.07 ms here.
     """
-    height, width = x.shape[-2] // 2 * 2, x.shape[-1] // 2 * 2
-    rows = torch.maximum(x[..., 0:height:2, :width], x[..., 1:height:2, :width])
-    return torch.maximum(rows[..., 0::2], rows[..., 1::2])
+    lead = (slice(None),) * (height_dim % x.dim())
+    height = x.shape[len(lead)] // 2 * 2
+    width = x.shape[len(lead) + 1] // 2 * 2
+    rows = torch.maximum(
+        x[(*lead, slice(0, height, 2), slice(None, width))],
+        x[(*lead, slice(1, height, 2), slice(None, width))],
+    )
+    return torch.maximum(
+        rows[(*lead, slice(None), slice(0, None, 2))],
+        rows[(*lead, slice(None), slice(1, None, 2))],
+    )
 
 
 _INFERENCE: weakref.WeakKeyDictionary[nn.Module, Callable[..., torch.Tensor]] = (

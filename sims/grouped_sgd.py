@@ -97,6 +97,8 @@ class GroupedSGD:
                 layer.in_place = bool(layers) and isinstance(
                     layers[-1], Weighted | MaxPool
                 )
+            if isinstance(layer, MaxPool):  # for its backward, in inference mode
+                layer.keep_indices = True
             layers.append(layer)
         self.layers = layers
         self.node_layers = _node_layers(chain, layers)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import weakref
 
 import torch
-from flowerbed.clients.training import is_max_pool_2x2
+from flowerbed.clients.training import is_max_pool_2x2, max_pool_2x2
 from flowerbed.sims.conv_kernels import (
     LANES,
     ConvKernels,
@@ -132,7 +132,7 @@ class KernelPass:
                 elif isinstance(module, nn.ReLU):  # on a tensor made here
                     h = torch.relu_(h)
                 elif isinstance(module, nn.MaxPool2d):
-                    h = _max_pool_2x2(h)
+                    h = max_pool_2x2(h, height_dim=1)  # (chunks, H, W, C, LANES)
                 elif isinstance(module, nn.Flatten):  # each image's (C, H, W)
                     h = h.permute(0, 4, 3, 1, 2).reshape(chunks * LANES, -1)
                 elif isinstance(module, nn.Linear):
@@ -151,15 +151,6 @@ def _convolve(kernels: ConvKernels, module: nn.Conv2d, h: torch.Tensor) -> torch
     else:
         bias = module.bias.detach().expand(chunks, module.out_channels).contiguous()
     return kernels.forward(h, weights, bias)
-
-
-def _max_pool_2x2(h: torch.Tensor) -> torch.Tensor:
-    """2x2 max pooling of stride 2 of ``(chunks, H, W, C, LANES)`` images, as
-    :func:`~flowerbed.clients.training.max_pool_2x2`: two elementwise maxima
-    (exact), a trailing odd row or column dropped."""
-    height, width = h.shape[1] // 2 * 2, h.shape[2] // 2 * 2
-    rows = torch.maximum(h[:, 0:height:2, :width], h[:, 1:height:2, :width])
-    return torch.maximum(rows[:, :, 0::2], rows[:, :, 1::2])
 
 
 def _kernels(

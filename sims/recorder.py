@@ -29,6 +29,7 @@ from flowerbed.data import Dataset
 from flowerbed.grid import GridWrapper
 from flowerbed.models import build_model
 from flowerbed.sims.engine import VirtualClock, metric_records, reply_duration
+from flowerbed.sims.grouped import evaluation_logits
 from flowerbed.sims.kernel_inference import kernel_pass
 from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.serverapp import Grid
@@ -219,24 +220,29 @@ class RunRecorder:
 def _scores(model: nn.Module, data: Dataset) -> tuple[float, float]:
     """Loss and accuracy of ``model`` on the test set, for the central evaluation.
 
-    The forward pass runs its convolutions on the kernels batched training
-    compiles where the model allows it
-    (:func:`~flowerbed.sims.kernel_inference.kernel_pass`: LeNet), else on
-    oneDNN, whatever the process's nodes use
-    (:func:`flowerbed.sims.node.single_threaded` turns it off for their small
-    batches). Measured here on digits' 360 test images (one thread), LeNet's two
-    convolutions take ~0.04 and ~0.08 ms on the kernels, ~0.2 and ~0.17 ms on
-    oneDNN, ~0.32 and ~0.33 ms on PyTorch's own kernels. Each sums in its own
-    order: losses and accuracies agree within float tolerance, not bit for bit.
-    (Until 2026-11-27 the round-0 evaluation of a fresh process ran on oneDNN,
-    no node having run yet, and the later ones on PyTorch's kernels.)
+    The forward pass is the layer library's, as batched training runs it
+    (:func:`~flowerbed.sims.grouped.evaluation_logits`, one node), on oneDNN
+    whatever the process's nodes use (:func:`flowerbed.sims.node.single_threaded`
+    turns it off for their small batches); opted in to the compiled kernels,
+    their pass where the model allows it
+    (:func:`~flowerbed.sims.kernel_inference.kernel_pass`: LeNet). Measured here
+    on digits' 360 test images (one thread), LeNet's two convolutions take ~0.04
+    and ~0.08 ms on the kernels, ~0.2 and ~0.17 ms on oneDNN, ~0.32 and ~0.33 ms
+    on PyTorch's own kernels. Each sums in its own order: losses and accuracies
+    agree within float tolerance, not bit for bit. Models the library does not
+    run are scored by :func:`~flowerbed.clients.training.evaluate`, as a node
+    scores them.
     """
+    x = torch.from_numpy(np.ascontiguousarray(data.x_test))
     forward = kernel_pass(model)
     if forward is not None:
-        logits = forward(torch.from_numpy(np.ascontiguousarray(data.x_test)))
+        logits = forward(x)
         if logits is not None:
             return scores(logits, data.y_test)
     with onednn():
+        logits = evaluation_logits(model, x)
+        if logits is not None:
+            return scores(logits, data.y_test)
         return evaluate(model, data.x_test, data.y_test)
 
 
@@ -248,9 +254,9 @@ def _evaluation_model(
     its state's elements by name (NumPy views of its tensors) when :func:`_load`
     may copy into them directly.
 
-    Each round loads its weights into the model, and its inference pass
-    (:func:`~flowerbed.clients.training.inference_pass`, a ``torch.fx`` trace,
-    ~3.5 ms for LeNet) is made once, not once per run.
+    Each round loads its weights into the model, and its trace
+    (:func:`flowerbed.sims.layers.trace`, ~3.5 ms for LeNet) is made once, not
+    once per run.
     """
     model = build_model(name, in_channels, image_size, classes)
     plain = all(
