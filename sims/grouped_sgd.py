@@ -123,13 +123,13 @@ class GroupedSGD:
         if x.dim() == 6 and self.node_layers is not None:
             steps, n, batch = x.shape[:3]
             padded = -(-batch // LANES) * LANES
-            if padded <= 2 * batch and self._kernels_ready((padded, *x.shape[3:])):
+            if padded <= 2 * batch and self.kernels_ready((padded, *x.shape[3:])):
                 packed = x.new_zeros(steps, n, *x.shape[4:], x.shape[3], padded)
                 packed[..., :batch] = x.permute(0, 1, 4, 5, 3, 2)
                 return [(p, True) for p in packed.unbind(0)]
         return grouped_inputs(x)
 
-    def _kernels_ready(self, sample: tuple[int, ...]) -> bool:
+    def kernels_ready(self, sample: tuple[int, ...]) -> bool:
         """Whether the node layout runs a batch of ``(batch, C, H, W)`` images
         (the kernels of every convolution compiled: cached per size)."""
         if self.node_layers is None:

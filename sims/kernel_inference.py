@@ -1,15 +1,16 @@
 """The central evaluation's forward pass, its convolutions on the compiled kernels.
 
 The central evaluation (:class:`~flowerbed.sims.recorder.RunRecorder`) scores
-the global model on the whole test set every round. For a model that is a
-chain of 2-D convolutions, ReLUs, 2x2 max poolings, a flatten and linear layers
-(LeNet: the layers of :mod:`flowerbed.sims.layers` the node layout runs, from
-the model's one trace), the convolutions can run on the kernels that
-batched training compiles when opted in (:mod:`flowerbed.sims.conv_kernels`,
-``FLOWERBED_C_KERNELS=1``) instead of oneDNN: the test set is cut into chunks
-of :data:`~flowerbed.sims.conv_kernels.LANES` images (the last one padded with
-zeros), each chunk one of the kernels' "nodes" (``(chunks, H, W, C, 16)`` in
-memory), with the weights repeated for every chunk. Measured here on digits'
+the global model on the whole test set every round. For a model that batched
+training runs on the kernels it compiles when opted in
+(:mod:`flowerbed.sims.conv_kernels`, ``FLOWERBED_C_KERNELS=1``; LeNet: a chain
+of 2-D convolutions, ReLUs, max poolings, a flatten and linear layers), the
+evaluation runs the same layer objects (the node-layout layers of
+:class:`~flowerbed.sims.grouped_sgd.GroupedSGD`) instead of oneDNN: the test
+set is cut into chunks of :data:`~flowerbed.sims.conv_kernels.LANES` images
+(the last one padded with zeros), each chunk one of the kernels' "nodes"
+(``(chunks, H, W, C, 16)`` in memory), with the weights repeated for every
+chunk. Measured here on digits'
 360 test images (one thread): LeNet's two convolutions take ~0.04 and ~0.08 ms
 on the kernels against ~0.2 and ~0.17 ms on oneDNN (which pads 1 and 6
 channels to blocks of 16 and reorders to and from its blocked layout), the
@@ -23,40 +24,30 @@ from __future__ import annotations
 import weakref
 
 import torch
-from flowerbed.clients.training import is_max_pool_2x2, max_pool_2x2
-from flowerbed.sims.conv_kernels import (
-    LANES,
-    ConvKernels,
-    ConvShape,
-    eligible,
-    kernels_for,
-)
-from flowerbed.sims.layers import (
-    Conv,
-    Flatten,
-    Linear,
-    MaxPool,
-    Unsupported,
-    layer_of,
-    pool_before_relu,
-    trace,
-)
+from flowerbed.sims.conv_kernels import LANES
+from flowerbed.sims.grouped import grouped_forward
+from flowerbed.sims.grouped_sgd import GroupedSGD, grouped_sgd
+from flowerbed.sims.layers import Weighted
 from torch import nn
 
 
 def kernel_pass(model: nn.Module) -> KernelPass | None:
     """``model``'s forward pass for inference (no autograd), its convolutions
-    on the compiled kernels; None when ``model``'s trace is not a chain of
-    layers the node layout runs
-    (:attr:`~flowerbed.sims.layers.Layer.NODE_LAYOUT`), with convolutions the
-    kernels take (stride 1, dilation 1, one group, numeric zero padding),
-    poolings of 2x2 windows of stride 2, a flatten of all dimensions after the
-    first, and after it no image layer. Made once per model (cached); it reads
-    the model's weights at every call.
+    on the compiled kernels; None when batched training would not run
+    ``model`` on them: its trace is not a chain of layers with a written-out
+    backward (:class:`~flowerbed.sims.grouped_sgd.GroupedSGD`) whose images
+    the node layout takes (:attr:`~flowerbed.sims.layers.Layer.NODE_LAYOUT`:
+    2-D convolutions of stride 1, dilation 1, one group and numeric zero
+    padding, max pooling, ReLU, identity, then a flatten and, after it, no
+    image layer). Made once per model (cached); it reads the model's weights at
+    every call.
     """
     if model not in _PASSES:
-        chain = _chain(model)
-        _PASSES[model] = None if chain is None else KernelPass(chain)
+        step = grouped_sgd(grouped_forward(model))
+        if step is None or step.node_layers is None:
+            _PASSES[model] = None
+        else:
+            _PASSES[model] = KernelPass(model, step)
     return _PASSES[model]
 
 
@@ -66,47 +57,13 @@ _PASSES: weakref.WeakKeyDictionary[nn.Module, KernelPass | None] = (
 """Each model's pass (None: not a chain :func:`kernel_pass` runs)."""
 
 
-def _chain(model: nn.Module) -> list[nn.Module] | None:
-    """The model's chain, each ReLU that feeds a max pooling moved after it
-    (:func:`~flowerbed.sims.layers.pool_before_relu`: the same values, exactly,
-    NaN included, from a quarter of the ReLUs); None if the pass does not run
-    it."""
-    try:
-        chain = trace(model).chain
-    except Unsupported:
-        return None
-    if chain is None:
-        return None
-    images = True
-    for module, name in chain:
-        if not _runs(module, name, images):
-            return None
-        images = images and not isinstance(module, nn.Flatten)
-    return None if images else [module for module, _ in pool_before_relu(chain)]
-
-
-def _runs(module: nn.Module, name: str, images: bool) -> bool:
-    """Whether the pass runs ``module`` where images (or, after the flatten,
-    rows of features) arrive."""
-    layer = layer_of(module, name)  # in the table: the trace checked it
-    if not layer.NODE_LAYOUT:
-        return False
-    if isinstance(layer, Conv):
-        return images and isinstance(module, nn.Conv2d) and eligible(module, LANES)
-    if isinstance(layer, MaxPool):
-        return images and is_max_pool_2x2(module)
-    if isinstance(layer, Flatten):
-        return images
-    if isinstance(layer, Linear):
-        return not images
-    return True  # ReLU, Identity
-
-
 class KernelPass:
-    """One model's pass (see :func:`kernel_pass`)."""
+    """One model's pass (see :func:`kernel_pass`): the node-layout layers of
+    its written-out step, the test set's chunks as the nodes."""
 
-    def __init__(self, chain: list[nn.Module]) -> None:
-        self.chain = chain
+    def __init__(self, model: nn.Module, step: GroupedSGD) -> None:
+        self.model = model
+        self.step = step
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
         """The logits of images ``x`` ``(N, C, H, W)``; None for inputs it
@@ -114,61 +71,33 @@ class KernelPass:
         or without the kernels (not opted in, or no C compiler)."""
         if x.dim() != 4 or x.dtype != torch.float32 or len(x) == 0:
             return None
-        kernels = _kernels(self.chain, *x.shape[1:])
-        if kernels is None:
-            return None
         n, c, height, width = x.shape
+        if not self.step.kernels_ready((LANES, c, height, width)):
+            return None
+        layers = self.step.node_layers
+        assert layers is not None  # kernel_pass checked it
         chunks = -(-n // LANES)
         images = x.new_zeros(chunks * LANES, c, height, width)
         images[:n] = x
-        # (chunks, H, W, C, LANES): each chunk one of the kernels' nodes
+        # (chunks, H, W, C, LANES): each chunk one of the kernels' nodes, with
+        # the model's weights
         h = images.view(chunks, LANES, c, height, width).permute(0, 3, 4, 2, 1)
         h = h.contiguous()
-        convolutions = iter(kernels)
         with torch.no_grad():
-            for module in self.chain:
-                if isinstance(module, nn.Conv2d):
-                    h = _convolve(next(convolutions), module, h)
-                elif isinstance(module, nn.ReLU):  # on a tensor made here
-                    h = torch.relu_(h)
-                elif isinstance(module, nn.MaxPool2d):
-                    h = max_pool_2x2(h, height_dim=1)  # (chunks, H, W, C, LANES)
-                elif isinstance(module, nn.Flatten):  # each image's (C, H, W)
-                    h = h.permute(0, 4, 3, 1, 2).reshape(chunks * LANES, -1)
-                elif isinstance(module, nn.Linear):
-                    h = module(h)
-        return h[:n]
-
-
-def _convolve(kernels: ConvKernels, module: nn.Conv2d, h: torch.Tensor) -> torch.Tensor:
-    """``module`` on every chunk: its weights ``(O, C, KH, KW)`` as the
-    kernels take them, ``(O, KH, KW, C)``, repeated for each chunk."""
-    chunks = len(h)
-    weight = module.weight.detach().permute(0, 2, 3, 1)
-    weights = weight.expand(chunks, *weight.shape).contiguous()
-    if module.bias is None:
-        bias = h.new_zeros(chunks, module.out_channels)
-    else:
-        bias = module.bias.detach().expand(chunks, module.out_channels).contiguous()
-    return kernels.forward(h, weights, bias)
-
-
-def _kernels(
-    chain: list[nn.Module], c: int, height: int, width: int
-) -> list[ConvKernels] | None:
-    """The kernels of the chain's convolutions for ``(c, height, width)``
-    images, in order (built once per shape); None if one cannot be built."""
-    out = []
-    for module in chain:
-        if isinstance(module, nn.Conv2d):
-            if module.in_channels != c:
-                return None
-            shape = ConvShape.of(module, height, width, LANES)  # numeric: see _runs
-            kernels = kernels_for(shape)
-            if kernels is None:
-                return None
-            out.append(kernels)
-            c, height, width = shape.o, shape.ho, shape.wo
-        elif isinstance(module, nn.MaxPool2d):
-            height, width = height // 2, width // 2
-    return out
+            single = {
+                name: p.detach()[None] for name, p in self.model.named_parameters()
+            }
+            chunked: dict[str, torch.Tensor] = {}  # the images' layers' weights
+            params, nodes, grouped = chunked, chunks, True
+            for layer in layers:
+                if params is chunked and isinstance(layer, Weighted):
+                    for key in (layer.weight_key, layer.bias_key):
+                        if key is not None:
+                            w = single[key]
+                            chunked[key] = w.expand(chunks, *w.shape[1:]).contiguous()
+                h, grouped, _ = layer.forward(h, grouped, params, nodes)
+                if not grouped and params is chunked:
+                    # flattened: each later layer one product for all images
+                    h = h.reshape(1, chunks * LANES, -1)
+                    params, nodes = single, 1
+        return h.reshape(chunks * LANES, -1)[:n]

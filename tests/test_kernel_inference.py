@@ -12,7 +12,7 @@ import torch
 from flowerbed.clients.training import inference_pass, onednn
 from flowerbed.data import load_dataset
 from flowerbed.models import build_model
-from flowerbed.sims import kernel_inference
+from flowerbed.sims import grouped_sgd
 from flowerbed.sims.conv_kernels import CACHE_ENV, ENABLE_ENV
 from flowerbed.sims.kernel_inference import kernel_pass
 from torch import nn
@@ -74,12 +74,27 @@ def test_odd_sizes_a_convolution_without_bias_and_relu_after_pooling() -> None:
     torch.testing.assert_close(_logits(model, x), expected, rtol=1e-5, atol=1e-5)
 
 
+def test_overlapping_pools_are_pooled_by_pytorch_on_the_kernels_layout() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(3, stride=2),
+        nn.Flatten(),
+        nn.Linear(4 * 4 * 4, 10),
+    ).eval()
+    x = torch.randn(20, 1, 9, 9)
+    with torch.no_grad():
+        expected = model(x)
+    torch.testing.assert_close(_logits(model, x), expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize(
     "model",
     [
         build_model("mobilenet", 1, 8, 10),  # group norm, residual additions
         nn.Sequential(nn.Conv2d(1, 2, 3, stride=2), nn.Flatten(), nn.Linear(18, 2)),
-        nn.Sequential(nn.Conv2d(1, 2, 3), nn.MaxPool2d(3), nn.Flatten()),
+        nn.Sequential(nn.Conv2d(1, 2, 3), nn.Tanh(), nn.Flatten()),  # autograd's
         nn.Sequential(nn.Linear(8, 2), nn.Flatten()),  # a linear layer on images
         nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU()),  # no flatten: images out
     ],
@@ -94,7 +109,7 @@ def test_inputs_it_cannot_run_are_declined(monkeypatch: pytest.MonkeyPatch) -> N
     assert forward is not None
     assert forward(torch.zeros(4, 3, 8, 8)) is None  # 3 channels, not 1
     assert forward(torch.zeros(4, 1, 8, 8, dtype=torch.float64)) is None
-    monkeypatch.setattr(kernel_inference, "kernels_for", lambda shape: None)
+    monkeypatch.setattr(grouped_sgd, "kernels_for", lambda shape: None)
     assert forward(torch.zeros(4, 1, 8, 8)) is None  # no compiler
 
 

@@ -9,7 +9,7 @@ import torch
 from flowerbed.clients.training import evaluate, onednn
 from flowerbed.data import load_dataset
 from flowerbed.models import build_model
-from flowerbed.sims import kernel_inference
+from flowerbed.sims import grouped_sgd
 from flowerbed.sims.conv_kernels import CACHE_ENV, ENABLE_ENV
 from flowerbed.sims.recorder import RunRecorder
 from flowerbed.sims.scenario import build_fleet_grid
@@ -39,7 +39,7 @@ def test_each_evaluation_scores_the_weights_it_is_given(
         monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
     else:  # the default, or as without a C compiler
         monkeypatch.delenv(ENABLE_ENV, raising=False)
-        monkeypatch.setattr(kernel_inference, "kernels_for", lambda shape: None)
+        monkeypatch.setattr(grouped_sgd, "kernels_for", lambda shape: None)
     for seed in (1, 2):  # the second loads over the first's weights
         torch.manual_seed(seed)
         model = build_model("lenet", 1, 8, 10)
