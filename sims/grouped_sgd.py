@@ -27,7 +27,8 @@ Opted in to the compiled kernels of :mod:`flowerbed.sims.conv_kernels`
 (``FLOWERBED_C_KERNELS=1``; off by default), when every 2-D convolution of the
 chain is one they take and the batch is whole vectors of samples,
 :meth:`GroupedSGD.pack` lays the images out as ``(nodes, H, W, C, batch)`` and
-the step runs the chain's node-layout layers: the kernels for the
+the step runs the same layer objects in that layout (:mod:`flowerbed.sims.layers`,
+the node layout): the kernels for the
 convolutions and for max pooling over windows that do not overlap (a 10-node
 LeNet step 1.46 -> ~0.72 ms here; other pooling by PyTorch on the same memory
 seen as channels-last planes), one copy at the flatten.
@@ -41,9 +42,7 @@ import torch
 from flowerbed.clients.training import log_softmax
 from flowerbed.sims.conv_kernels import (
     LANES,
-    ConvKernels,
     ConvShape,
-    PoolKernels,
     PoolShape,
     eligible,
     kernels_for,
@@ -65,7 +64,6 @@ from flowerbed.sims.layers import (
     Weighted,
     layer_of,
     pool_before_relu,
-    proximal,
 )
 from torch import nn
 
@@ -101,7 +99,7 @@ class GroupedSGD:
                 layer.keep_indices = True
             layers.append(layer)
         self.layers = layers
-        self.node_layers = _node_layers(chain, layers)
+        self.node_layout = _takes_node_layout(chain, layers)
         self._node_inputs: dict[tuple[int, ...], bool] = {}
 
     def pack(self, x: torch.Tensor) -> list[Grouped]:
@@ -120,7 +118,7 @@ class GroupedSGD:
         against 10.2-14.6 ms on oneDNN, of 1,000 nodes on 8 each 112 against
         138 ms; on 4 or fewer oneDNN is faster (97 against 111 ms).
         """
-        if x.dim() == 6 and self.node_layers is not None:
+        if x.dim() == 6 and self.node_layout:
             steps, n, batch = x.shape[:3]
             padded = -(-batch // LANES) * LANES
             if padded <= 2 * batch and self.kernels_ready((padded, *x.shape[3:])):
@@ -132,10 +130,10 @@ class GroupedSGD:
     def kernels_ready(self, sample: tuple[int, ...]) -> bool:
         """Whether the node layout runs a batch of ``(batch, C, H, W)`` images
         (the kernels of every convolution compiled: cached per size)."""
-        if self.node_layers is None:
+        if not self.node_layout:
             return False
         if sample not in self._node_inputs:
-            self._node_inputs[sample] = _plan_kernels(self.node_layers, *sample)
+            self._node_inputs[sample] = _plan_kernels(self.layers, *sample)
         return self._node_inputs[sample]
 
     def lay_out(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -176,9 +174,7 @@ class GroupedSGD:
         # here is differentiated); ~5% of a 10-node LeNet step, same values
         with torch.inference_mode():
             h, grouped = x
-            layers = self.layers
-            if grouped and h.dim() == 5 and self.node_layers is not None:
-                layers = self.node_layers  # as pack laid them out for the kernels
+            layers = self.layers  # each takes the layout pack chose
             tape: list[tuple[torch.Tensor, bool, torch.Tensor | None]] = []
             for layer in layers:
                 out, grouped_out, saved = layer.forward(h, grouped, params, n)
@@ -212,176 +208,23 @@ class GroupedSGD:
         return losses
 
 
-class _NodeConv(Weighted):
-    """A 2-D convolution by the compiled kernels, on ``(nodes, H, W, C, batch)``
-    activations (:mod:`flowerbed.sims.conv_kernels`)."""
-
-    def __init__(self, module: nn.Conv2d, name: str) -> None:
-        super().__init__(module, name)
-        self.module: nn.Conv2d = module
-        self.kernels: dict[tuple[int, int, int], ConvKernels] = {}
-        self._zeros: dict[int, torch.Tensor] = {}
-
-    def forward(
-        self, h: torch.Tensor, grouped: bool, params: dict[str, torch.Tensor], n: int
-    ) -> tuple[torch.Tensor, bool, torch.Tensor | None]:
-        _, height, width, _, batch = h.shape
-        kernels = self.kernels[(height, width, batch)]
-        weight = _laid(params[self.weight_key])
-        if self.bias_key:
-            bias = params[self.bias_key]
-        else:
-            if n not in self._zeros:
-                self._zeros[n] = h.new_zeros(n, self.module.out_channels)
-            bias = self._zeros[n]
-        return kernels.forward(h, weight, bias), True, weight
-
-    def backward(
-        self,
-        grad: torch.Tensor,
-        h_in: torch.Tensor,
-        grouped_in: bool,
-        saved: torch.Tensor | None,
-        params: dict[str, torch.Tensor],
-        rates: Rates,
-        need_input: bool,
-    ) -> torch.Tensor | None:
-        assert saved is not None
-        _, height, width, _, batch = h_in.shape
-        kernels = self.kernels[(height, width, batch)]
-        grad_in = kernels.input_grad(grad, saved) if need_input else None
-        proximal(params, rates, self.weight_key)
-        bias = None
-        if self.bias_key:
-            proximal(params, rates, self.bias_key)
-            bias = params[self.bias_key]  # moved by the kernel too
-        weights = params[self.weight_key]
-        if saved.data_ptr() == weights.data_ptr():  # a view: moves in place
-            kernels.update_weights(grad, h_in, saved, bias)
-        else:  # rows of some nodes (copies): move a copy and put it back
-            moved = _laid(weights)
-            kernels.update_weights(grad, h_in, moved, bias)
-            weights.copy_(moved.permute(0, 1, 4, 2, 3))
-        return grad_in
-
-
-class _NodeMaxPool(MaxPool):
-    """2-D max pooling on ``(nodes, H, W, C, batch)`` activations: by the
-    compiled kernels (:class:`~flowerbed.sims.conv_kernels.PoolKernels`, windows
-    that do not overlap: the same values and gradients), else by PyTorch on the
-    same memory seen as a channels-last ``(nodes, C x batch, H, W)`` tensor."""
-
-    def __init__(self, module: nn.MaxPool2d, name: str) -> None:
-        super().__init__(module, name)
-        self.module: nn.MaxPool2d = module
-        self.kernels: dict[tuple[int, int, int], PoolKernels | None] = {}
-
-    def forward(
-        self, h: torch.Tensor, grouped: bool, params: dict[str, torch.Tensor], n: int
-    ) -> tuple[torch.Tensor, bool, torch.Tensor | None]:
-        _, height, width, _, batch = h.shape
-        kernels = self.kernels.get((height, width, batch))
-        if kernels is not None:
-            out, places = kernels.forward(h)
-            return out, True, places
-        out, indices = torch.ops.aten.max_pool2d_with_indices(_planes(h), *self.args)
-        return _node_major(out, h.shape[3]), True, indices
-
-    def backward(
-        self,
-        grad: torch.Tensor,
-        h_in: torch.Tensor,
-        grouped_in: bool,
-        saved: torch.Tensor | None,
-        params: dict[str, torch.Tensor],
-        rates: Rates,
-        need_input: bool,
-    ) -> torch.Tensor | None:
-        assert saved is not None
-        _, height, width, _, batch = h_in.shape
-        kernels = self.kernels.get((height, width, batch))
-        if kernels is not None:
-            return kernels.backward(grad, saved)
-        out = torch.ops.aten.max_pool2d_with_indices_backward(
-            _planes(grad), _planes(h_in), *self.args, saved
-        )
-        return _node_major(out, h_in.shape[3])
-
-
-class _NodeFlatten(Layer):
-    """``(nodes, H, W, C, batch)`` to ``(nodes, batch, C x H x W)``, the order
-    ``nn.Flatten`` gives."""
-
-    def forward(
-        self, h: torch.Tensor, grouped: bool, params: dict[str, torch.Tensor], n: int
-    ) -> tuple[torch.Tensor, bool, torch.Tensor | None]:
-        return h.permute(0, 4, 3, 1, 2).reshape(n, h.shape[4], -1), False, None
-
-    def backward(
-        self,
-        grad: torch.Tensor,
-        h_in: torch.Tensor,
-        grouped_in: bool,
-        saved: torch.Tensor | None,
-        params: dict[str, torch.Tensor],
-        rates: Rates,
-        need_input: bool,
-    ) -> torch.Tensor | None:
-        n, height, width, c, batch = h_in.shape
-        return grad.view(n, batch, c, height, width).permute(0, 3, 4, 2, 1).contiguous()
-
-
-def _laid(w: torch.Tensor) -> torch.Tensor:
-    """2-D convolution weights ``(nodes, O, C, KH, KW)`` as the kernels take
-    them, ``(nodes, O, KH, KW, C)`` contiguous: a view of the weights
-    :meth:`GroupedSGD.lay_out` laid out, else a copy."""
-    return w.permute(0, 1, 3, 4, 2).contiguous()
-
-
-def _planes(h: torch.Tensor) -> torch.Tensor:
-    """``(nodes, H, W, C, batch)`` as channels-last ``(nodes, C x batch, H, W)``
-    (a view)."""
-    n, height, width, c, batch = h.shape
-    return h.permute(0, 3, 4, 1, 2).reshape(n, c * batch, height, width)
-
-
-def _node_major(planes: torch.Tensor, c: int) -> torch.Tensor:
-    """Channels-last ``(nodes, C x batch, H, W)`` back as ``(nodes, H, W, C,
-    batch)`` (a view when the memory is channels-last, as pooling leaves it)."""
-    n, cb, height, width = planes.shape
-    return planes.permute(0, 2, 3, 1).reshape(n, height, width, c, cb // c)
-
-
-def _node_layers(
-    chain: list[tuple[nn.Module, str]], layers: list[Layer]
-) -> list[Layer] | None:
-    """The chain's layers for the node layout (:class:`_NodeConv`), or None
-    when it has no 2-D convolution or one the kernels do not take (they are
-    checked for a batch of one vector), or a layer that would see images in
-    another layout (a 1-D convolution, a linear layer before flattening)."""
-    out: list[Layer] = []
-    images = True
+def _takes_node_layout(chain: list[tuple[nn.Module, str]], layers: list[Layer]) -> bool:
+    """Whether the chain can run in the node layout: a 2-D convolution the
+    kernels take (checked for a batch of one vector; the kernels of any
+    other are refused), no layer that would see images in another layout (a
+    1-D convolution, a linear layer before flattening), and a flatten."""
     convolutions = 0
-    for (module, name), layer in zip(chain, layers, strict=True):
-        if not images:
-            out.append(layer)
-        elif not layer.NODE_LAYOUT or isinstance(layer, Linear):
-            return None
-        elif isinstance(layer, Conv):
+    for (module, _), layer in zip(chain, layers, strict=True):
+        if isinstance(layer, Flatten):
+            return convolutions > 0
+        if not layer.NODE_LAYOUT or isinstance(layer, Linear):
+            return False
+        if isinstance(layer, Conv):
             # its own settings: any whole batch
             if not isinstance(module, nn.Conv2d) or not eligible(module, LANES):
-                return None
-            out.append(_NodeConv(module, name))
+                return False
             convolutions += 1
-        elif isinstance(layer, MaxPool):
-            assert isinstance(module, nn.MaxPool2d)
-            out.append(_NodeMaxPool(module, name))
-        elif isinstance(layer, Flatten):
-            out.append(_NodeFlatten(module, name))
-            images = False
-        else:  # ReLU, Identity: any layout
-            out.append(layer)
-    return out if convolutions and not images else None
+    return False
 
 
 def _plan_kernels(
@@ -391,19 +234,22 @@ def _plan_kernels(
     size; False if one has none (not opted in, no compiler, or the batch is not
     whole vectors)."""
     for layer in layers:
-        if isinstance(layer, _NodeConv):
-            if layer.module.in_channels != c:
+        if isinstance(layer, Conv):
+            module = layer.module
+            assert isinstance(module, nn.Conv2d)  # _takes_node_layout checked it
+            if module.in_channels != c:
                 return False
-            shape = ConvShape.of(layer.module, height, width, batch)
+            shape = ConvShape.of(module, height, width, batch)
             kernels = kernels_for(shape)
             if kernels is None:
                 return False
             layer.kernels[(height, width, batch)] = kernels
             c, height, width = shape.o, shape.ho, shape.wo
-        elif isinstance(layer, _NodeMaxPool):
+        elif isinstance(layer, MaxPool):
             kernel, stride, padding, dilation, ceil_mode = layer.args
             if ceil_mode:
                 return False
+            assert isinstance(layer.module, nn.MaxPool2d)
             if pool_eligible(layer.module, batch):  # else PyTorch pools
                 kh, kw = pair(kernel)
                 pool = PoolShape(c, height, width, kh, kw, batch)
@@ -416,7 +262,7 @@ def _plan_kernels(
             )
             height = (height + 2 * pad[0] - dil[0] * (k[0] - 1) - 1) // st[0] + 1
             width = (width + 2 * pad[1] - dil[1] * (k[1] - 1) - 1) // st[1] + 1
-        elif isinstance(layer, _NodeFlatten):
+        elif isinstance(layer, Flatten):
             return True
     return False
 

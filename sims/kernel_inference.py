@@ -5,7 +5,7 @@ the global model on the whole test set every round. For a model that batched
 training runs on the kernels it compiles when opted in
 (:mod:`flowerbed.sims.conv_kernels`, ``FLOWERBED_C_KERNELS=1``; LeNet: a chain
 of 2-D convolutions, ReLUs, max poolings, a flatten and linear layers), the
-evaluation runs the same layer objects (the node-layout layers of
+evaluation runs the same layer objects (those of
 :class:`~flowerbed.sims.grouped_sgd.GroupedSGD`) instead of oneDNN: the test
 set is cut into chunks of :data:`~flowerbed.sims.conv_kernels.LANES` images
 (the last one padded with zeros), each chunk one of the kernels' "nodes"
@@ -44,7 +44,7 @@ def kernel_pass(model: nn.Module) -> KernelPass | None:
     """
     if model not in _PASSES:
         step = grouped_sgd(grouped_forward(model))
-        if step is None or step.node_layers is None:
+        if step is None or not step.node_layout:
             _PASSES[model] = None
         else:
             _PASSES[model] = KernelPass(model, step)
@@ -58,7 +58,7 @@ _PASSES: weakref.WeakKeyDictionary[nn.Module, KernelPass | None] = (
 
 
 class KernelPass:
-    """One model's pass (see :func:`kernel_pass`): the node-layout layers of
+    """One model's pass (see :func:`kernel_pass`): in the node layout, the layers of
     its written-out step, the test set's chunks as the nodes."""
 
     def __init__(self, model: nn.Module, step: GroupedSGD) -> None:
@@ -74,8 +74,7 @@ class KernelPass:
         n, c, height, width = x.shape
         if not self.step.kernels_ready((LANES, c, height, width)):
             return None
-        layers = self.step.node_layers
-        assert layers is not None  # kernel_pass checked it
+        layers = self.step.layers
         chunks = -(-n // LANES)
         images = x.new_zeros(chunks * LANES, c, height, width)
         images[:n] = x

@@ -23,7 +23,11 @@ Layouts. Values pass between layers in one of two layouts: *grouped*,
 ``(batch, nodes x channels, *spatial)`` (images in channels-last memory, where
 oneDNN's grouped convolution with ``groups = nodes x groups`` is fastest;
 sequences), and *flat*, ``(nodes, batch, features)``, where a linear layer is
-one ``baddbmm`` over the node axis. Each table entry says which it takes:
+one ``baddbmm`` over the node axis. Opted in to the compiled kernels
+(:mod:`flowerbed.sims.conv_kernels`), a written-out step keeps images in a
+third, the *node layout* ``(nodes, H, W, C, batch)`` (five dimensions), where
+the convolutions and max poolings run on the kernels their objects hold. Each
+table entry says which it takes:
 
 ===================  =======  ====  ==========  ==========
 layer                grouped  flat  backward    node layout
@@ -59,6 +63,7 @@ from typing import ClassVar
 
 import torch
 from flowerbed.clients.training import is_max_pool_2x2, max_pool_2x2
+from flowerbed.sims.conv_kernels import ConvKernels, PoolKernels
 from torch import fx, nn
 
 Grouped = tuple[torch.Tensor, bool]
@@ -158,13 +163,29 @@ class Conv(Weighted):
         self.dilation = list(module.dilation)
         self.zeros = [0] * len(self.stride)
         self.groups = module.groups
+        self.out_channels = module.out_channels
         self.spatial = tuple(range(2, 2 + len(self.stride)))
+        # the node layout's kernels by (H, W, batch), as the written-out step
+        # plans them; zero biases by node count for a convolution without one
+        self.kernels: dict[tuple[int, int, int], ConvKernels] = {}
+        self._zeros: dict[int, torch.Tensor] = {}
 
     def forward(
         self, h: torch.Tensor, grouped: bool, params: dict[str, torch.Tensor], n: int
     ) -> tuple[torch.Tensor, bool, torch.Tensor | None]:
         if not grouped:
             raise Unsupported("a convolution on flat features")
+        if h.dim() == 5:  # the node layout
+            _, height, width, _, batch = h.shape
+            kernels = self.kernels[(height, width, batch)]
+            laid = _laid(params[self.weight_key])
+            if self.bias_key:
+                node_bias = params[self.bias_key]
+            else:
+                if n not in self._zeros:
+                    self._zeros[n] = h.new_zeros(n, self.out_channels)
+                node_bias = self._zeros[n]
+            return kernels.forward(h, laid, node_bias), True, laid
         weight = node_rows(params[self.weight_key])
         bias = params[self.bias_key].view(-1) if self.bias_key else None
         out = torch.convolution(
@@ -191,6 +212,8 @@ class Conv(Weighted):
         need_input: bool,
     ) -> torch.Tensor | None:
         assert saved is not None
+        if h_in.dim() == 5:  # the node layout
+            return self._node_backward(grad, h_in, saved, params, rates, need_input)
         n = params[self.weight_key].shape[0]
         grad_in, grad_weight, _ = torch.ops.aten.convolution_backward(
             grad,
@@ -210,6 +233,32 @@ class Conv(Weighted):
         if self.bias_key:
             proximal(params, rates, self.bias_key)
             params[self.bias_key].sub_(grad.sum(dim=(0, *self.spatial)).view(n, -1))
+        return grad_in
+
+    def _node_backward(
+        self,
+        grad: torch.Tensor,
+        h_in: torch.Tensor,
+        saved: torch.Tensor,
+        params: dict[str, torch.Tensor],
+        rates: Rates,
+        need_input: bool,
+    ) -> torch.Tensor | None:
+        _, height, width, _, batch = h_in.shape
+        kernels = self.kernels[(height, width, batch)]
+        grad_in = kernels.input_grad(grad, saved) if need_input else None
+        proximal(params, rates, self.weight_key)
+        bias = None
+        if self.bias_key:
+            proximal(params, rates, self.bias_key)
+            bias = params[self.bias_key]  # moved by the kernel too
+        weights = params[self.weight_key]
+        if saved.data_ptr() == weights.data_ptr():  # a view: moves in place
+            kernels.update_weights(grad, h_in, saved, bias)
+        else:  # rows of some nodes (copies): move a copy and put it back
+            moved = _laid(weights)
+            kernels.update_weights(grad, h_in, moved, bias)
+            weights.copy_(moved.permute(0, 1, 4, 2, 3))
         return grad_in
 
 
@@ -303,12 +352,24 @@ class MaxPool(Layer):
             module.ceil_mode,
         )
         self.windows_2x2 = is_max_pool_2x2(module)
+        # the node layout's kernels by (H, W, batch) (None: PyTorch pools)
+        self.kernels: dict[tuple[int, int, int], PoolKernels | None] = {}
 
     def forward(
         self, h: torch.Tensor, grouped: bool, params: dict[str, torch.Tensor], n: int
     ) -> tuple[torch.Tensor, bool, torch.Tensor | None]:
-        if not grouped or h.dim() != 4:
+        if not grouped or h.dim() not in (4, 5):
             raise Unsupported("2-D pooling on other than images")
+        if h.dim() == 5:  # the node layout: for a written-out backward
+            _, height, width, _, batch = h.shape
+            kernels = self.kernels.get((height, width, batch))
+            if kernels is not None:
+                out, places = kernels.forward(h)
+                return out, True, places
+            pooled, indices = torch.ops.aten.max_pool2d_with_indices(
+                _planes(h), *self.args
+            )
+            return _node_major(pooled, h.shape[3]), True, indices
         if self.keep_indices or torch.is_grad_enabled():
             out, indices = torch.ops.aten.max_pool2d_with_indices(h, *self.args)
             return out, True, indices
@@ -326,6 +387,16 @@ class MaxPool(Layer):
         rates: Rates,
         need_input: bool,
     ) -> torch.Tensor | None:
+        assert saved is not None
+        if h_in.dim() == 5:  # the node layout
+            _, height, width, _, batch = h_in.shape
+            kernels = self.kernels.get((height, width, batch))
+            if kernels is not None:
+                return kernels.backward(grad, saved)
+            out = torch.ops.aten.max_pool2d_with_indices_backward(
+                _planes(grad), _planes(h_in), *self.args, saved
+            )
+            return _node_major(out, h_in.shape[3])
         return torch.ops.aten.max_pool2d_with_indices_backward(
             grad, h_in, *self.args, saved
         )
@@ -345,6 +416,8 @@ class Flatten(Layer):
     ) -> tuple[torch.Tensor, bool, torch.Tensor | None]:
         if not grouped:
             return h, False, None  # (nodes, batch, features) is flat already
+        if h.dim() == 5:  # the node layout: each image's (C, H, W) in order
+            return h.permute(0, 4, 3, 1, 2).reshape(n, h.shape[4], -1), False, None
         return h.reshape(h.shape[0], n, -1).transpose(0, 1), False, None
 
     def backward(
@@ -359,6 +432,10 @@ class Flatten(Layer):
     ) -> torch.Tensor | None:
         if not grouped_in:
             return grad
+        if h_in.dim() == 5:  # the node layout
+            n, height, width, c, batch = h_in.shape
+            out = grad.view(n, batch, c, height, width).permute(0, 3, 4, 2, 1)
+            return out.contiguous()
         if h_in.dim() == 4:  # images: one copy, straight into channels-last
             batch, _, height, width = h_in.shape
             n = grad.shape[0]
@@ -591,3 +668,25 @@ def proximal(params: dict[str, torch.Tensor], rates: Rates, name: str) -> None:
     w = params[name]
     shape = (-1,) + (1,) * (w.dim() - 1)
     w.sub_((rates.lr * rates.mu).view(shape) * (w - rates.anchors[name]))
+
+
+def _laid(w: torch.Tensor) -> torch.Tensor:
+    """2-D convolution weights ``(nodes, O, C, KH, KW)`` as the kernels take
+    them, ``(nodes, O, KH, KW, C)`` contiguous: a view of weights laid out
+    channels-last (:meth:`~flowerbed.sims.grouped_sgd.GroupedSGD.lay_out`),
+    else a copy."""
+    return w.permute(0, 1, 3, 4, 2).contiguous()
+
+
+def _planes(h: torch.Tensor) -> torch.Tensor:
+    """``(nodes, H, W, C, batch)`` as channels-last ``(nodes, C x batch, H, W)``
+    (a view)."""
+    n, height, width, c, batch = h.shape
+    return h.permute(0, 3, 4, 1, 2).reshape(n, c * batch, height, width)
+
+
+def _node_major(planes: torch.Tensor, c: int) -> torch.Tensor:
+    """Channels-last ``(nodes, C x batch, H, W)`` back as ``(nodes, H, W, C,
+    batch)`` (a view when the memory is channels-last, as pooling leaves it)."""
+    n, cb, height, width = planes.shape
+    return planes.permute(0, 2, 3, 1).reshape(n, height, width, c, cb // c)

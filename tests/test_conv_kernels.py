@@ -180,7 +180,7 @@ def test_off_by_default_nothing_is_built(
         forward = grouped_forward(build_model("lenet", 1, 8, 10))
         assert forward is not None
         step = GroupedSGD(forward)
-        assert step.node_layers is not None  # the chain could use them
+        assert step.node_layout  # the chain could use them
         packed = step.pack(torch.zeros(2, 3, 16, 1, 8, 8))
         assert [h.dim() for h, _ in packed] == [4, 4]  # (batch, nodes x C, H, W)
     assert not fresh.exists()
