@@ -9,17 +9,20 @@ gradient. Its users:
 
 - :class:`~flowerbed.sims.grouped.GroupedForward` runs every layer's forward
   (any graph of table layers and residual additions); autograd differentiates
-  it for layers without a written-out backward (the autograd fallback);
+  it where the written-out step does not take the model (the autograd
+  fallback);
 - :class:`~flowerbed.sims.grouped_sgd.GroupedSGD` runs a chain of layers that
   all have a written-out backward, forward then back by hand;
-- the central evaluation (:mod:`flowerbed.sims.kernel_inference`) runs a chain
-  whose layers the opt-in compiled kernels' node layout takes.
+- the central evaluation runs GroupedForward for one node
+  (:func:`~flowerbed.sims.grouped.evaluation_logits`), or, opted in to the
+  compiled kernels, GroupedSGD's layers in the node layout
+  (:mod:`flowerbed.sims.kernel_inference`).
 
 A model with anything else (a layer not in the table, a function other than
 ``+``, buffers) is not batched: each node trains it on its own
 (:func:`flowerbed.clients.training.train_steps`).
 
-Layouts. Values pass between layers in one of two layouts: *grouped*,
+Layouts. Values pass between layers in one of two layouts by default: *grouped*,
 ``(batch, nodes x channels, *spatial)`` (images in channels-last memory, where
 oneDNN's grouped convolution with ``groups = nodes x groups`` is fastest;
 sequences), and *flat*, ``(nodes, batch, features)``, where a linear layer is
