@@ -19,6 +19,12 @@ Three parts:
   member dies mid-round (then two, not adjacent); time lost against the same job
   without failure, with replication every R steps and with none (restart from
   the last segment, the central copy).
+- ``deployment``: a real Flower deployment (a SuperLink and four SuperNodes on
+  127.0.0.1, the span ClientApp, :mod:`flowerbed.bench.span_deployment`); a
+  board is killed mid-segment both ways (with its ClientApp; its
+  ``flower-supernode`` alone), and for each kill mode the time from the kill to
+  the next segment's first step (``failure-to-next-step-s``) with what it was
+  spent on. Left out of ``--quick`` (it starts five Flower processes).
 - ``virtual``: the makespan model (the virtual clock) for fleets larger than
   this machine, 3 to 11 catalogue boards on a VGG-style CNN (width 16), links
   from the catalogue; and the model's error against every local run above
@@ -32,12 +38,13 @@ import math
 import statistics
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from .sections import SectionRun
 
 TITLE = "Pipeline training across unequal boards"
-PARTS = ("local", "failures", "virtual")
+PARTS = ("local", "failures", "deployment", "virtual")
 FLEET = ("jetson-nano", "rpi4b", "rpi3b@2")
 FAILURE_FLEET = ("jetson-nano", "rpi5", "rpi4b", "rpi3b@2")
 VIRTUAL_CYCLE = ("jetson-nano", "rpi5", "rpi4b", "rpi3b")
@@ -97,6 +104,10 @@ def run(ctx: SectionRun) -> dict[str, Any]:
         if not ctx.quick:
             data["failures"] = failures(ctx.quick)
         step("failures")
+    if "deployment" in parts:
+        if not ctx.quick:
+            data["deployment"] = deployment()
+        step("deployment")
     if "virtual" in parts:
         data["virtual"] = virtual(data.get("local"))
         step("virtual")
@@ -286,6 +297,21 @@ def failures(quick: bool) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------
+# A real deployment
+# --------------------------------------------------------------------------------
+
+
+def deployment() -> dict[str, Any]:
+    """Kills on a real Flower deployment (:mod:`flowerbed.bench.span_deployment`)."""
+    import tempfile
+
+    from . import span_deployment
+
+    with tempfile.TemporaryDirectory(prefix="flowerbed-span-deploy-") as tmp:
+        return span_deployment.run(Path(tmp))
+
+
+# --------------------------------------------------------------------------------
 # The virtual clock
 # --------------------------------------------------------------------------------
 
@@ -415,6 +441,8 @@ def render(data: Mapping[str, Any]) -> list[str]:
         lines += _render_local(data["local"], judged=not quick)
     if "failures" in data:
         lines += _render_failures(data["failures"])
+    if "deployment" in data:
+        lines += _render_deployment(data["deployment"])
     if "virtual" in data:
         lines += _render_virtual(data["virtual"], judged=not quick)
     return lines
@@ -519,6 +547,35 @@ def _render_failures(d: Mapping[str, Any]) -> list[str]:
                 f"| {r['wall-s']:.1f} |"
             )
     return [*lines, ""]
+
+
+def _render_deployment(d: Mapping[str, Any]) -> list[str]:
+    lines = [
+        "### A lost board on a real deployment",
+        "",
+        "A SuperLink and four SuperNodes on 127.0.0.1 (one board 10x slower) run "
+        "the pipeline job; mid-round 2 a board is killed with its ClientApp, "
+        "mid-round 3 another board's `flower-supernode` alone. Delivered = the "
+        "next segment's message at a survivor's SuperNode (the loss found, the "
+        "job re-planned; a SuperNode without messages looks again after 3 s); "
+        "first step = the survivors' next segment starting "
+        "(`failure-to-next-step-s`, target 10 s), after a fresh `flwr-clientapp` "
+        "process per message (ClientApp start: the process, its imports, the "
+        "message) and the rendezvous.",
+        "",
+        "| kill | delivered s | first step s | member set-up s | ClientApp start s "
+        "| rendezvous s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for mode, k in d.get("kills", {}).items():
+        lines.append(
+            f"| {mode} | {k['delivered-s']:.1f} | {k['failure-to-next-step-s']:.1f} "
+            f"| {k['member-setup-s']:.1f} | {k['clientapp-start-s']:.1f} "
+            f"| {k['rendezvous-s']:.1f} |"
+        )
+    finished = "finished" if d.get("finished") else "did not finish"
+    lines += ["", f"The job {finished} in {d.get('job-wall-s', 0):.0f} s.", ""]
+    return lines
 
 
 def _render_virtual(d: Mapping[str, Any], judged: bool = True) -> list[str]:

@@ -22,6 +22,9 @@ Shared machinery (every kind of span job uses it), at this package's top level:
 - :mod:`~flowerbed.parallel.member` — :class:`MemberContext` (what a board knows
   about itself), :class:`MemberResult` (what it hands back),
   :func:`exchange_ring`, :func:`send_state`, :func:`recv_state`.
+- :mod:`~flowerbed.parallel.setup_time` — :class:`SetupClock`: a member's
+  set-up (its ClientApp process's start, the rendezvous, the rest until the
+  first step), logged and reported in its reply.
 - :mod:`~flowerbed.parallel.emulation` — :class:`DeviceSpeed`,
   :class:`TimedModule` (time forward/backward; on one machine also sleep up to an
   emulated device's time).

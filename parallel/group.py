@@ -275,8 +275,11 @@ def is_peer_failure(err: BaseException) -> bool:
 
 
 @contextlib.contextmanager
-def joined_group(plan: MemberPlan, address: str) -> Iterator[None]:
+def joined_group(plan: MemberPlan, address: str) -> Iterator[float]:
     """Join a fresh gloo group for ``plan`` as ``address``; leave it on exit.
+
+    The block is given the seconds the rendezvous took (from the call until
+    every member had arrived and the group formed).
 
     Inside the block, torch.distributed's default group is this segment's group.
     Errors from torch.distributed that mean a lost peer are re-raised as
@@ -339,7 +342,7 @@ def joined_group(plan: MemberPlan, address: str) -> Iterator[None]:
             phase="join",
         ) from err
     try:
-        yield
+        yield time.monotonic() - started
     except PeerFailure as err:
         if err.lost_ranks or err.phase == "join":
             raise

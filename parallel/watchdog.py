@@ -35,7 +35,7 @@ from .group import close_all_liveness
 
 RUNTIME_API_FLAG = "--runtime-api-address"
 """flwr-clientapp's option naming its SuperNode's Runtime API (flwr 1.42)."""
-WATCH_INTERVAL_S = 0.5
+WATCH_INTERVAL_S = 0.2
 """Seconds between two connections to the SuperNode's Runtime API."""
 PROBE_TIMEOUT_S = 1.0
 """Seconds a connection may take before it counts as a miss."""

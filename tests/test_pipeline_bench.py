@@ -88,3 +88,30 @@ def test_the_guide_shows_the_published_figures() -> None:
         "docs/pipeline.md's figures differ from docs/benchmarks/results.json: run "
         "update_guide() (see flowerbed.bench.pipeline_section)"
     )
+
+
+def test_the_page_lists_each_kill_modes_time_to_the_next_step() -> None:
+    kill = {
+        "delivered-s": 3.3,
+        "failure-to-next-step-s": 11.2,
+        "member-setup-s": 8.6,
+        "clientapp-start-s": 5.6,
+        "rendezvous-s": 0.6,
+    }
+    data = {
+        "deployment": {
+            "kills": {"board": kill, "supernode": {**kill, "delivered-s": 4.0}},
+            "job-wall-s": 95.0,
+            "finished": True,
+        }
+    }
+    lines = section.render(data)
+    assert "| board | 3.3 | 11.2 | 8.6 | 5.6 | 0.6 |" in lines
+    assert "| supernode | 4.0 | 11.2 | 8.6 | 5.6 | 0.6 |" in lines
+    assert "The job finished in 95 s." in lines
+
+
+def test_the_deployment_part_is_a_choice() -> None:
+    section.check(argparse.Namespace(pipeline="deployment"))
+    with pytest.raises(ValueError, match="deployment"):
+        section.check(argparse.Namespace(pipeline="deploy"))

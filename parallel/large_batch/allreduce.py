@@ -69,6 +69,7 @@ from ..member import (
     result_arrays,
 )
 from ..plan import MemberPlan, PlanError
+from ..setup_time import SetupClock
 from ..store import MOMENTUM_PREFIX
 from ..user_code import LossFn, UserCodeError, build_module, set_lr
 from .optimizers import LargeBatchOptimizer
@@ -348,7 +349,8 @@ def run(
     """Run one segment of large-batch synchronous training (module docstring)."""
     from torch.nn.parallel import DistributedDataParallel
 
-    begin = time.monotonic()
+    clock = SetupClock.begin()
+    begin = clock.arrived
     segment = prepare(plan, context, arrays)
     first, stop = share_of(plan)
     share = stop - first
@@ -361,15 +363,16 @@ def run(
     step = plan.start_step - 1
     setup = 0.0
     try:
-        with joined_group(plan, context.address):
+        with joined_group(plan, context.address) as join_s:
+            clock.joined(join_s)
             ddp = DistributedDataParallel(timed)
             try:
                 _register_compression(ddp, plan)
-                setup = time.monotonic() - begin
+                setup = clock.ready()
                 log(
                     INFO,
                     "large batch %s segment %d: rank %d of %d, samples %d-%d of "
-                    "each batch, steps %d-%d",
+                    "each batch, steps %d-%d; %s",
                     plan.job,
                     plan.segment,
                     plan.rank,
@@ -378,6 +381,7 @@ def run(
                     stop - 1,
                     plan.start_step,
                     plan.end_step - 1,
+                    clock.describe(),
                 )
                 for step in range(plan.start_step, plan.end_step):
                     timed.step = step
@@ -406,24 +410,24 @@ def run(
                 keys.SPAN_FAILED_STEP: step if step >= plan.start_step else -1,
                 keys.TRAIN_TIME_S: time.monotonic() - begin,
                 **lost_ranks_metric(err.lost_ranks),
+                **clock.metrics(),
             },
             failure=f"{err.phase}: {err}",
         )
     arrays_out, optimizer_out = segment.result_state()
+    metrics = segment_metrics(
+        share,
+        compute,
+        comm,
+        losses,
+        lr,
+        train_s=time.monotonic() - begin,
+        setup_s=setup,
+        overrun_s=timed.overrun_s,
+    )
+    metrics.update(clock.metrics())
     return MemberResult(
-        ok=True,
-        metrics=segment_metrics(
-            share,
-            compute,
-            comm,
-            losses,
-            lr,
-            train_s=time.monotonic() - begin,
-            setup_s=setup,
-            overrun_s=timed.overrun_s,
-        ),
-        arrays=arrays_out,
-        optimizer=optimizer_out,
+        ok=True, metrics=metrics, arrays=arrays_out, optimizer=optimizer_out
     )
 
 

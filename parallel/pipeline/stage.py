@@ -67,6 +67,7 @@ from ..member import (
     send_state,
 )
 from ..plan import SOURCE_CENTRAL, SOURCE_PEER, SOURCE_SELF, MemberPlan, PlanError
+from ..setup_time import SetupClock
 from ..store import OWN, REPLICA, LayerStore, State, layer_of
 from ..user_code import Training, build_layers
 
@@ -322,7 +323,8 @@ def run_segment(
     plan: MemberPlan, context: MemberContext, arrays: Mapping[str, np.ndarray]
 ) -> MemberResult:
     """Run ``plan`` (a pipeline segment) on this member; see the module doc."""
-    arrived = time.monotonic()
+    clock = SetupClock.begin()
+    arrived = clock.arrived
     torch.manual_seed(plan.seed + plan.rank)
     model = _layers(plan.model, plan.model_args)
     check_pipeline_plan(plan, len(model))
@@ -344,16 +346,17 @@ def run_segment(
     failure = ""
     lost: tuple[int, ...] = ()
     try:
-        with joined_group(plan, context.address):
+        with joined_group(plan, context.address) as join_s:
+            clock.joined(join_s)
             state, seg.moved_bytes = _gather_sources(plan, store, arrays)
             load_module_state(stage, optimizer, state)
             store.save(OWN, plan.start_step, layers, module_state(stage, optimizer))
             labels = _broadcast_labels(plan, data)
             schedule = _schedule(plan, _pipeline_stage(plan, timed, shapes), training)
-            seg.setup_s = time.monotonic() - arrived
+            seg.setup_s = clock.ready()
             log(
                 INFO,
-                "pipeline %s segment %d: rank %d of %d, layers %d-%d, steps %d-%d",
+                "pipeline %s segment %d: rank %d of %d, layers %d-%d, steps %d-%d; %s",
                 plan.job,
                 plan.segment,
                 plan.rank,
@@ -362,6 +365,7 @@ def run_segment(
                 layers.stop - 1,
                 plan.start_step,
                 plan.end_step - 1,
+                clock.describe(),
             )
             timed.reset()
             for k in range(plan.steps):
@@ -384,6 +388,7 @@ def run_segment(
         )
     result = _result(plan, seg, timed, stage, optimizer, store, failure, arrived)
     result.metrics.update(lost_ranks_metric(lost))
+    result.metrics.update(clock.metrics())
     return result
 
 

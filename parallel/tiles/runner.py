@@ -18,6 +18,7 @@ import resource
 import statistics
 import time
 from collections.abc import Mapping, Sequence
+from logging import INFO
 from typing import Any
 
 import numpy as np
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 from flowerbed import keys
 from flowerbed.models import count_macs
 from flowerbed.system import available_memory
+from flwr.supercore import log
 from torch import nn
 
 from ..group import PeerFailure, joined_group
@@ -42,6 +44,7 @@ from ..member import (
     result_arrays,
 )
 from ..plan import MemberPlan, PlanError
+from ..setup_time import SetupClock
 from ..user_code import build_layers
 from .exact_step import (
     INPUT_SHAPE,
@@ -142,7 +145,8 @@ def run(
     plan: MemberPlan, context: MemberContext, arrays: Mapping[str, np.ndarray]
 ) -> MemberResult:
     """Run one segment of a tile job (module docstring)."""
-    arrived = time.monotonic()
+    clock = SetupClock.begin()
+    arrived = clock.arrived
     member, optimizer, settings = prepare(plan, context)
     load_module_state(member.modules(), optimizer, arrays)
     data = JobData(
@@ -154,8 +158,20 @@ def run(
     lost: tuple[int, ...] = ()
     setup = 0.0
     try:
-        with joined_group(plan, context.address):
-            setup = time.monotonic() - arrived
+        with joined_group(plan, context.address) as join_s:
+            clock.joined(join_s)
+            setup = clock.ready()
+            log(
+                INFO,
+                "tiles %s segment %d: rank %d of %d, steps %d-%d; %s",
+                plan.job,
+                plan.segment,
+                plan.rank,
+                plan.world_size,
+                plan.start_step,
+                plan.end_step - 1,
+                clock.describe(),
+            )
             for k in range(plan.steps):
                 step = plan.start_step + k
                 x, y = data.batch(plan.seed, step, plan.batch_size)
@@ -166,6 +182,7 @@ def run(
         lost = err.lost_ranks
     result = result_of(plan, member, optimizer, done, step, failure, arrived, setup)
     result.metrics.update(lost_ranks_metric(lost))
+    result.metrics.update(clock.metrics())
     return result
 
 
