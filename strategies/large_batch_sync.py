@@ -40,6 +40,7 @@ from flowerbed.parallel.large_batch.optimizers import OPTIMIZERS
 from flowerbed.parallel.large_batch.recipe import LrSchedule, batch_shares, share_bounds
 from flowerbed.parallel.plan import MemberPlan
 from flowerbed.parallel.reference import ReferenceJob
+from flowerbed.parallel.setup_time import member_setup_s
 from flowerbed.parallel.user_code import Training, build_module
 from flowerbed.replies import ReplyRejected
 from flwr.app import (
@@ -59,14 +60,23 @@ from .span import (
     DEFAULT_RENDEZVOUS_PORTS,
     DEFAULT_REPLY_MARGIN_S,
     DEFAULT_TIMEOUT_S,
+    SegmentOutcome,
     SegmentReply,
     SpanJobStrategy,
     arrayrecord,
     check_initial_arrays,
     check_segment_reply,
 )
+from .span_sizing import (
+    DEFAULT_SETUP_SHARE,
+    ROUND_SETUP_S,
+    ROUND_SETUP_SHARE,
+    SegmentSizer,
+)
 
 COMPRESSIONS = ("none", "fp16", "powersgd")
+DEFAULT_STEPS_PER_ROUND = 10
+"""Steps of the first round's segment when the strategy sizes segments."""
 ROUND_MEMBERS = "members"
 ROUND_ATTEMPTS = "attempts"
 ROUND_STEP_S = "step-s"
@@ -102,8 +112,16 @@ class LargeBatchSync(SpanJobStrategy):
         node_config ``dataset-path``).
     batch_size : int (default: 256)
         ``B``, the global batch per step.
-    steps_per_round : int (default: 10)
-        ``K``, steps per segment (one Flower round).
+    steps_per_round : int, optional (default: None)
+        ``K``, steps per segment (one Flower round), fixed. None: the strategy
+        sizes segments itself, starting at 10 steps and growing them after
+        each round so that set-up (Flower's delivery, the ClientApps' start,
+        the rendezvous) is at most ``setup_share`` of a round
+        (:mod:`flowerbed.strategies.span_sizing`; each round's metrics say
+        its ``setup-s`` and ``setup-share``).
+    setup_share : float or None (default: 0.1)
+        Largest share of a round set-up may take when ``steps_per_round`` is
+        None; None keeps 10 steps per round.
     optimizer : str (default: "lars")
         ``"sgd"`` (momentum), ``"lars"`` or ``"lamb"`` (ignored when
         ``training`` names an optimiser factory).
@@ -183,7 +201,8 @@ class LargeBatchSync(SpanJobStrategy):
         model_args: Mapping[str, Any] | None = None,
         dataset: str = "digits",
         batch_size: int = 256,
-        steps_per_round: int = 10,
+        steps_per_round: int | None = None,
+        setup_share: float | None = DEFAULT_SETUP_SHARE,
         optimizer: str = "lars",
         base_lr: float = 0.1,
         base_batch: int = 256,
@@ -241,7 +260,10 @@ class LargeBatchSync(SpanJobStrategy):
                 f"batch_size {batch_size} cannot give min_train_nodes "
                 f"({min_train_nodes}) members one sample each per step",
             ),
-            (steps_per_round >= 1, "steps_per_round must be >= 1"),
+            (
+                steps_per_round is None or steps_per_round >= 1,
+                "steps_per_round must be >= 1 (or None: sized by setup_share)",
+            ),
             (powersgd_rank >= 1, "powersgd_rank must be >= 1"),
             (profile_batch >= 1 and profile_repeats >= 1, "profiling needs >= 1"),
             (0 < speed_smoothing <= 1, "speed_smoothing must be in (0, 1]"),
@@ -268,7 +290,10 @@ class LargeBatchSync(SpanJobStrategy):
         }
         self.dataset = dataset
         self.batch_size = batch_size
-        self.steps_per_round = steps_per_round
+        self.sizer = SegmentSizer(
+            DEFAULT_STEPS_PER_ROUND if steps_per_round is None else steps_per_round,
+            setup_share if steps_per_round is None else None,
+        )
         self.optimizer = optimizer
         self.momentum = momentum
         self.weight_decay = weight_decay
@@ -605,7 +630,8 @@ class LargeBatchSync(SpanJobStrategy):
                 )
                 return None
             self.cohort = cohort
-            self._plans = self.plans(cohort, self.steps_per_round)
+            steps = self.steps_per_round
+            self._plans = self.plans(cohort, steps)
             messages = self.configure_train(server_round, arrays, config, grid)
             outcome = self.run_segment(
                 messages, server_round, self._timeout, self.check_reply
@@ -616,7 +642,7 @@ class LargeBatchSync(SpanJobStrategy):
                 )
                 new, metrics = self._accept(server_round, replies, attempt)
                 if new is not None and metrics is not None:
-                    return new, metrics
+                    return new, self._sized(server_round, outcome, steps, metrics)
             # A member that only found the rendezvous port taken stays in.
             self.lost.update(outcome.dropped_members)
             log(
@@ -631,6 +657,38 @@ class LargeBatchSync(SpanJobStrategy):
                 self.step,
             )
         return None
+
+    def _sized(
+        self,
+        server_round: int,
+        outcome: SegmentOutcome,
+        steps: int,
+        metrics: MetricRecord,
+    ) -> MetricRecord:
+        """The round's metrics with its set-up; the next segments sized by it."""
+        step = metrics.get(ROUND_STEP_S, 0.0)
+        setup = self.sizer.measured(
+            outcome.seconds, steps, float(step) if isinstance(step, int | float) else 0
+        )
+        log(
+            INFO,
+            "LargeBatchSync: round %d set-up %.1f s of the segment's %.1f s "
+            "(%.0f%%; slowest member: %.1f s to its first step); next rounds "
+            "%d steps",
+            server_round,
+            setup[ROUND_SETUP_S],
+            outcome.seconds,
+            100 * setup[ROUND_SETUP_SHARE],
+            max(member_setup_s(r.metrics) for r in outcome.replies.values()),
+            self.sizer.steps,
+        )
+        metrics.update(setup)
+        return metrics
+
+    @property
+    def steps_per_round(self) -> int:
+        """The steps of the next round's segment (see ``steps_per_round``)."""
+        return self.sizer.steps
 
     def _accept(
         self, server_round: int, replies: list[SegmentReply], attempt: int

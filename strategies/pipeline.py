@@ -44,6 +44,7 @@ from flowerbed.parallel.pipeline.recovery import (
 from flowerbed.parallel.pipeline.stage import INPUT_SHAPE, LOCAL_DATASET
 from flowerbed.parallel.plan import SCHEDULES, LayerSource, MemberPlan, PlanError
 from flowerbed.parallel.reference import ReferenceJob
+from flowerbed.parallel.setup_time import member_setup_s
 from flowerbed.parallel.store import layer_of
 from flowerbed.parallel.user_code import Training, build_layers
 from flowerbed.replies import ReplyRejected
@@ -73,6 +74,12 @@ from .span import (
     check_initial_arrays,
     check_segment_reply,
 )
+from .span_sizing import (
+    DEFAULT_SETUP_SHARE,
+    ROUND_SETUP_S,
+    ROUND_SETUP_SHARE,
+    SegmentSizer,
+)
 
 DEFAULT_LINK_BYTES_PER_S = 12.5e6
 """Assumed bandwidth of a link not yet measured: 100 Mbit/s (a Pi 3's Ethernet)."""
@@ -89,6 +96,8 @@ ROUND_LOST_STEPS = "lost-steps"
 """Steps recomputed after losses in the round."""
 ROUND_RECOVERIES = "recoveries"
 ROUND_REPARTITIONS = "repartitions"
+DEFAULT_STEPS_PER_ROUND = 20
+"""Steps of the first round's segment when the strategy sizes segments."""
 ROUND_SECONDS = "round-s"
 """Clock seconds of the round (set-up, steps, recoveries)."""
 ROUND_FAILURE_S = "failure-s"
@@ -173,8 +182,16 @@ class PipelineTraining(SpanJobStrategy):
         The first stage's training data: a name of
         ``flowerbed.parallel.job_data.JOB_DATASETS``, or ``"local"`` for the board's
         own ``dataset-path``.
-    steps_per_round : int (default: 20)
-        K, synchronous steps per round (segment).
+    steps_per_round : int, optional (default: None)
+        K, synchronous steps per round (segment), fixed. None: the strategy
+        sizes segments itself, starting at 20 steps and growing them after
+        each round so that set-up (Flower's delivery, the ClientApps' start,
+        the rendezvous, weight moves) is at most ``setup_share`` of a round
+        (:mod:`flowerbed.strategies.span_sizing`; each round's metrics say
+        its ``setup-s`` and ``setup-share``).
+    setup_share : float or None (default: 0.1)
+        Largest share of a round set-up may take when ``steps_per_round`` is
+        None; None keeps 20 steps per round.
     batch_size : int (default: 32)
         Samples per step (split into ``micro_batches``).
     micro_batches : int (default: 4)
@@ -262,7 +279,8 @@ class PipelineTraining(SpanJobStrategy):
         input_shape: Sequence[int] = (),
         model_args: Mapping[str, Any] | None = None,
         dataset: str = "digits",
-        steps_per_round: int = 20,
+        steps_per_round: int | None = None,
+        setup_share: float | None = DEFAULT_SETUP_SHARE,
         batch_size: int = 32,
         micro_batches: int = 4,
         schedule: str = "1f1b",
@@ -308,7 +326,10 @@ class PipelineTraining(SpanJobStrategy):
         checks = [
             (bool(model), "model is required: a layered model name or 'pkg.mod:fn'"),
             (len(input_shape) > 0, "input_shape is required, e.g. (1, 8, 8)"),
-            (steps_per_round >= 1, "steps_per_round must be >= 1"),
+            (
+                steps_per_round is None or steps_per_round >= 1,
+                "steps_per_round must be >= 1 (or None: sized by setup_share)",
+            ),
             (micro_batches >= 1, "micro_batches must be >= 1"),
             (
                 batch_size >= 1 and batch_size % max(micro_batches, 1) == 0,
@@ -331,7 +352,10 @@ class PipelineTraining(SpanJobStrategy):
         self.model_args = dict(model_args or {})
         self.input_shape = tuple(int(v) for v in input_shape)
         self.dataset = dataset
-        self.steps_per_round = steps_per_round
+        self.sizer = SegmentSizer(
+            DEFAULT_STEPS_PER_ROUND if steps_per_round is None else steps_per_round,
+            setup_share if steps_per_round is None else None,
+        )
         self.batch_size = batch_size
         self.micro_batches = micro_batches
         self.schedule = schedule
@@ -398,7 +422,11 @@ class PipelineTraining(SpanJobStrategy):
         """Node -> computing power measured when it was admitted."""
         self._pending: dict[int, MemberPlan] = {}
         self._sources: tuple[LayerSource, ...] = ()
-        self._total_steps = 0
+
+    @property
+    def steps_per_round(self) -> int:
+        """The steps of the next round's segment (see ``steps_per_round``)."""
+        return self.sizer.steps
 
     def reference_job(self) -> ReferenceJob:
         """This job as one device would train it: pass it to
@@ -648,7 +676,6 @@ class PipelineTraining(SpanJobStrategy):
         """A new job whose central copy is the (resumed) model; admit
         ``fraction_train`` of the connected nodes (at least ``min_train_nodes``)."""
         del done
-        self._total_steps = self._num_rounds * self.steps_per_round
         self.job = f"pipe-{uuid.uuid4().hex[:12]}"
         self.central = dict(self._global_np)
         self.holdings = Holdings(self.num_layers, central_step=self.step)
@@ -672,7 +699,8 @@ class PipelineTraining(SpanJobStrategy):
         recovering from losses (each from the central copy: ``arrays``' values)."""
         del arrays
         self.admit(grid, grid.get_node_ids())  # newcomers, returning boards
-        end = server_round * self.steps_per_round
+        end = self.step + self.steps_per_round
+        later = (self._num_rounds - server_round) * self.steps_per_round
         book = _Book()
         began = self.clock.now()
         for attempt in range(1, self.max_attempts + 1):
@@ -680,7 +708,7 @@ class PipelineTraining(SpanJobStrategy):
                 usable = self._usable()
                 required = usable[:1] if self.dataset == LOCAL_DATASET else []
                 decision = self.planner.decide(
-                    self.layout, usable, self._total_steps - self.step, required
+                    self.layout, usable, end - self.step + later, required
                 )
             except PlanError as err:
                 log(WARNING, "round %d: %s", server_round, err)
@@ -796,6 +824,20 @@ class PipelineTraining(SpanJobStrategy):
             _num(r.metrics.get(keys.SPAN_STEP_S, 0)) for r in replies.values()
         )
         out = dict(metrics)
+        setup = self.sizer.measured(outcome.seconds, steps, measured)
+        log(
+            INFO,
+            "PipelineTraining: round %d set-up %.1f s of the segment's %.1f s "
+            "(%.0f%%; slowest member: %.1f s to its first step); next rounds "
+            "%d steps",
+            server_round,
+            setup[ROUND_SETUP_S],
+            outcome.seconds,
+            100 * setup[ROUND_SETUP_SHARE],
+            max(member_setup_s(r.metrics) for r in replies.values()),
+            self.sizer.steps,
+        )
+        out.update(setup)
         out.update(
             {
                 keys.SAMPLES_PER_S: throughput(self.batch_size, measured),
