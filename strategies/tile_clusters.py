@@ -171,7 +171,7 @@ class TileClusters(GridWrapper):
             if metrics is None:
                 raise RuntimeError("this cluster's job has no dataset to evaluate on")
             return Message(RecordDict({keys.METRICS: metrics}), reply_to=message)
-        strategy.momentum_state = {}
+        strategy.central_optimizer = {}
         for attempt in range(1, self.attempts + 1):
             new, metrics = strategy.train_round(
                 view, server_round, arrays, config, self.timeout

@@ -41,6 +41,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -279,6 +280,7 @@ class TiledTraining(SpanJobStrategy):
         join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         reply_margin_s: float = DEFAULT_REPLY_MARGIN_S,
+        checkpoint_path: str | Path | None = None,
     ) -> None:
         super().__init__(
             fraction_train,
@@ -296,6 +298,7 @@ class TiledTraining(SpanJobStrategy):
             join_timeout_s=join_timeout_s,
             timeout_s=timeout_s,
             reply_margin_s=reply_margin_s,
+            checkpoint_path=checkpoint_path,
         )
         from flowerbed.parallel.tiles.region_ops import check_norm
 
@@ -366,7 +369,6 @@ class TiledTraining(SpanJobStrategy):
         """Global steps done (the next segment starts here)."""
         self.boards: list[Board] = []
         self.segment: SegmentPlan | None = None
-        self.momentum_state: dict[str, np.ndarray] = {}
         self.round_timeout = 3600.0
         """Seconds a round may take (``start``'s ``timeout``)."""
         self._geometry: Any = None
@@ -623,7 +625,9 @@ class TiledTraining(SpanJobStrategy):
             names = list(state) if plan.rank == 0 else front
             payload[node_id] = {n: state[n] for n in names}
             momentum[node_id] = {
-                n: self.momentum_state[n] for n in names if n in self.momentum_state
+                n: self.central_optimizer[n]
+                for n in names
+                if n in self.central_optimizer
             }
         return self.segment_messages(
             self.segment.plans, payload, momentum, config, ttl=self.round_timeout
@@ -713,7 +717,7 @@ class TiledTraining(SpanJobStrategy):
         metrics[keys.NUM_EXAMPLES] = self.steps_per_round * self.batch_size
         metrics[keys.TRAIN_LOSS] = float(rank0.metrics[keys.TRAIN_LOSS])
         self.step += self.steps_per_round
-        self.momentum_state = dict(rank0.optimizer)
+        self.central_optimizer = dict(rank0.optimizer)
         by_node = {b.node_id: b for b in self.boards}
         for node_id, reply in replies.items():
             macs = float(reply.metrics.get(keys.TILES_MACS, 0.0))

@@ -268,3 +268,30 @@ def test_tiles_follow_the_boards_measured_speeds() -> None:
         areas = [t.area for t in tiles]
         assert areas[1] == pytest.approx(2 * areas[0], rel=0.25)
         assert areas[0] == pytest.approx(areas[2], rel=0.25)
+
+
+@pytest.mark.slow
+def test_tiled_training_resumes_after_its_last_round_exactly(
+    grid: ProcessGrid, tmp_path: Any
+) -> None:
+    # Round 1 by one strategy (the server then goes down), both rounds asked of
+    # a new one on the same checkpoint: it runs round 2 only and ends where one
+    # device ends after both rounds' steps (SGD momentum crossing the restart).
+    path = tmp_path / "tiles.ckpt"
+    ran: list[int] = []
+
+    def evaluate_fn(server_round: int, arrays: ArrayRecord) -> None:
+        ran.append(server_round)
+
+    first = tiled(max_devices=2, checkpoint_path=path)
+    first.start(grid, initial(), num_rounds=1, timeout=300, evaluate_fn=evaluate_fn)
+    assert path.exists() and ran == [0, 1]
+    ran.clear()
+    second = tiled(max_devices=2, checkpoint_path=path)
+    result = second.start(
+        grid, initial(), num_rounds=2, timeout=300, evaluate_fn=evaluate_fn
+    )
+    assert ran == [2], ran
+    assert second.step == 2 * STEPS
+    assert sorted(result.train_metrics_clientapp) == [1, 2]
+    assert_weights(result.arrays, reference(CASE, steps=2 * STEPS)["state"])
