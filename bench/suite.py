@@ -432,7 +432,8 @@ def _configs() -> list[Config]:
             "fedbuff",
             "flowerbed",
             "FedBuff with its defaults (concurrency = twice the cohort, K = a "
-            "quarter of the concurrency: half the cohort)",
+            "quarter of the concurrency: half the cohort; a task out for over "
+            "twice the slowest recent round trip is given up)",
             _flowerbed("fedbuff"),
             versions_per_round=2,
         ),

@@ -40,6 +40,10 @@ slot-time is their share of the summed task times); a synchronous round with a
 timeout keeps its cohort busy while its cut-off stragglers run on. Measured
 against 1x and 3x on the benchmark's phone populations (docs/strategies/fedbuff.md):
 1x folded a third of a timed-out FedAvg's updates, 3x spent about 1.4x its energy."""
+ABANDON_SAMPLE = 100
+"""Completed round trips the abandonment limit looks at (the newest)."""
+ABANDON_MIN_SAMPLES = 10
+"""Round trips to know before any task is given up."""
 MEAN_STALENESS = 4
 """Default ``buffer_size`` is ``concurrency // MEAN_STALENESS``: with nodes drawn
 uniformly, versions are made at ``rate / K`` while ``concurrency`` tasks are in
@@ -98,6 +102,7 @@ class FedBuff(RuntimeWeightedFedAvg):
     server_learning_rate: float
     server_momentum: float
     evaluate_every: int
+    abandon_after: float | None
     max_staleness: int
     staleness_fn: StalenessFn  # resolved from a name
 
@@ -143,6 +148,11 @@ class FedBuff(RuntimeWeightedFedAvg):
         """Train samplings of the current version so far."""
         self._momentum: dict[str, np.ndarray] = {}
         """``m_v`` of the server momentum, per float array."""
+        self.round_trips: list[float] = []
+        """Seconds from dispatch to reply of the newest completed train tasks
+        (at most :data:`ABANDON_SAMPLE`)."""
+        self.abandoned = 0
+        """Tasks given up so far (:meth:`abandon_overdue`)."""
 
     def summary(self) -> None:
         """Log the configuration: the FedBuff branch, then the base strategy's."""
@@ -150,12 +160,15 @@ class FedBuff(RuntimeWeightedFedAvg):
         log(
             INFO,
             "\t│\t└── Concurrency %s, buffer %s, eta_g %.3g, momentum %.3g, max "
-            "staleness %d",
+            "staleness %d, abandon after %s",
             self.concurrency or f"({CONCURRENCY_PER_SAMPLE} x sample size)",
             self.buffer_size or f"(concurrency // {MEAN_STALENESS})",
             self.server_learning_rate,
             self.server_momentum,
             self.max_staleness,
+            "never"
+            if self.abandon_after is None
+            else f"{self.abandon_after:g} x the slowest recent round trip",
         )
         super().summary()
 
@@ -226,14 +239,52 @@ class FedBuff(RuntimeWeightedFedAvg):
         # Top-ups within a version are routine: one INFO line per version is enough.
         return DEBUG if self._topped_up else INFO
 
+    def abandon_overdue(self) -> int:
+        """Give up on train tasks outstanding for over ``abandon_after`` times
+        the slowest recent round trip; how many were given up.
+
+        A node that vanished without an error (a phone switched off, a board
+        unplugged) holds its slot until its message expires, by default after
+        ``start()``'s ``timeout`` (Flower's 3,600 s), while the other slots
+        carry the run. Measured on the suite's phone populations (seeds 1-3,
+        docs/strategies/fedbuff.md), giving up at twice the slowest of the
+        last 100 completed round trips raised FedBuff's accuracy at the budget
+        by 6-10 points (mnist1d IID, Synthetic) and reached 95% of the
+        converged accuracy 1.0-1.24x as fast as Flower's best timeout, where it
+        had been 0.96-1.0x; on the small fleets it changed nothing measurable.
+        """
+        if self.abandon_after is None or len(self.round_trips) < ABANDON_MIN_SAMPLES:
+            return 0
+        assert self._inflight is not None
+        limit = self.abandon_after * max(self.round_trips)
+        now = self._clock.now()
+        overdue = self._inflight.ids(
+            lambda t: t.kind == MessageType.TRAIN and now - t.sent_at > limit
+        )
+        if overdue:
+            self._inflight.forget(overdue)
+            self.abandoned += len(overdue)
+            log(
+                INFO,
+                "version %d: gave up on %d task(s) outstanding for over %.3g s "
+                "(%g x the slowest recent round trip); their nodes count as idle",
+                self.version,
+                len(overdue),
+                limit,
+                self.abandon_after,
+            )
+        return len(overdue)
+
     def _dispatch(self, grid: Grid, config: ConfigRecord) -> None:
-        """Give work on the newest version to idle nodes (``configure_train``).
+        """Give work on the newest version to idle nodes (``configure_train``),
+        after giving up on overdue tasks (:meth:`abandon_overdue`).
 
         Every call for one version sees the train config as it was before that
         version's first call, so an override that edits it in place (Flower's
         learning-rate decay recipe) acts once per version, not once per call.
         """
         assert self._inflight is not None
+        self.abandon_overdue()
         if self._version_config is None:
             self._version_config = ConfigRecord(dict(config))
             given = config
@@ -323,6 +374,11 @@ class FedBuff(RuntimeWeightedFedAvg):
                         staleness,
                     )
                 else:
+                    if not reply.has_error():
+                        self.round_trips = [
+                            *self.round_trips[-(ABANDON_SAMPLE - 1) :],
+                            arrived - ticket.sent_at,
+                        ]
                     yield self._hand_over(
                         reply,
                         ticket,

@@ -392,6 +392,11 @@ class Buffering:
         plain FedBuff.
     evaluate_every : int (default: 1)
         Evaluate every this many versions.
+    abandon_after : float, optional (default: 2.0)
+        Give up on a task outstanding for longer than this many times the
+        slowest of the last 100 completed round trips (once 10 are known): its
+        slot goes to an idle node, and its reply, should it come, is ignored.
+        None: wait for every task until its message expires.
     """
 
     concurrency: int | None = None
@@ -399,6 +404,7 @@ class Buffering:
     server_learning_rate: float = 1.0
     server_momentum: float = 0.0
     evaluate_every: int = 1
+    abandon_after: float | None = 2.0
 
     def __post_init__(self) -> None:
         _check(
@@ -417,6 +423,10 @@ class Buffering:
                     f"server_momentum must be in [0, 1), got {self.server_momentum}",
                 ),
                 (self.evaluate_every >= 1, "evaluate_every must be >= 1"),
+                (
+                    self.abandon_after is None or self.abandon_after > 1,
+                    "abandon_after must be > 1 (or None: never)",
+                ),
             ],
             "Buffering",
         )

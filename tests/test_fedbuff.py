@@ -170,3 +170,32 @@ def test_default_concurrency_is_twice_the_sample_and_k_a_quarter_of_it() -> None
     assert [t for t, _ in grid.pushed].count(0.0) == 8
     train = result.train_metrics_clientapp
     assert [train[v][ROUND_PARTICIPANTS] for v in (1, 2)] == [2, 2]
+
+
+def test_a_task_outstanding_past_twice_the_slowest_round_trip_is_given_up() -> None:
+    # Nodes 1 and 2 answer after 1 s and 1.5 s; node 3 vanished and never
+    # answers. With all three in flight, node 3's slot is dead until its
+    # message expires. Once 10 round trips are known (the slowest 1.5 s), a
+    # task out for over 2 x 1.5 = 3 s is given up and node 3, idle again, gets
+    # new work: first at the dispatch after t = 3 s, then every 3 s or so.
+    def grid() -> FakeGrid:
+        return FakeGrid(
+            {1: node(1.0, seconds=1.0), 2: node(4.0, seconds=1.5), 3: silent}
+        )
+
+    g = grid()
+    strategy = fedbuff(concurrency=3)
+    strategy.start(g, weights(), num_rounds=20)
+    assert strategy.abandoned >= 2
+    assert len(g.pushed_to(3)) == strategy.abandoned + 1
+    assert max(strategy.round_trips) == pytest.approx(1.5)
+    # Never giving up: node 3 keeps its one task for the whole run.
+    g = grid()
+    patient = fedbuff(concurrency=3, abandon_after=None)
+    patient.start(g, weights(), num_rounds=20)
+    assert patient.abandoned == 0 and len(g.pushed_to(3)) == 1
+
+
+def test_abandon_after_must_exceed_one() -> None:
+    with pytest.raises(ValueError, match="abandon_after must be > 1"):
+        Buffering(abandon_after=1.0)
