@@ -308,7 +308,10 @@ def deployment() -> dict[str, Any]:
     from . import span_deployment
 
     with tempfile.TemporaryDirectory(prefix="flowerbed-span-deploy-") as tmp:
-        return span_deployment.run(Path(tmp))
+        out = span_deployment.run(Path(tmp) / "kills")
+        sized = span_deployment.run(Path(tmp) / "sized", sized=True)
+    out["sized"] = {k: sized[k] for k in ("rounds", "job-wall-s", "finished")}
+    return out
 
 
 # --------------------------------------------------------------------------------
@@ -573,8 +576,41 @@ def _render_deployment(d: Mapping[str, Any]) -> list[str]:
             f"| {k['member-setup-s']:.1f} | {k['clientapp-start-s']:.1f} "
             f"| {k['rendezvous-s']:.1f} |"
         )
+    rounds = d.get("rounds", {})
+    if rounds:
+        lines += [
+            "",
+            "Set-up per round (fixed 12 steps; the segment that completed the "
+            "round): the segment's wall time less its steps' time, and the "
+            "slowest member's own set-up from its process's start to its first "
+            "step.",
+            "",
+            "| round | set-up s | segment s | share | member set-up s |",
+            "|---|---|---|---|---|",
+        ]
+        for r, v in sorted(rounds.items(), key=lambda kv: int(kv[0])):
+            lines.append(
+                f"| {r} | {v['setup-s']:.1f} | {v['segment-s']:.1f} "
+                f"| {100 * v['setup-share']:.0f}% | {v['member-setup-s']:.1f} |"
+            )
     finished = "finished" if d.get("finished") else "did not finish"
     lines += ["", f"The job {finished} in {d.get('job-wall-s', 0):.0f} s.", ""]
+    sized = d.get("sized", {})
+    if sized.get("rounds"):
+        lines += [
+            "The same fleet without kills, two rounds with segments sized by the "
+            "strategy (`steps_per_round=None`: round 1 runs 20 steps, later "
+            "rounds as many as keep set-up at most 10% of a round):",
+            "",
+            "| round | steps next | set-up s | segment s | share |",
+            "|---|---|---|---|---|",
+        ]
+        for r, v in sorted(sized["rounds"].items(), key=lambda kv: int(kv[0])):
+            lines.append(
+                f"| {r} | {v.get('next-steps', 0)} | {v['setup-s']:.1f} "
+                f"| {v['segment-s']:.1f} | {100 * v['setup-share']:.0f}% |"
+            )
+        lines.append("")
     return lines
 
 

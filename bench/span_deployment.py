@@ -65,6 +65,12 @@ SEGMENT_START = re.compile(
     r"([\d.]+) s, rendezvous ([\d.]+) s"
 )
 RECEIVED = "Receiving: train message"
+ROUND_SETUP = re.compile(
+    r"round (\d+) set-up ([\d.]+) s of the segment's ([\d.]+) s \((\d+)%; slowest "
+    r"member: ([\d.]+) s to its first step\); next rounds (\d+) steps"
+)
+"""The strategy's log line of a completed round's set-up
+(:mod:`flowerbed.strategies.span_sizing`)."""
 
 SERVER_APP = '''
 """ServerApp of flowerbed's pipeline deployment bench."""
@@ -90,7 +96,7 @@ def main(grid: Grid, context: Context) -> None:
         model_args=ARGS,
         input_shape=(1, 8, 8),
         dataset="digits",
-        steps_per_round=int(cfg["steps"]),
+        steps_per_round=int(cfg["steps"]) or None,  # 0: sized by the strategy
         batch_size=16,
         micro_batches=4,
         replicate_every=int(cfg["replicate-every"]),
@@ -286,6 +292,21 @@ def segments(proc: Proc) -> list[tuple[int, float, float, float]]:
     ]
 
 
+def round_setups(log: str) -> dict[str, dict[str, float]]:
+    """Each completed round's set-up from the ServerApp's log: seconds, the
+    segment's wall seconds, the share, the slowest member's own set-up."""
+    return {
+        m[1]: {
+            "setup-s": float(m[2]),
+            "segment-s": float(m[3]),
+            "setup-share": float(m[2]) / float(m[3]) if float(m[3]) > 0 else 0.0,
+            "member-setup-s": float(m[5]),
+            "next-steps": int(m[6]),
+        }
+        for m in ROUND_SETUP.finditer(log)
+    }
+
+
 def kill_and_recover(
     victim: Proc, mode: str, survivors: Sequence[Proc], timeout: float = 120.0
 ) -> dict[str, Any]:
@@ -320,8 +341,12 @@ def kill_and_recover(
     raise TimeoutError(f"{mode} kill: no segment after {after} in {timeout} s")
 
 
-def run(workdir: Path, run_timeout: float = 600.0) -> dict[str, Any]:
-    """The deployment, both kills, the job to its end (module doc)."""
+def run(
+    workdir: Path, run_timeout: float = 600.0, *, sized: bool = False
+) -> dict[str, Any]:
+    """The deployment, both kills, the job to its end (module doc). ``sized``:
+    instead, two rounds without kills and with segments sized by the strategy
+    (``steps_per_round=None``, set-up at most 10% of a round)."""
     workdir.mkdir(parents=True, exist_ok=True)
     app = write_app(workdir)
     out: dict[str, Any] = {"speeds": dict(SPEEDS), "kills": {}}
@@ -341,9 +366,10 @@ def run(workdir: Path, run_timeout: float = 600.0) -> dict[str, Any]:
         }
         for node in nodes.values():
             wait_for(node, r"SuperNode ID: \d+", 60.0)
-        config = " ".join(
-            f"{k}={v}" for k, v in {**RUN_CONFIG, "port": free_port()}.items()
-        )
+        settings = {**RUN_CONFIG, "port": free_port()}
+        if sized:
+            settings.update({"num-rounds": 2, "steps": 0})
+        config = " ".join(f"{k}={v}" for k, v in settings.items())
         began = time.monotonic()
         cli = dep.start(
             "run",
@@ -358,7 +384,7 @@ def run(workdir: Path, run_timeout: float = 600.0) -> dict[str, Any]:
             ],
         )
         survivors = list(nodes.values())
-        for mode in KILL_MODES:
+        for mode in () if sized else KILL_MODES:
             name, step = VICTIMS[mode]
             victim = nodes[name]
             wait_for(victim, rf"replicated at step {step}\b", run_timeout)
@@ -368,4 +394,5 @@ def run(workdir: Path, run_timeout: float = 600.0) -> dict[str, Any]:
         out["job-wall-s"] = time.monotonic() - began
         out["finished"] = cli.popen.returncode == 0
         out["found-gone"] = cli.log().count("found it gone")
+        out["rounds"] = round_setups(cli.log())
     return out

@@ -21,6 +21,7 @@ from span_kills import (
     FAILURE_BOUND_S,
     FIRST_STEP_BOUND_S,
     FLOWER_ENV,
+    SETUP_REPORT,
     failure_to_next_step,
     kill,
     wait_all_gone,
@@ -158,6 +159,8 @@ def test_killed_boards_are_found_in_seconds_and_the_next_segments_complete(
     for mode, found in seconds.items():
         assert found.delivered_s <= FAILURE_BOUND_S, f"{mode}:\n{found.timeline}"
         assert found.first_step_s <= FIRST_STEP_BOUND_S, f"{mode}:\n{found.timeline}"
+    # Every member says where its set-up went when its segment starts.
+    assert any(SETUP_REPORT.search(node.log()) for node in nodes), why
     assert result.status == "finished:completed", why
     assert out.exists(), why
     data = json.loads(out.read_text())

@@ -103,9 +103,30 @@ def test_the_page_lists_each_kill_modes_time_to_the_next_step() -> None:
             "kills": {"board": kill, "supernode": {**kill, "delivered-s": 4.0}},
             "job-wall-s": 95.0,
             "finished": True,
+            "rounds": {
+                "1": {
+                    "setup-s": 17.5,
+                    "segment-s": 20.0,
+                    "setup-share": 0.875,
+                    "member-setup-s": 12.1,
+                }
+            },
+        }
+    }
+    data["deployment"]["sized"] = {
+        "rounds": {
+            "2": {
+                "setup-s": 9.0,
+                "segment-s": 90.0,
+                "setup-share": 0.1,
+                "member-setup-s": 6.0,
+                "next-steps": 810,
+            }
         }
     }
     lines = section.render(data)
+    assert "| 1 | 17.5 | 20.0 | 88% | 12.1 |" in lines
+    assert "| 2 | 810 | 9.0 | 90.0 | 10% |" in lines
     assert "| board | 3.3 | 11.2 | 8.6 | 5.6 | 0.6 |" in lines
     assert "| supernode | 4.0 | 11.2 | 8.6 | 5.6 | 0.6 |" in lines
     assert "The job finished in 95 s." in lines

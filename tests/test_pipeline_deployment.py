@@ -29,6 +29,7 @@ from span_kills import (
     FAILURE_BOUND_S,
     FIRST_STEP_BOUND_S,
     FLOWER_ENV,
+    SETUP_REPORT,
     failure_to_next_step,
     kill,
     segments_started,
@@ -192,6 +193,8 @@ def test_pipeline_survives_a_killed_supernode_and_puts_few_layers_on_the_slow_on
     for mode, found in seconds.items():
         assert found.delivered_s <= FAILURE_BOUND_S, f"{mode}:\n{found.timeline}"
         assert found.first_step_s <= FIRST_STEP_BOUND_S, f"{mode}:\n{found.timeline}"
+    # Every member says where its set-up went when its segment starts.
+    assert any(SETUP_REPORT.search(node.log()) for node in fed.supernodes), why
     assert run.status == "finished:completed", why
     result = json.loads(out.read_text())
     rounds = result["rounds"]
