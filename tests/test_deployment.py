@@ -278,18 +278,26 @@ def explain(fed: Federation, run_log: str) -> str:
     return "\n".join(parts)
 
 
-def test_straggler_reports_partial_work_and_rounds_keep_the_deadline(
-    tmp_path: Path,
-) -> None:
+def run_with_straggler(
+    tmp_path: Path, rounds: int, learn_margin: bool = False
+) -> tuple[dict, str]:
+    """Three SuperNodes, node 2 slowed; the finished run's result and log tails."""
     app_dir = write_app(tmp_path)
     out = tmp_path / "result.json"
     with Federation(tmp_path / "fed") as fed:
         fed.start_superlink()
         start_nodes(fed, write_partitions(tmp_path, 3), slow=2)
-        run = fed.run(app_dir, run_config(out, rounds=3), timeout=RUN_TIMEOUT_S)
+        config = run_config(out, rounds=rounds, learn_margin=learn_margin)
+        run = fed.run(app_dir, config, timeout=RUN_TIMEOUT_S)
         why = explain(fed, run.log)
     assert run.status == "finished:completed", why
-    result = json.loads(out.read_text())
+    return json.loads(out.read_text()), why
+
+
+def test_straggler_reports_partial_work_and_rounds_keep_the_deadline(
+    tmp_path: Path,
+) -> None:
+    result, why = run_with_straggler(tmp_path, rounds=3)
     deadline = result["deadline-s"]
 
     # The profiling query reached every node. The slowed node sleeps 0.5 s before
@@ -333,16 +341,7 @@ def test_a_straggler_with_learnt_lateness_keeps_replying_in_time(
     # loaded machine may make one reply late (then it is dropped: late updates
     # are off), so the test asks for one such round of rounds 2-4, that every
     # round closes by its deadline, and that the board never trains past it.
-    app_dir = write_app(tmp_path)
-    out = tmp_path / "result.json"
-    with Federation(tmp_path / "fed") as fed:
-        fed.start_superlink()
-        start_nodes(fed, write_partitions(tmp_path, 3), slow=2)
-        config = run_config(out, rounds=4, learn_margin=True)
-        run = fed.run(app_dir, config, timeout=RUN_TIMEOUT_S)
-        why = explain(fed, run.log)
-    assert run.status == "finished:completed", why
-    result = json.loads(out.read_text())
+    result, why = run_with_straggler(tmp_path, rounds=4, learn_margin=True)
     deadline = result["deadline-s"]
     assert sorted(result["rounds"]) == ["1", "2", "3", "4"], why
     for seconds in result["durations"]:
