@@ -824,7 +824,15 @@ class PipelineTraining(SpanJobStrategy):
             _num(r.metrics.get(keys.SPAN_STEP_S, 0)) for r in replies.values()
         )
         out = dict(metrics)
-        setup = self.sizer.measured(outcome.seconds, steps, measured)
+        # A step's cost includes its share of the ring replications: they are
+        # paid per step, not once per segment like the set-up.
+        replicate = max(
+            _num(r.metrics.get(keys.SPAN_REPLICATE_S, 0)) for r in replies.values()
+        )
+        per_step = measured + (
+            replicate / self.replicate_every if self.replicate_every else 0.0
+        )
+        setup = self.sizer.measured(outcome.seconds, steps, per_step)
         log(
             INFO,
             "PipelineTraining: round %d set-up %.1f s of the segment's %.1f s "
