@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from logging import DEBUG, INFO, WARNING
 from typing import Any, ClassVar
@@ -148,7 +149,7 @@ class FedBuff(RuntimeWeightedFedAvg):
         """Train samplings of the current version so far."""
         self._momentum: dict[str, np.ndarray] = {}
         """``m_v`` of the server momentum, per float array."""
-        self.round_trips: list[float] = []
+        self.round_trips: deque[float] = deque(maxlen=ABANDON_SAMPLE)
         """Seconds from dispatch to reply of the newest completed train tasks
         (at most :data:`ABANDON_SAMPLE`)."""
         self.abandoned = 0
@@ -375,10 +376,7 @@ class FedBuff(RuntimeWeightedFedAvg):
                     )
                 else:
                     if not reply.has_error():
-                        self.round_trips = [
-                            *self.round_trips[-(ABANDON_SAMPLE - 1) :],
-                            arrived - ticket.sent_at,
-                        ]
+                        self.round_trips.append(arrived - ticket.sent_at)
                     yield self._hand_over(
                         reply,
                         ticket,

@@ -40,7 +40,6 @@ from flowerbed.parallel.large_batch.optimizers import OPTIMIZERS
 from flowerbed.parallel.large_batch.recipe import LrSchedule, batch_shares, share_bounds
 from flowerbed.parallel.plan import MemberPlan
 from flowerbed.parallel.reference import ReferenceJob
-from flowerbed.parallel.setup_time import member_setup_s
 from flowerbed.parallel.user_code import Training, build_module
 from flowerbed.replies import ReplyRejected
 from flwr.app import (
@@ -69,8 +68,6 @@ from .span import (
 )
 from .span_sizing import (
     DEFAULT_SETUP_SHARE,
-    ROUND_SETUP_S,
-    ROUND_SETUP_SHARE,
     SegmentSizer,
 )
 
@@ -667,22 +664,15 @@ class LargeBatchSync(SpanJobStrategy):
     ) -> MetricRecord:
         """The round's metrics with its set-up; the next segments sized by it."""
         step = metrics.get(ROUND_STEP_S, 0.0)
-        setup = self.sizer.measured(
-            outcome.seconds, steps, float(step) if isinstance(step, int | float) else 0
+        metrics.update(
+            self._measure_setup(
+                server_round,
+                outcome.seconds,
+                steps,
+                float(step) if isinstance(step, int | float) else 0.0,
+                (r.metrics for r in outcome.replies.values()),
+            )
         )
-        log(
-            INFO,
-            "LargeBatchSync: round %d set-up %.1f s of the segment's %.1f s "
-            "(%.0f%%; slowest member: %.1f s to its first step); next rounds "
-            "%d steps",
-            server_round,
-            setup[ROUND_SETUP_S],
-            outcome.seconds,
-            100 * setup[ROUND_SETUP_SHARE],
-            max(member_setup_s(r.metrics) for r in outcome.replies.values()),
-            self.sizer.steps,
-        )
-        metrics.update(setup)
         return metrics
 
     @property

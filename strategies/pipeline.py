@@ -44,7 +44,6 @@ from flowerbed.parallel.pipeline.recovery import (
 from flowerbed.parallel.pipeline.stage import INPUT_SHAPE, LOCAL_DATASET
 from flowerbed.parallel.plan import SCHEDULES, LayerSource, MemberPlan, PlanError
 from flowerbed.parallel.reference import ReferenceJob
-from flowerbed.parallel.setup_time import member_setup_s
 from flowerbed.parallel.store import layer_of
 from flowerbed.parallel.user_code import Training, build_layers
 from flowerbed.replies import ReplyRejected
@@ -76,8 +75,6 @@ from .span import (
 )
 from .span_sizing import (
     DEFAULT_SETUP_SHARE,
-    ROUND_SETUP_S,
-    ROUND_SETUP_SHARE,
     SegmentSizer,
 )
 
@@ -832,20 +829,15 @@ class PipelineTraining(SpanJobStrategy):
         per_step = measured + (
             replicate / self.replicate_every if self.replicate_every else 0.0
         )
-        setup = self.sizer.measured(outcome.seconds, steps, per_step)
-        log(
-            INFO,
-            "PipelineTraining: round %d set-up %.1f s of the segment's %.1f s "
-            "(%.0f%%; slowest member: %.1f s to its first step); next rounds "
-            "%d steps",
-            server_round,
-            setup[ROUND_SETUP_S],
-            outcome.seconds,
-            100 * setup[ROUND_SETUP_SHARE],
-            max(member_setup_s(r.metrics) for r in replies.values()),
-            self.sizer.steps,
+        out.update(
+            self._measure_setup(
+                server_round,
+                outcome.seconds,
+                steps,
+                per_step,
+                (r.metrics for r in replies.values()),
+            )
         )
-        out.update(setup)
         out.update(
             {
                 keys.SAMPLES_PER_S: throughput(self.batch_size, measured),

@@ -59,12 +59,18 @@ from flowerbed import keys
 from flowerbed.clock import Clock, clock_of
 from flowerbed.parallel.group import STORE_GRACE_S, segment_port
 from flowerbed.parallel.plan import PLAN_KEY, MemberPlan, check_address
+from flowerbed.parallel.setup_time import member_setup_s
 from flowerbed.replies import ReplyRejected, check_evaluate_reply
 from flowerbed.strategies.accumulation import MetricsAccumulator
 from flowerbed.strategies.inflight import InFlight, Ticket
 from flowerbed.strategies.rounds import RoundLoop, RoundTally
 from flowerbed.strategies.sampling import WAIT_FOR_NODES_S
 from flowerbed.strategies.span_checkpoint import Resumed, SpanCheckpoint
+from flowerbed.strategies.span_sizing import (
+    ROUND_SETUP_S,
+    ROUND_SETUP_SHARE,
+    SegmentSizer,
+)
 from flwr.app import (
     Array,
     ArrayRecord,
@@ -292,6 +298,35 @@ class SpanJobStrategy(RoundLoop):
     """
 
     mode = "probe"
+    sizer: SegmentSizer
+    """How many steps a segment takes (set by the subclasses that size them)."""
+
+    def _measure_setup(
+        self,
+        server_round: int,
+        wall_s: float,
+        steps: int,
+        step_s: float,
+        members: Iterable[Mapping[str, object]],
+    ) -> dict[str, float]:
+        """Record a completed segment with :attr:`sizer` and log where its time
+        went; return the round's set-up metrics (``members``: the members'
+        reply metrics, each with its own time to its first step)."""
+        setup = self.sizer.measured(wall_s, steps, step_s)
+        log(
+            INFO,
+            "%s: round %d set-up %.1f s of the segment's %.1f s (%.0f%%; slowest "
+            "member: %.1f s to its first step); next rounds %d steps",
+            type(self).__name__,
+            server_round,
+            setup[ROUND_SETUP_S],
+            wall_s,
+            100 * setup[ROUND_SETUP_SHARE],
+            max(member_setup_s(m) for m in members),
+            self.sizer.steps,
+        )
+        return setup
+
     """The plan mode this strategy's members run (a key of parallel.modes)."""
 
     # pylint: disable=too-many-arguments
