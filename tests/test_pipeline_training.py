@@ -226,7 +226,12 @@ def test_slow_device_crash_return_and_slowdown(
     assert any(
         f"-> [1, 3, {returned[0]}]" in e or str(returned[0]) in e for e in s.events
     )
-    assert max(rounds[r]["stages"] for r in (4, 5, 6)) == 3, log
+    # Three stages again once it is back, if it is back before member 1 slows
+    # down (round 5). On a loaded machine the new node can be ready only after
+    # that; the planner then rightly leaves the 10x slower member 1 on standby
+    # and runs on member 3 and the returned board (seen in CI: ready at step 50).
+    back_late = f"-> [3, {returned[0]}]" in log
+    assert back_late or max(rounds[r]["stages"] for r in (4, 5, 6)) == 3, log
 
     # Member 1 slowed 10x from step 40 (round 5): round 6 re-partitions around it.
     assert rounds[6]["repartitions"] == 1, log
