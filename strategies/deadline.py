@@ -361,8 +361,6 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
         """Per node, the seconds its last (up to three) replies that stopped at
         their deadline arrived after their ``deadline-s``, newest last
         (:meth:`node_deadline`)."""
-        self._given: dict[int, float] = {}
-        """The ``deadline-s`` each node was last sent."""
 
     @classmethod
     def recommended(cls, *args: Any, **kwargs: Any) -> Self:
@@ -543,8 +541,9 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
         arrived (see :meth:`node_deadline`): one that stopped short of its
         assigned steps, or came after its ``deadline-s``, having done at least
         one step (a node that could not start says nothing about what follows
-        its training)."""
-        given = self._given.get(ticket.node_id)
+        its training). Measured against the ``deadline-s`` of the reply's own
+        task: a node may have been given another since."""
+        given = ticket.deadline_s
         if given is None or reply.has_error() or not reply.has_content():
             return
         metrics = next(iter(reply.content.metric_records.values()), MetricRecord())
@@ -565,9 +564,7 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
 
     def _node_config(self, node_id: int, config: ConfigRecord) -> ConfigRecord:
         if self.partial_work and self._deadline is not None:
-            given = self.node_deadline(node_id, self._deadline)
-            self._given[node_id] = given
-            config[keys.DEADLINE_S] = given
+            config[keys.DEADLINE_S] = self.node_deadline(node_id, self._deadline)
             if self.min_batch_size:
                 config[keys.MIN_BATCH_SIZE] = self.min_batch_size
         return config

@@ -31,6 +31,8 @@ class Ticket:
     sent_at: float
     kind: str
     assigned_steps: int | None = None
+    deadline_s: float | None = None
+    """The ``deadline-s`` this message gave its node; None if it gave none."""
 
 
 def _assigned_steps(message: Message) -> int | None:
@@ -38,6 +40,14 @@ def _assigned_steps(message: Message) -> int | None:
         steps = config.get(keys.LOCAL_STEPS)
         if isinstance(steps, int) and not isinstance(steps, bool):
             return steps
+    return None
+
+
+def _deadline_s(message: Message) -> float | None:
+    for config in records_of(message.content, ConfigRecord):
+        seconds = config.get(keys.DEADLINE_S)
+        if isinstance(seconds, (int, float)) and not isinstance(seconds, bool):
+            return float(seconds)
     return None
 
 
@@ -72,6 +82,7 @@ class InFlight:
                 sent_at=sent_at,
                 kind=message.metadata.message_type,
                 assigned_steps=_assigned_steps(message),
+                deadline_s=_deadline_s(message),
             )
             pushed.append(message_id)
         return pushed

@@ -10,13 +10,22 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 from flowerbed import keys
 from flowerbed.strategies import DeadlineFedAvg
+from flowerbed.strategies.inflight import InFlight
 from flowerbed.strategies.options import Deadlines, WorkBalance
 from flowerbed.strategies.round_metrics import ROUND_PARTICIPANTS
-from flwr.app import ConfigRecord, Message
-from test_strategies_fakes import FakeGrid, config_of, received, reply, weights
+from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+from test_strategies_fakes import (
+    FakeClock,
+    FakeGrid,
+    config_of,
+    received,
+    reply,
+    weights,
+)
 
 STEP_S = 1.0
 STEPS = 10
@@ -115,3 +124,33 @@ def test_the_learnt_lateness_survives_a_checkpoint() -> None:
     restored = deadline_strategy()
     restored.load_state(strategy.state())
     assert restored.lateness == {4: [1.5, 0.5], 7: [-0.25]}
+
+
+def test_lateness_is_measured_against_the_reply_s_own_task() -> None:
+    # Node 1's first task carried no deadline-s (an adaptive deadline knows none
+    # in round 1); its second carried 6.4 s. The first task's reply, a full 10
+    # steps landing 10 s after it was sent, stopped short of nothing and had no
+    # deadline: it says nothing of lateness, although the node has been given
+    # 6.4 s since. The second task's reply, 6 steps landing at 6.5 s, is 0.1 s
+    # late against its own 6.4 s.
+    grid = FakeGrid({1: board(after_s=0.5)})
+    inflight = InFlight(grid, FakeClock(grid))
+    contents = [ASSIGNED, ConfigRecord({keys.LOCAL_STEPS: STEPS, keys.DEADLINE_S: 6.4})]
+    messages = [
+        grid.create_message(
+            RecordDict({"config": config, keys.ARRAYS: weights()}),
+            MessageType.TRAIN,
+            1,
+            "1",
+        )
+        for config in contents
+    ]
+    first, second = (inflight.tickets[i] for i in inflight.push(messages, 1))
+    assert (first.deadline_s, second.deadline_s) == (None, 6.4)
+    strategy = deadline_strategy()
+    full = reply(messages[0], {"x": np.zeros(1)}, num_examples=10, num_steps=10)
+    strategy._note_lateness(full, first, arrived=10.0)
+    assert strategy.lateness == {}
+    short = reply(messages[1], {"x": np.zeros(1)}, num_examples=10, num_steps=6)
+    strategy._note_lateness(short, second, arrived=6.5)
+    assert strategy.lateness == {1: [pytest.approx(0.1)]}
