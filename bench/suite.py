@@ -897,23 +897,33 @@ def accuracy_at_time(
     return acc
 
 
-def time_to(curve: Sequence[Sequence[float]], target: float) -> float | None:
-    """Virtual time of the first evaluation at or above ``target`` (None: never)."""
+def time_to(
+    curve: Sequence[Sequence[float]], target: float, until: float = math.inf
+) -> float | None:
+    """Virtual time of the first evaluation at or above ``target`` (None: never,
+    or only after ``until``, the run's budget: a round that ends past the budget,
+    as a wait-for-all round does when a device is lost, does not count)."""
     for _, when, a, _ in curve:
+        if when > until:
+            return None
         if a >= target:
             return float(when)
     return None
 
 
-def energy_to(cell: Mapping[str, Any], target: float) -> float | None:
+def energy_to(
+    cell: Mapping[str, Any], target: float, until: float = math.inf
+) -> float | None:
     """Joules the devices had spent on successful train tasks (ended by then,
     whether or not the strategy used them) when the run first reached ``target``
-    (None: never reached, or a cell recorded before energy was recorded per
-    evaluation)."""
+    (None: never reached, only after ``until`` as in :func:`time_to`, or a cell
+    recorded before energy was recorded per evaluation)."""
     energy = cell.get("energy_curve")
     if not energy:
         return None
-    for i, (_, _, a, _) in enumerate(cell["curve"]):
+    for i, (_, when, a, _) in enumerate(cell["curve"]):
+        if when > until:
+            return None
         if a >= target:
             return float(energy[i])
     return None
@@ -1012,9 +1022,11 @@ def summarise_workload(
             "energy_to": {},
         }
         for f, target in targets.items():
-            times = [time_to(c["curve"], target) for c in runs]
+            times = [time_to(c["curve"], target, c["budget_s"]) for c in runs]
             entry["ttt"][str(f)] = [t for t in times]
-            entry["energy_to"][str(f)] = [energy_to(c, target) for c in runs]
+            entry["energy_to"][str(f)] = [
+                energy_to(c, target, c["budget_s"]) for c in runs
+            ]
             entry["reached"][str(f)] = sum(t is not None for t in times)
         entry["final_accuracy"] = [
             accuracy_at_time(c["curve"], budget, c["initial_accuracy"]) for c in runs

@@ -176,6 +176,9 @@ def test_curve_readings() -> None:
     assert suite.accuracy_at_time(curve, 99.0, 0.1) == 0.6
     assert suite.time_to(curve, 0.65) == 20.0
     assert suite.time_to(curve, 0.8) is None
+    # reached at 20 s, after a 15 s budget (a round that outlived the run): missed
+    assert suite.time_to(curve, 0.65, until=15.0) is None
+    assert suite.time_to(curve, 0.65, until=20.0) == 20.0
 
 
 def test_ideal_keeps_the_cohort_busy_with_full_tasks() -> None:
@@ -360,6 +363,30 @@ def test_energy_to_the_target_is_read_where_the_curve_first_reaches_it() -> None
     assert suite.energy_to(cell, 0.6) == 9.0
     assert suite.energy_to(cell, 0.95) is None
     assert suite.energy_to({"curve": cell["curve"]}, 0.6) is None  # not recorded
+    assert suite.energy_to(cell, 0.6, until=15.0) is None  # after the budget
+
+
+def test_a_target_reached_only_after_the_budget_counts_as_missed() -> None:
+    # A wait-for-all run whose lost device holds its last round to the
+    # 3,600 s timeout evaluates far past its 1 s budget: that is no time to
+    # the target, and its energy there is no energy to the target.
+    cell = {
+        "workload": "w",
+        "config": "flwr-fedavg",
+        "family": "flower",
+        "seed": 1,
+        "timeout_s": None,
+        "budget_s": 1.0,
+        "initial_accuracy": 0.1,
+        "curve": [[1, 0.5, 0.5, 0.5], [2, 3600.5, 0.9, 0.9]],
+        "energy_curve": [1.0, 2.0],
+        **{k: 0 for k in ("energy_j", "bytes", "rounds", "updates_folded", "end_s")},
+    }
+    summary = suite.summarise_workload(suite.WORKLOADS["uniform"], [cell])
+    entry = summary["configs"]["flwr-fedavg"]
+    assert entry["ttt"]["0.95"] == [None]
+    assert entry["reached"]["0.95"] == 0
+    assert entry["energy_to"]["0.95"] == [None]
 
 
 def test_the_comparison_uses_the_one_default_not_the_best_flowerbed_row() -> None:
