@@ -14,7 +14,10 @@ segment round, :class:`~flowerbed.strategies.span.SpanJobStrategy`),
 ``_train_replies``, ``_close_train``, ``_evaluate_stage``, ``_evaluate_wait``,
 ``_central_evaluation``, ``_after_round``, ``_write_checkpoint``, ``_finish_run``,
 ``_resume``, ``_stall_cause``, ``state``/``load_state``; a round that sets
-``_stop`` ends the run.
+``_stop`` ends the run. Around the whole run, a :class:`RunScope` set as
+``run_scope`` opens first (it may exchange messages of its own and returns the
+grid the rounds use: ClusterSelection profiles and selects there) and closes last
+(it may add to the Result).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from logging import ERROR, INFO, WARNING
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 from flowerbed.clock import Clock, WallClock, clock_of
@@ -81,8 +84,30 @@ class RoundTally:
         return cls(sampled, usable, rejected, unavailable, missing)
 
 
+class RunScope(Protocol):
+    """What runs around one whole :meth:`RoundLoop.start` (``run_scope``)."""
+
+    def open(
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int,
+        train_config: ConfigRecord | None,
+        evaluate_config: ConfigRecord | None,
+    ) -> Grid:
+        """Run first, before anything is logged or sent; return the rounds' grid."""
+        ...
+
+    def close(self, result: Result) -> Result:
+        """Run last, after Flower's closing lines; return the run's Result."""
+        ...
+
+
 class RoundLoop(FedAvg):
     """FedAvg's template method on the grid's clock (see the module docstring)."""
+
+    run_scope: RunScope | None = None
+    """Opened before and closed after the run (None: nothing around it)."""
 
     def _init_loop(self, checkpoint_path: str | Path | None) -> None:
         """The loop's state; a subclass's ``__init__`` calls this once."""
@@ -536,6 +561,11 @@ class RoundLoop(FedAvg):
         and ``evaluate_fn``, as Flower's ``Strategy.start`` does, so a subclass
         overriding any of them changes the run.
         """
+        scope = self.run_scope
+        if scope is not None:
+            grid = scope.open(
+                grid, initial_arrays, num_rounds, train_config, evaluate_config
+            )
         self._num_rounds = num_rounds
         result, done = self._begin(
             grid,
@@ -565,7 +595,8 @@ class RoundLoop(FedAvg):
             if self._stop:
                 break
         self._finish_run(result)
-        return self._end(result, ran)
+        result = self._end(result, ran)
+        return result if scope is None else scope.close(result)
 
     def _check_initial(self, initial_arrays: ArrayRecord) -> None:
         """Hook run first, before anything is logged or sent: a subclass raises
