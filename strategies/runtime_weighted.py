@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from logging import DEBUG, INFO, WARNING
+from logging import INFO, WARNING
 from pathlib import Path
 from typing import Any, ClassVar, Self
 
@@ -55,6 +55,8 @@ from .options import (
     refuse_unknown,
     take_options,
 )
+from .rejections import RejectionLog
+from .reply_weights import ReplyWeights, balanced_steps
 from .robust import (
     BoundedSum,
     CoordinateRobust,
@@ -239,16 +241,16 @@ class RuntimeWeightedFedAvg(RoundLoop):
         **flat: Any,
     ) -> None:
         super().__init__(
-            fraction_train=fraction_train,
-            fraction_evaluate=fraction_evaluate,
-            min_train_nodes=min_train_nodes,
-            min_evaluate_nodes=min_evaluate_nodes,
-            min_available_nodes=min_available_nodes,
-            weighted_by_key=weighted_by_key,
-            arrayrecord_key=arrayrecord_key,
-            configrecord_key=configrecord_key,
-            train_metrics_aggr_fn=train_metrics_aggr_fn,
-            evaluate_metrics_aggr_fn=evaluate_metrics_aggr_fn,
+            fraction_train,
+            fraction_evaluate,
+            min_train_nodes,
+            min_evaluate_nodes,
+            min_available_nodes,
+            weighted_by_key,
+            arrayrecord_key,
+            configrecord_key,
+            train_metrics_aggr_fn,
+            evaluate_metrics_aggr_fn,
         )
         owner = type(self).__name__
         options = take_options(
@@ -273,19 +275,15 @@ class RuntimeWeightedFedAvg(RoundLoop):
         """Weights of recent accepted replies (the weight cap's reference)."""
         self.recent_norms = Reference()
         """Norms of recent accepted updates (the clipping's reference)."""
-        self.recent_steps = Reference()
-        """``num-steps`` of recent accepted replies: the bound on a claim where
-        no work was assigned (:meth:`_bounded_steps`)."""
-        self._steps_capped: set[int | None] = set()
-        self._weight_capped: set[int] = set()
-        self._unused_logged: set[tuple[int, str]] = set()
-        """(node, reason) of rejections that were not the node's fault, logged."""
+        self.reply_weights = ReplyWeights(self.weighting, self.weight_cap)
+        """The weighting's formulas and what they remember."""
+        self.rejections = RejectionLog(self.weighted_by_key)
+        """The log lines of refused and bounded replies."""
         self.quarantine = Quarantine(
             self.robustness.quarantine_after, self.robustness.quarantine_rounds
         )
         self.speeds: dict[int, float] = {}
         """Smoothed speed of each node, in optimiser steps per second."""
-        self._fallbacks_logged: set[str] = set()
         self._sum_memory: dict[str, np.ndarray] = {}
         """The last aggregation's result once encoded: where the next one makes
         its sums (no fresh pages to fault in each round; see UpdateAccumulator)."""
@@ -360,11 +358,6 @@ class RuntimeWeightedFedAvg(RoundLoop):
         super().summary()
 
     # ----------------------------------------------------------------- messages
-    def _fallback_once(self, what: str, message: str) -> None:
-        if what not in self._fallbacks_logged:
-            self._fallbacks_logged.add(what)
-            log(WARNING, message)
-
     def _base_steps(self, config: ConfigRecord) -> int | None:
         if self.local_steps is not None:
             return self.local_steps
@@ -372,21 +365,11 @@ class RuntimeWeightedFedAvg(RoundLoop):
         return steps if isinstance(steps, int) and not isinstance(steps, bool) else None
 
     def assign_steps(self, node_ids: list[int], base: int) -> dict[int, int]:
-        """Work balancing: ``L * s_i / mean(s)`` steps for known nodes, ``L`` else.
-
-        The mean runs over the known nodes among ``node_ids``.
-        """
-        known = [self.speeds[n] for n in node_ids if n in self.speeds]
-        mean = sum(known) / len(known) if known else 0.0
-        most = self.max_local_steps or 4 * base
-        steps = {}
-        for node in node_ids:
-            if node in self.speeds and mean > 0:
-                share = round(base * self.speeds[node] / mean)
-                steps[node] = int(min(most, max(self.min_local_steps, share)))
-            else:
-                steps[node] = base
-        return steps
+        """Work balancing: ``L * s_i / mean(s)`` steps for known nodes, ``L`` else
+        (:func:`~.reply_weights.balanced_steps`)."""
+        return balanced_steps(
+            self.speeds, node_ids, base, self.min_local_steps, self.max_local_steps
+        )
 
     def _message_ttl(self) -> float:
         ttl = self.message_ttl_s if self.message_ttl_s is not None else self._timeout
@@ -527,72 +510,6 @@ class RuntimeWeightedFedAvg(RoundLoop):
         )
 
     # ------------------------------------------------------------------ replies
-    def _runtime(
-        self, metrics: MetricRecord, ticket: Ticket | None, arrived: float | None
-    ) -> float:
-        if keys.TRAIN_TIME_S in metrics:
-            return float(metrics[keys.TRAIN_TIME_S])  # type: ignore[arg-type]
-        if ticket is None or arrived is None:
-            raise ReplyRejected(
-                f"no {keys.TRAIN_TIME_S!r} and no measured round trip", fault=False
-            )
-        self._fallback_once(
-            "runtime",
-            f"replies carry no {keys.TRAIN_TIME_S!r}: using the measured reply "
-            "round-trip time as each node's runtime",
-        )
-        return arrived - ticket.sent_at
-
-    def _steps(self, metrics: MetricRecord, ticket: Ticket | None) -> float | None:
-        if keys.NUM_STEPS in metrics:
-            reported = float(metrics[keys.NUM_STEPS])  # type: ignore[arg-type]
-            return self._bounded_steps(reported, ticket)
-        if ticket is not None and ticket.assigned_steps is not None:
-            self._fallback_once(
-                "steps",
-                f"replies carry no {keys.NUM_STEPS!r}: assuming each node did the "
-                f"{keys.LOCAL_STEPS!r} it was assigned",
-            )
-            return float(ticket.assigned_steps)
-        return None
-
-    def _bounded_steps(self, reported: float, ticket: Ticket | None) -> float:
-        """``num-steps`` as far as the server can vouch for it.
-
-        With FedNova's weighting a reply's steps ``tau_i`` set how far the whole
-        round moves (``tau_eff = sum_i p_i tau_i``, Wang et al., NeurIPS 2020,
-        Eq. 6), so a claim of 10^9 steps would scale every node's update. A node
-        is held to the ``local-steps`` it was assigned; where nothing was
-        assigned, to ``weight_cap`` times the median of the steps recent accepted
-        replies reported (no bound until :data:`~.robust.MIN_REFERENCE` are
-        known, or with ``weight_cap=None``). A capped claim is logged once per
-        node with the value and the bound.
-        """
-        if ticket is not None and ticket.assigned_steps is not None:
-            bound, why = float(ticket.assigned_steps), "the local-steps it was assigned"
-        else:
-            median = self.recent_steps.median()
-            if median is None or self.weight_cap is None:
-                return reported
-            bound = self.weight_cap * median
-            why = f"weight_cap={self.weight_cap:g} x the median of recent replies"
-        if reported <= bound:
-            return reported
-        node = ticket.node_id if ticket is not None else None
-        if node not in self._steps_capped:
-            self._steps_capped.add(node)
-            log(
-                WARNING,
-                "node %s reported %s=%g, more than %g (%s): counted as %g from now on",
-                "?" if node is None else node,
-                keys.NUM_STEPS,
-                reported,
-                bound,
-                why,
-                bound,
-            )
-        return bound
-
     def reply_weight(
         self,
         metrics: MetricRecord,
@@ -600,42 +517,15 @@ class RuntimeWeightedFedAvg(RoundLoop):
         ticket: Ticket | None = None,
         arrived: float | None = None,
     ) -> tuple[float, float, float]:
-        """Return ``(w_i, c_i, tau_i)`` of one reply under ``self.weighting``.
+        """Return ``(w_i, c_i, tau_i)`` of one reply under ``self.weighting``
+        (:meth:`~.reply_weights.ReplyWeights.weigh`).
 
         Raises
         ------
         ReplyRejected
             When the metrics the weighting needs are zero or unavailable.
         """
-        steps = self._steps(metrics, ticket)
-        if self.weighting == "examples":
-            return num_examples, 1.0, steps or 1.0
-        if self.weighting == "fednova":
-            if steps is None:
-                self._fallback_once(
-                    "fednova",
-                    f"fednova weighting without {keys.NUM_STEPS!r} or assigned "
-                    f"{keys.LOCAL_STEPS!r}: every node counts as one step (FedAvg)",
-                )
-                steps = 1.0
-            if steps <= 0:
-                raise ReplyRejected(
-                    "0 optimiser steps: nothing to average", fault=False
-                )
-            return num_examples, 1.0 / steps, steps
-        if self.weighting == "throughput" and keys.SAMPLES_PER_S in metrics:
-            rate = float(metrics[keys.SAMPLES_PER_S])  # type: ignore[arg-type]
-            if rate <= 0:
-                raise ReplyRejected(f"{keys.SAMPLES_PER_S!r} is 0", fault=False)
-            return rate, 1.0, steps or 1.0
-        runtime = self._runtime(metrics, ticket, arrived)
-        if runtime <= 0:
-            raise ReplyRejected(
-                f"runtime is {runtime:g} s: cannot weight by runtime", fault=False
-            )
-        if self.weighting == "runtime":
-            return 1.0 / runtime, 1.0, steps or 1.0
-        return num_examples / runtime, 1.0, steps or 1.0
+        return self.reply_weights.weigh(metrics, num_examples, ticket, arrived)
 
     def _update_speed(
         self,
@@ -644,52 +534,13 @@ class RuntimeWeightedFedAvg(RoundLoop):
         ticket: Ticket | None,
         arrived: float | None,
     ) -> None:
-        steps = self._steps(metrics, ticket)
-        if steps is None or steps <= 0:
+        """Smooth the reply's steps per second into ``speeds[node_id]``."""
+        speed = self.reply_weights.speed(metrics, ticket, arrived)
+        if speed is None:
             return
-        try:
-            runtime = self._runtime(metrics, ticket, arrived)
-        except ReplyRejected:
-            return
-        if runtime <= 0:
-            return
-        speed = steps / runtime
         old = self.speeds.get(node_id)
         a = self.speed_smoothing
         self.speeds[node_id] = speed if old is None else a * speed + (1 - a) * old
-
-    def _reject(
-        self, reply: Message, server_round: int, node: int, rejection: ReplyRejected
-    ) -> None:
-        if reply.has_error():
-            # Flower's own line for an error reply, so a Flower user finds it.
-            log(
-                INFO,
-                "\t> Received error in reply from node %s: %s",
-                node,
-                reply.error.reason,
-            )
-        elif rejection.fault or (node, rejection.reason) not in self._unused_logged:
-            if not rejection.fault:  # not its fault, and it may recur every task
-                self._unused_logged.add((node, rejection.reason))
-            log(
-                WARNING,
-                "round %d: rejected reply from node %s: %s%s",
-                server_round,
-                node,
-                rejection.reason,
-                "" if rejection.fault else " (said once per node)",
-            )
-        else:
-            log(
-                DEBUG,
-                "round %d: rejected reply from node %s: %s",
-                server_round,
-                node,
-                rejection.reason,
-            )
-        if rejection.fault:
-            self.quarantine.record_failure(node, server_round)
 
     def fold_train_reply(
         self, reply: Message, server_round: int, fold: TrainFold
@@ -747,7 +598,9 @@ class RuntimeWeightedFedAvg(RoundLoop):
             )
             # as the sum would refuse it: an unusable reply, before its group
             check_positive("weight", update.weight)
-            self._say_if_capped(node, update.weight, n)
+            self.rejections.weight_capped(
+                node, update.weight, n, self.weight_cap, self.recent_weights.median()
+            )
         except ReplyRejected as rejection:
             self._settle_rejected(reply, server_round, node, arrival, rejection)
             return None
@@ -808,7 +661,7 @@ class RuntimeWeightedFedAvg(RoundLoop):
             arrival.accepted = True
         self.quarantine.record_success(staged.node)
         if keys.NUM_STEPS in staged.metrics:
-            self.recent_steps.add(staged.update.steps)
+            self.reply_weights.recent_steps.add(staged.update.steps)
         self._update_speed(
             staged.node,
             staged.metrics,
@@ -818,30 +671,6 @@ class RuntimeWeightedFedAvg(RoundLoop):
         fold.metrics.add(staged.metrics, staged.n)
         return True
 
-    def _say_if_capped(self, node: int, claimed: float, n: float) -> None:
-        """Log, once per node, a weight above the cap (against the recent
-        median as the reply arrives), with the value and the bound; the
-        round's summary line counts every capped weight."""
-        median = self.recent_weights.median()
-        if self.weight_cap is None or median is None:
-            return
-        bound = self.weight_cap * median
-        if claimed <= bound or node in self._weight_capped:
-            return
-        self._weight_capped.add(node)
-        log(
-            WARNING,
-            "node %s: its weight %g (%s=%g) is more than %g (weight_cap=%g x the "
-            "median of recent replies): counted as at most %g from now on",
-            node,
-            claimed,
-            self.weighted_by_key,
-            n,
-            bound,
-            self.weight_cap,
-            bound,
-        )
-
     def _settle_rejected(
         self,
         reply: Message,
@@ -850,7 +679,9 @@ class RuntimeWeightedFedAvg(RoundLoop):
         arrival: Arrival | None,
         rejection: ReplyRejected,
     ) -> None:
-        self._reject(reply, server_round, node, rejection)
+        self.rejections.train(reply, server_round, node, rejection)
+        if rejection.fault:
+            self.quarantine.record_failure(node, server_round)
         if arrival is not None:
             arrival.accepted, arrival.reason = False, rejection.reason
             arrival.fault = rejection.fault
@@ -942,7 +773,7 @@ class RuntimeWeightedFedAvg(RoundLoop):
         if absolute and (
             self.weighting == "fednova" or self._server_step_size() != 1.0
         ):
-            self._fallback_once(
+            self.reply_weights.fallback_once(
                 "absolute",
                 "aggregate_train without a global model: averaging the replies' "
                 "arrays as FedAvg does (step normalisation and the server "
@@ -1019,21 +850,7 @@ class RuntimeWeightedFedAvg(RoundLoop):
                 reply, self.weighted_by_key, max_weight=self.max_num_examples
             )
         except ReplyRejected as rejection:
-            if reply.has_error():
-                log(
-                    INFO,
-                    "\t> Received error in reply from node %s: %s",
-                    reply.metadata.src_node_id,
-                    reply.error.reason,
-                )
-            else:
-                log(
-                    WARNING,
-                    "round %d: rejected evaluate reply from node %s: %s",
-                    server_round,
-                    reply.metadata.src_node_id,
-                    rejection.reason,
-                )
+            self.rejections.evaluate(reply, server_round, rejection)
             return False
         metrics_acc.add(metrics, float(metrics[self.weighted_by_key]))  # type: ignore[arg-type]
         return True
@@ -1047,7 +864,7 @@ class RuntimeWeightedFedAvg(RoundLoop):
             "influence": {
                 "weights": list(self.recent_weights.values),
                 "norms": list(self.recent_norms.values),
-                "steps": list(self.recent_steps.values),
+                "steps": list(self.reply_weights.recent_steps.values),
             },
         }
 
@@ -1076,4 +893,4 @@ class RuntimeWeightedFedAvg(RoundLoop):
         )
         self.recent_weights = Reference(weights)
         self.recent_norms = Reference(norms)
-        self.recent_steps = Reference(steps)
+        self.reply_weights.recent_steps = Reference(steps)
