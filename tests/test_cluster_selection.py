@@ -19,6 +19,7 @@ Best: time, EDP and time to accuracy {A, B}; energy {B}.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
@@ -36,6 +37,8 @@ from flowerbed.strategies.cluster_selection import (
     ClusterSelection,
     NodeModel,
     Observation,
+    SelectionGoal,
+    Tracking,
     Workload,
     all_masks,
     estimate,
@@ -169,11 +172,24 @@ def test_energy_needs_power_and_says_which_nodes_lack_it() -> None:
 
 def test_bad_choices_name_the_valid_ones() -> None:
     with pytest.raises(ValueError, match="valid choices: time, energy, edp"):
-        ClusterSelection(objective="speed")
+        ClusterSelection(goal=SelectionGoal(objective="speed"))
     with pytest.raises(ValueError, match="valid choices: sync, async"):
-        ClusterSelection(mode="both")
+        ClusterSelection(goal=SelectionGoal(mode="both"))
     with pytest.raises(ValueError, match="valid choices: auto, exhaustive"):
         select(FLEET3, SYNC, "time", search="greedy")
+
+
+def test_flat_keywords_still_work_with_a_deprecation_warning() -> None:
+    with pytest.warns(DeprecationWarning, match=r"goal=SelectionGoal\(objective="):
+        strategy = ClusterSelection(objective="energy", min_nodes=3)
+    assert strategy.goal == SelectionGoal(objective="energy", min_nodes=3)
+    assert strategy.objective == "energy"  # the fields stay attributes
+    with pytest.raises(TypeError, match="goal= and its field"):
+        ClusterSelection(goal=SelectionGoal(), objective="energy")
+    with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) objectve"):
+        ClusterSelection(objectve="energy")
+    # Flower's FedAvg arguments build the wrapped FedAvg.
+    assert ClusterSelection(fraction_train=0.5).strategy.fraction_train == 0.5
 
 
 # --- search ---------------------------------------------------------------------------
@@ -270,9 +286,48 @@ def test_round_metrics_carry_estimate_measurement_and_size() -> None:
         )
 
 
+def test_a_flowerbed_strategy_runs_the_selection_as_its_run_scope(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from flowerbed.models import build_model
+    from flwr.app import ArrayRecord, ConfigRecord
+
+    scopes: list[object] = []
+
+    class Watched(RuntimeWeightedFedAvg):
+        def _prepare_run(self, grid: Any, done: int) -> None:
+            super()._prepare_run(grid, done)
+            scopes.append(self.run_scope)  # the template's hooks run inside it
+
+    caplog.set_level(logging.INFO, logger="flwr")
+    wrapped = Watched(fraction_evaluate=0.0)
+    strategy = ClusterSelection(strategy=wrapped)
+    result = strategy.start(
+        grid=build_fleet_grid(RUN, DEVICES),
+        initial_arrays=ArrayRecord(build_model("lenet", 1, 8, 10).state_dict()),
+        num_rounds=2,
+        train_config=ConfigRecord({"local-steps": 4, "batch-size": 16}),
+    )
+    assert scopes == [strategy] and wrapped.run_scope is None
+    assert SELECTION_SIZE in result.train_metrics_clientapp[2]
+    lines = [r.getMessage() for r in caplog.records]
+    assert not any("not a flowerbed round loop" in m for m in lines)
+    # Flower's own FedAvg runs its own start(), and the log says so.
+    caplog.clear()
+    ClusterSelection(strategy=FedAvg(fraction_evaluate=0.0)).start(
+        grid=build_fleet_grid(RUN, DEVICES),
+        initial_arrays=ArrayRecord(build_model("lenet", 1, 8, 10).state_dict()),
+        num_rounds=1,
+    )
+    warned = [r for r in caplog.records if "not a flowerbed round loop" in r.message]
+    assert len(warned) == 1 and warned[0].levelno == logging.WARNING
+
+
 def test_wraps_a_flowerbed_strategy() -> None:
     wrapped = RuntimeWeightedFedAvg(fraction_evaluate=0.0)
-    strategy = ClusterSelection(strategy=wrapped, objective="time-to-accuracy")
+    strategy = ClusterSelection(
+        strategy=wrapped, goal=SelectionGoal(objective="time-to-accuracy")
+    )
     outcome = run_scenario(RUN, strategy=strategy, devices=DEVICES, write=False)
     chosen = set(strategy.choice.members)
     assert not chosen & SLOW
@@ -297,7 +352,7 @@ def test_reselects_when_a_chosen_node_goes_offline() -> None:
 
     grid.client_app = goes_offline_after_round_1  # type: ignore[assignment]
     strategy = ClusterSelection(
-        strategy=FedAvg(fraction_evaluate=0.0), drop_after_failures=1
+        strategy=FedAvg(fraction_evaluate=0.0), tracking=Tracking(drop_after_failures=1)
     )
     scenario = Scenario.from_run_config({**RUN, "num-rounds": 4, "round-timeout-s": 30})
     outcome = run_server(grid, scenario, strategy=strategy, write=False)

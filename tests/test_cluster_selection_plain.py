@@ -14,7 +14,11 @@ import math
 import pytest
 from flowerbed import keys
 from flowerbed.strategies import ClusterSelection, RuntimeWeightedFedAvg
-from flowerbed.strategies.cluster_selection import Observation, observation_of
+from flowerbed.strategies.cluster_selection import (
+    Observation,
+    SelectionGoal,
+    observation_of,
+)
 from flwr.app import Message, MetricRecord, RecordDict
 from test_strategies_fakes import FakeGrid, config_of, node, weights
 
@@ -38,7 +42,8 @@ def test_plain_clients_under_drift_train_every_round_with_logged_fallbacks(
     caplog.set_level(logging.INFO, logger="flwr")
     grid = FakeGrid({1: plain(1.0), 2: plain(1.2), 3: plain(1.1, slower_from=3)})
     strategy = ClusterSelection(
-        strategy=RuntimeWeightedFedAvg(fraction_evaluate=0.0), min_nodes=2
+        strategy=RuntimeWeightedFedAvg(fraction_evaluate=0.0),
+        goal=SelectionGoal(min_nodes=2),
     )
     result = strategy.start(grid, weights(), num_rounds=5)
 
@@ -107,7 +112,8 @@ def test_a_node_reporting_nan_times_is_left_out_not_a_crash(
         | {3: nan_time}
     )
     strategy = ClusterSelection(
-        strategy=RuntimeWeightedFedAvg(fraction_evaluate=0.0), min_nodes=3
+        strategy=RuntimeWeightedFedAvg(fraction_evaluate=0.0),
+        goal=SelectionGoal(min_nodes=3),
     )
     result = strategy.start(grid, weights(), num_rounds=2, train_config=_steps())
     assert sorted(strategy.node_models) == [1, 2]

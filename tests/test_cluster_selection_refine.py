@@ -26,10 +26,12 @@ from flowerbed.models import build_model
 from flowerbed.sims.scenario import build_fleet_grid
 from flowerbed.strategies.cluster_selection import (
     RACE_GREEDY_EVERY,
+    Certainty,
     ClusterSelection,
     NodeModel,
     Observation,
     RaceState,
+    SelectionGoal,
     Workload,
     all_masks,
     confidence,
@@ -227,19 +229,23 @@ def _run(strategy: ClusterSelection, num_rounds: int = 2) -> JitteredReports:
 
 
 def test_refinement_rehearses_the_deciding_nodes_within_its_budget() -> None:
-    off = ClusterSelection(objective="energy", profile_budget=0.0, confidence_draws=50)
+    off = ClusterSelection(
+        goal=SelectionGoal(objective="energy"),
+        certainty=Certainty(profile_budget=0.0, confidence_draws=50),
+    )
     _run(off)
     assert off.refine_batches == 0
     strategy = ClusterSelection(
-        objective="energy",
-        profile_budget=10.0,
-        target_confidence=0.999,
-        confidence_draws=50,
+        goal=SelectionGoal(objective="energy"),
+        certainty=Certainty(
+            profile_budget=10.0, target_confidence=0.999, confidence_draws=50
+        ),
     )
     grid = _run(strategy)
     assert strategy.refine_batches > 0
     probe = ClusterSelection(
-        objective="energy", profile_budget=0.0, confidence_draws=50
+        goal=SelectionGoal(objective="energy"),
+        certainty=Certainty(profile_budget=0.0, confidence_draws=50),
     )
     probe_grid = _run(probe)
     rehearsals = grid.trains[: len(grid.trains) - 2 * 2]
@@ -255,10 +261,10 @@ def test_refinement_rehearses_the_deciding_nodes_within_its_budget() -> None:
 
 def test_refinement_respects_its_budget() -> None:
     strategy = ClusterSelection(
-        objective="energy",
-        profile_budget=0.05,
-        target_confidence=1.0,
-        confidence_draws=50,
+        goal=SelectionGoal(objective="energy"),
+        certainty=Certainty(
+            profile_budget=0.05, target_confidence=1.0, confidence_draws=50
+        ),
     )
     _run(strategy)
     assert strategy.choice is not None
@@ -268,11 +274,13 @@ def test_refinement_respects_its_budget() -> None:
 
 def test_racing_trains_rounds_on_the_rival_and_learns_from_them() -> None:
     strategy = ClusterSelection(
-        objective="energy",
-        profile_budget=0.0,
-        target_confidence=0.999,
-        race_share=0.5,
-        confidence_draws=50,
+        goal=SelectionGoal(objective="energy"),
+        certainty=Certainty(
+            profile_budget=0.0,
+            target_confidence=0.999,
+            race_share=0.5,
+            confidence_draws=50,
+        ),
     )
     _run(strategy, num_rounds=6)
     log = strategy.selection_log
@@ -284,7 +292,8 @@ def test_racing_trains_rounds_on_the_rival_and_learns_from_them() -> None:
     assert not any(a and b for a, b in itertools.pairwise(flags))
     # the rounds' replies joined the fits: more samples than profiling alone took
     still = ClusterSelection(
-        objective="energy", profile_budget=0.0, race_share=0.0, confidence_draws=50
+        goal=SelectionGoal(objective="energy"),
+        certainty=Certainty(profile_budget=0.0, race_share=0.0, confidence_draws=50),
     )
     _run(still, num_rounds=6)
     total = sum(m.tasks for m in strategy.node_models.values())
@@ -293,7 +302,8 @@ def test_racing_trains_rounds_on_the_rival_and_learns_from_them() -> None:
 
 def test_without_racing_every_round_runs_on_the_choice() -> None:
     strategy = ClusterSelection(
-        objective="energy", profile_budget=0.0, race_share=0.0, confidence_draws=50
+        goal=SelectionGoal(objective="energy"),
+        certainty=Certainty(profile_budget=0.0, race_share=0.0, confidence_draws=50),
     )
     _run(strategy, num_rounds=4)
     members = {r.members for r in strategy.selection_log}
@@ -303,13 +313,13 @@ def test_without_racing_every_round_runs_on_the_choice() -> None:
 
 def test_bad_refinement_settings_are_named() -> None:
     with pytest.raises(ValueError, match="target_confidence must be between 0 and 1"):
-        ClusterSelection(target_confidence=1.5)
+        ClusterSelection(certainty=Certainty(target_confidence=1.5))
     with pytest.raises(ValueError, match="profile_budget must be >= 0"):
-        ClusterSelection(profile_budget=-0.1)
+        ClusterSelection(certainty=Certainty(profile_budget=-0.1))
     with pytest.raises(ValueError, match="indifference must be >= 0"):
-        ClusterSelection(indifference=-0.01)
+        ClusterSelection(certainty=Certainty(indifference=-0.01))
     with pytest.raises(ValueError, match="race_share must be between 0 and 1"):
-        ClusterSelection(race_share=2.0)
+        ClusterSelection(certainty=Certainty(race_share=2.0))
 
 
 def test_evaluation_refines_only_with_a_budget() -> None:

@@ -24,9 +24,11 @@ from flowerbed.sims.devices import DEVICES as CATALOGUE
 from flowerbed.sims.scenario import build_fleet_grid
 from flowerbed.sims.vclock import transfer_seconds
 from flowerbed.strategies.cluster_selection import (
+    Certainty,
     ClusterSelection,
     NodeModel,
     Observation,
+    Profiling,
     Workload,
     all_masks,
     confidence,
@@ -245,7 +247,7 @@ def _profile(strategy: ClusterSelection) -> dict[int, NodeModel]:
 
 
 def test_fast_nodes_keep_profiling_while_the_slowest_finishes() -> None:
-    models = _profile(ClusterSelection(profile_max_tasks=6))
+    models = _profile(ClusterSelection(profiling=Profiling(profile_max_tasks=6)))
     # Every node: one query, then training tasks of 1 and 3 steps; the slowest
     # (the low-end phone, 0.18 s of transfers) runs just those two.
     assert models[1000].tasks == 1 + 2
@@ -285,12 +287,12 @@ def test_expected_round_trip_and_projected_end_by_hand() -> None:
 
 
 def test_profile_max_tasks_caps_the_repeats() -> None:
-    models = _profile(ClusterSelection(profile_max_tasks=2))
+    models = _profile(ClusterSelection(profiling=Profiling(profile_max_tasks=2)))
     assert {m.tasks for m in models.values()} == {3}
 
 
 def test_selection_records_its_confidence() -> None:
-    strategy = ClusterSelection(confidence_draws=20)
+    strategy = ClusterSelection(certainty=Certainty(confidence_draws=20))
     grid = build_fleet_grid(RUN, DEVICES)
     strategy.start(
         grid=grid,
@@ -304,11 +306,11 @@ def test_selection_records_its_confidence() -> None:
 
 def test_bad_profiling_and_confidence_settings_are_named() -> None:
     with pytest.raises(ValueError, match="profile_max_tasks must be >= len"):
-        ClusterSelection(profile_max_tasks=1)
+        ClusterSelection(profiling=Profiling(profile_max_tasks=1))
     with pytest.raises(ValueError, match="confidence_draws must be >= 2"):
-        ClusterSelection(confidence_draws=1)
+        ClusterSelection(certainty=Certainty(confidence_draws=1))
     with pytest.raises(ValueError, match="power_gain_error must be >= 0"):
-        ClusterSelection(power_gain_error=-0.1)
+        ClusterSelection(certainty=Certainty(power_gain_error=-0.1))
 
 
 # --- the evaluation's new figures -----------------------------------------------------

@@ -9,8 +9,10 @@ Heterogeneous Computing Platforms", 2019. Four ideas, one module each:
   that choice is;
 - :mod:`.refine`: refinement (rehearse the nodes the choice hinges on) and racing
   (train some rounds on rivals);
-- :mod:`.strategy`: the Flower strategy, with :mod:`.observe` (reading replies) and
-  :mod:`.selector` (the chosen configuration during training).
+- :mod:`.strategy`: the Flower strategy, with :mod:`.options` (its option
+  objects), :mod:`.profiling` (the profiling phase on a Grid), :mod:`.observe`
+  (reading replies) and :mod:`.selector` (the chosen configuration during
+  training).
 
 The cost model, search and refinement use no Flower machinery, so the benchmark's
 evaluation (``flowerbed.bench.selection_eval``) shares them with the strategy.
@@ -35,6 +37,8 @@ from .model import (
     pool_variances,
 )
 from .observe import observation_of, timed_exchange
+from .options import Certainty, Profiling, SelectionGoal, Tracking
+from .profiling import Profiler
 from .refine import (
     DEFAULT_INDIFFERENCE,
     DEFAULT_PROFILE_BUDGET,
@@ -81,14 +85,19 @@ __all__ = [
     "SELECTION_ESTIMATED_S",
     "SELECTION_MEASURED_S",
     "SELECTION_SIZE",
+    "Certainty",
     "ClusterSelection",
     "Confidence",
     "Estimate",
     "NodeModel",
     "Observation",
+    "Profiler",
+    "Profiling",
     "RaceState",
     "SelectedGrid",
+    "SelectionGoal",
     "SelectionRecord",
+    "Tracking",
     "Workload",
     "all_masks",
     "confidence",

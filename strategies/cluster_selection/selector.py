@@ -105,8 +105,8 @@ class Selector:
         self.explore: Estimate | None = None
         """A rival the next round runs on instead of the choice (racing)."""
         self.race = RaceState(
-            budget=math.floor(owner.race_share * workload.num_rounds),
-            settled=workload.mode != "sync" or owner.race_share <= 0,
+            budget=math.floor(owner.certainty.race_share * workload.num_rounds),
+            settled=workload.mode != "sync" or owner.certainty.race_share <= 0,
         )
 
     @property
@@ -143,20 +143,20 @@ class Selector:
         choice = select(
             candidates,
             self.workload,
-            o.objective,
+            o.goal.objective,
             min_size=min_size,
-            search=o.search,
-            exhaustive_max_nodes=o.exhaustive_max_nodes,
+            search=o.goal.search,
+            exhaustive_max_nodes=o.goal.exhaustive_max_nodes,
         )
         masks = self._masks(candidates)
         sure = confidence(
             candidates,
             self.workload,
-            o.objective,
+            o.goal.objective,
             masks,
-            power_gain_error=o.power_gain_error,
-            draws=o.confidence_draws,
-        )[o.objective]
+            power_gain_error=o.certainty.power_gain_error,
+            draws=o.certainty.confidence_draws,
+        )[o.goal.objective]
         self.confidence = sure
         log(
             INFO,
@@ -181,8 +181,8 @@ class Selector:
                 "runner-up %s is %.2f%% ± %.2f%% behind%s",
                 100 * sure.probability,
                 sure.candidates - 1,
-                o.confidence_draws,
-                100 * o.power_gain_error,
+                o.certainty.confidence_draws,
+                100 * o.certainty.power_gain_error,
                 list(sure.runner_up),
                 100 * sure.gap,
                 100 * sure.gap_sd,
@@ -199,8 +199,8 @@ class Selector:
             candidates,
             self.workload,
             min(self.min_size, len(candidates)),
-            self.owner.search,
-            exhaustive_max_nodes=self.owner.exhaustive_max_nodes,
+            self.owner.goal.search,
+            exhaustive_max_nodes=self.owner.goal.exhaustive_max_nodes,
         )
 
     def reselect(self, reason: str) -> None:
@@ -285,10 +285,11 @@ class Selector:
             if record.drift is None
             else f"{100 * record.drift:+.1f}% off the estimate",
         )
+        tracking = self.owner.tracking
         lost = [
             n
             for n in current.members
-            if self.failures.get(n, 0) >= self.owner.drop_after_failures
+            if self.failures.get(n, 0) >= tracking.drop_after_failures
         ]
         if self.explore is not None:
             record.event = "racing: a round on a rival"
@@ -296,15 +297,13 @@ class Selector:
         if lost:
             self.gone.update(lost)
             self.reselect(
-                f"nodes {lost} failed {self.owner.drop_after_failures} times in a row"
+                f"nodes {lost} failed {tracking.drop_after_failures} times in a row"
             )
-        elif (
-            record.drift is not None and abs(record.drift) > self.owner.drift_tolerance
-        ):
+        elif record.drift is not None and abs(record.drift) > tracking.drift_tolerance:
             self._refit()
             self.reselect(
                 f"measurement {100 * record.drift:+.1f}% off the estimate (tolerance "
-                f"{100 * self.owner.drift_tolerance:.0f}%): models refitted"
+                f"{100 * tracking.drift_tolerance:.0f}%): models refitted"
             )
         if self.race.tick():
             self._race_step()
@@ -318,7 +317,7 @@ class Selector:
         usable = {
             n: obs for n, obs in o.observations.items() if obs and n not in self.gone
         }
-        self.models = o._fit(usable)
+        self.models = o.profiler.fit(usable)
         o.node_models = self.models
         candidates = [m for _, m in sorted(self.models.items())]
         if len(candidates) < self.min_size:
@@ -327,12 +326,12 @@ class Selector:
         choice, run = race_next(
             candidates,
             self.workload,
-            o.objective,
+            o.goal.objective,
             masks,
             self.race,
-            target=o.target_confidence,
-            indifference=o.indifference,
-            draws=o.confidence_draws,
+            target=o.certainty.target_confidence,
+            indifference=o.certainty.indifference,
+            draws=o.certainty.confidence_draws,
         )
         if choice != self.choice.members:
             log(
