@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterable
+from dataclasses import replace
 from logging import INFO, WARNING
 from pathlib import Path
 from typing import Any, ClassVar, Self
@@ -13,17 +13,11 @@ from flowerbed import keys
 from flowerbed.clock import clock_of
 from flowerbed.replies import (
     MAX_STEPS,
-    ArraySpec,
     ReplyRejected,
     check_evaluate_reply,
-    check_train_reply,
-    spec_of,
 )
 from flowerbed.strategies.accumulation import (
     MetricsAccumulator,
-    Update,
-    UpdateAccumulator,
-    check_positive,
     to_arrayrecord,
 )
 from flowerbed.strategies.checkpoints import (
@@ -33,7 +27,7 @@ from flowerbed.strategies.checkpoints import (
     StateReader,
     samples_per_second,
 )
-from flowerbed.strategies.inflight import Arrival, Ticket
+from flowerbed.strategies.inflight import Ticket
 from flowerbed.strategies.sampling import Quarantine, round_rng, sample_nodes
 from flwr.app import (
     ArrayRecord,
@@ -46,7 +40,6 @@ from flwr.app import (
 from flwr.serverapp import Grid
 from flwr.supercore import log
 
-from . import fold_kernel
 from .options import (
     Robustness,
     WorkBalance,
@@ -64,74 +57,8 @@ from .robust import (
     UpdateSum,
 )
 from .rounds import MIN_MESSAGE_TTL_S, RoundLoop
-
-
-@dataclass
-class TrainFold:
-    """The running sums of one ``aggregate_train`` call, and its counts."""
-
-    metrics: MetricsAccumulator
-    updates: UpdateSum = field(default_factory=UpdateAccumulator)
-    reference: dict[str, ArraySpec] | None = None
-    """Names, shapes, dtypes replies must have when no global model is known."""
-    zeros: dict[str, np.ndarray] | None = None
-    """Base of replies averaged as they are (no global model known)."""
-    results: int = 0
-    failures: int = 0
-
-    def zeros_like(self, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """The base of replies averaged as they are; the first one fixes the spec."""
-        if self.zeros is None:
-            self.reference = spec_of(arrays)
-            self.zeros = {k: np.zeros(v.shape, v.dtype) for k, v in arrays.items()}
-        return self.zeros
-
-
-FOLD_GROUP = fold_kernel.MOST
-"""Replies ``aggregate_train`` folds per pass (:meth:`UpdateAccumulator.add_many`:
-the model they trained from and the sum are read once for the group); at most
-this many replies are held at a time."""
-
-
-@dataclass
-class _Staged:
-    """A validated train reply waiting for its group's pass."""
-
-    reply: Message
-    node: int
-    arrival: Arrival | None
-    metrics: MetricRecord
-    n: float
-    update: Update
-
-
-class _Group:
-    """Train replies staged for one pass: folded when :data:`FOLD_GROUP` are
-    staged, at the end of ``aggregate_train``, or when the round loop asks
-    whether one of them is usable (``Arrival.settle``)."""
-
-    def __init__(
-        self, strategy: RuntimeWeightedFedAvg, server_round: int, fold: TrainFold
-    ) -> None:
-        self.strategy = strategy
-        self.server_round = server_round
-        self.train_fold = fold
-        self.staged: list[_Staged] = []
-
-    def add(self, item: _Staged) -> None:
-        self.staged.append(item)
-        if item.arrival is not None:
-            item.arrival.settle = self.fold
-        if len(self.staged) >= FOLD_GROUP:
-            self.fold()
-
-    def fold(self) -> None:
-        staged, self.staged = self.staged, []
-        for item in staged:
-            if item.arrival is not None:
-                item.arrival.settle = None
-        if staged:
-            self.strategy._fold_staged(staged, self.server_round, self.train_fold)
+from .train_fold import FOLD_GROUP as FOLD_GROUP  # its import path before train_fold
+from .train_fold import FoldGroup, ReplyFolder, TrainFold
 
 
 class RuntimeWeightedFedAvg(RoundLoop):
@@ -279,6 +206,8 @@ class RuntimeWeightedFedAvg(RoundLoop):
         """The weighting's formulas and what they remember."""
         self.rejections = RejectionLog(self.weighted_by_key)
         """The log lines of refused and bounded replies."""
+        self.folder = ReplyFolder(self)
+        """How ``aggregate_train`` stages, folds and settles train replies."""
         self.quarantine = Quarantine(
             self.robustness.quarantine_after, self.robustness.quarantine_rounds
         )
@@ -556,148 +485,13 @@ class RuntimeWeightedFedAvg(RoundLoop):
         fault.
 
         ``aggregate_train`` folds replies :data:`FOLD_GROUP` at a time through
-        the same steps (:meth:`_stage_train_reply`, one pass for the group,
-        :meth:`_settle_train_reply`); a subclass that overrides this method has
-        it called for every reply instead.
+        the same steps (:class:`~.train_fold.ReplyFolder`); a subclass that
+        overrides this method has it called for every reply instead.
         """
-        staged = self._stage_train_reply(reply, server_round, fold)
+        staged = self.folder.stage(reply, server_round, fold)
         if staged is None:
             return False
-        return self._fold_staged([staged], server_round, fold)[0]
-
-    def _stage_train_reply(
-        self, reply: Message, server_round: int, fold: TrainFold
-    ) -> _Staged | None:
-        """Validate one train reply and work out its weight: what folding it
-        needs, or None when it was rejected (logged, counted)."""
-        arrival = self._arrivals.get(reply.metadata.reply_to_message_id)
-        ticket = arrival.ticket if arrival is not None else None
-        arrived = arrival.arrived if arrival is not None else None
-        node = reply.metadata.src_node_id if ticket is None else ticket.node_id
-        base: Mapping[str, np.ndarray] | None = (
-            arrival.base if arrival is not None else self._global_np
-        )
-        if reply.has_error():
-            fold.failures += 1
-        else:
-            fold.results += 1
-        discount = arrival.discount if arrival is not None else 1.0
-        update_scale = arrival.update_scale if arrival is not None else 1.0
-        try:
-            arrays, metrics, n = check_train_reply(
-                reply,
-                spec_of(base) if base else fold.reference,
-                self.weighted_by_key,
-                max_weight=self.max_num_examples,
-            )
-            weight, scale, steps = self.reply_weight(metrics, n, ticket, arrived)
-            if not base:  # no model known: average the arrays as they are
-                base, scale = fold.zeros_like(arrays), 1.0
-            update = Update(
-                arrays, base, weight * discount, scale * update_scale, steps
-            )
-            # as the sum would refuse it: an unusable reply, before its group
-            check_positive("weight", update.weight)
-            self.rejections.weight_capped(
-                node, update.weight, n, self.weight_cap, self.recent_weights.median()
-            )
-        except ReplyRejected as rejection:
-            self._settle_rejected(reply, server_round, node, arrival, rejection)
-            return None
-        except Exception as err:  # whatever a reply holds, the run goes on
-            self._reject_unusable(reply, server_round, node, err, arrival)
-            return None
-        return _Staged(reply, node, arrival, metrics, n, update)
-
-    def _fold_staged(
-        self, group: list[_Staged], server_round: int, fold: TrainFold
-    ) -> list[bool]:
-        """Fold staged replies in one pass (the sum decides each one's bounds in
-        order); settle each: accepted, or rejected with its reason."""
-        try:
-            outcomes = fold.updates.add_many([s.update for s in group])
-        except Exception as err:  # a fault of the sum: find which reply broke it
-            if len(group) == 1:
-                staged = group[0]
-                return [
-                    self._reject_unusable(
-                        staged.reply, server_round, staged.node, err, staged.arrival
-                    )
-                ]
-            log(
-                WARNING,
-                "round %d: folding %d replies together failed (%s: %s); folding "
-                "them one at a time",
-                server_round,
-                len(group),
-                type(err).__name__,
-                err,
-            )
-            return [
-                ok
-                for staged in group
-                for ok in self._fold_staged([staged], server_round, fold)
-            ]
-        return [
-            self._settle_train_reply(staged, outcome, server_round, fold)
-            for staged, outcome in zip(group, outcomes, strict=True)
-        ]
-
-    def _settle_train_reply(
-        self,
-        staged: _Staged,
-        outcome: float | ReplyRejected,
-        server_round: int,
-        fold: TrainFold,
-    ) -> bool:
-        """After the fold: count a staged reply as accepted, or reject it."""
-        if isinstance(outcome, ReplyRejected):
-            self._settle_rejected(
-                staged.reply, server_round, staged.node, staged.arrival, outcome
-            )
-            return False
-        arrival = staged.arrival
-        if arrival is not None:
-            arrival.accepted = True
-        self.quarantine.record_success(staged.node)
-        if keys.NUM_STEPS in staged.metrics:
-            self.reply_weights.recent_steps.add(staged.update.steps)
-        self._update_speed(
-            staged.node,
-            staged.metrics,
-            arrival.ticket if arrival is not None else None,
-            arrival.arrived if arrival is not None else None,
-        )
-        fold.metrics.add(staged.metrics, staged.n)
-        return True
-
-    def _settle_rejected(
-        self,
-        reply: Message,
-        server_round: int,
-        node: int,
-        arrival: Arrival | None,
-        rejection: ReplyRejected,
-    ) -> None:
-        self.rejections.train(reply, server_round, node, rejection)
-        if rejection.fault:
-            self.quarantine.record_failure(node, server_round)
-        if arrival is not None:
-            arrival.accepted, arrival.reason = False, rejection.reason
-            arrival.fault = rejection.fault
-
-    def _reject_unusable(
-        self,
-        reply: Message,
-        server_round: int,
-        node: int,
-        err: Exception,
-        arrival: Arrival | None,
-    ) -> bool:
-        """A reply that broke validation itself: rejected like any bad reply."""
-        rejection = ReplyRejected(f"unusable reply ({type(err).__name__}: {err})")
-        self._settle_rejected(reply, server_round, node, arrival, rejection)
-        return False
+        return self.folder.fold([staged], server_round, fold)[0]
 
     def _new_sum(self, *, clip: bool = True) -> UpdateSum:
         """What one aggregation folds updates into (``aggregation``, the bounds)."""
@@ -738,9 +532,9 @@ class RuntimeWeightedFedAvg(RoundLoop):
             self._new_sum(clip=bool(self._global_np)),
         )
         if type(self).fold_train_reply is RuntimeWeightedFedAvg.fold_train_reply:
-            group = _Group(self, server_round, fold)
+            group = FoldGroup(self.folder, server_round, fold)
             for reply in replies:
-                item = self._stage_train_reply(reply, server_round, fold)
+                item = self.folder.stage(reply, server_round, fold)
                 if item is not None:
                     group.add(item)
             group.fold()
