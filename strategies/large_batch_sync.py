@@ -29,15 +29,12 @@ from __future__ import annotations
 import json
 import math
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from logging import INFO, WARNING
-from pathlib import Path
 from typing import Any
 
-import numpy as np
 from flowerbed import keys
-from flowerbed.parallel.large_batch.optimizers import OPTIMIZERS
-from flowerbed.parallel.large_batch.recipe import LrSchedule, batch_shares, share_bounds
+from flowerbed.parallel.large_batch.recipe import batch_shares, share_bounds
 from flowerbed.parallel.plan import MemberPlan
 from flowerbed.parallel.reference import ReferenceJob
 from flowerbed.parallel.user_code import Training, build_module
@@ -53,12 +50,16 @@ from flwr.app import (
 from flwr.serverapp import Grid
 from flwr.supercore import log
 
+from .large_batch_figures import (
+    REPLICA_TOLERANCE,
+    ROUND_ATTEMPTS,
+    ROUND_STEP_S,
+    replica_difference,
+    round_figures,
+)
+from .large_batch_options import AllReduceRecipe, MemberProfiling
+from .options import take_options
 from .span import (
-    DEFAULT_JOIN_TIMEOUT_S,
-    DEFAULT_RENDEZVOUS_PORT,
-    DEFAULT_RENDEZVOUS_PORTS,
-    DEFAULT_REPLY_MARGIN_S,
-    DEFAULT_TIMEOUT_S,
     SegmentOutcome,
     SegmentReply,
     SpanJobStrategy,
@@ -71,19 +72,42 @@ from .span_sizing import (
     SegmentSizer,
 )
 
-COMPRESSIONS = ("none", "fp16", "powersgd")
 DEFAULT_STEPS_PER_ROUND = 10
 """Steps of the first round's segment when the strategy sizes segments."""
-ROUND_MEMBERS = "members"
-ROUND_ATTEMPTS = "attempts"
-ROUND_STEP_S = "step-s"
-ROUND_COMPUTE_S = "compute-s"
-ROUND_COMM_S = "comm-s"
-ROUND_SAMPLES_PER_S = "samples-per-s"
-ROUND_REPLICA_DIFF = "replica-max-diff"
-ROUND_LR = "lr"
-REPLICA_TOLERANCE = 1e-4
-"""Largest absolute difference between replicas before a warning is logged."""
+
+
+def check_job_sizes(
+    batch_size: int, min_train_nodes: int, steps_per_round: int | None, attempts: int
+) -> None:
+    """Raise ValueError unless the batch gives every member a sample, segments
+    have a step and a round may try a segment."""
+    if batch_size < max(1, min_train_nodes):
+        raise ValueError(
+            f"batch_size {batch_size} cannot give min_train_nodes "
+            f"({min_train_nodes}) members one sample each per step"
+        )
+    if steps_per_round is not None and steps_per_round < 1:
+        raise ValueError("steps_per_round must be >= 1 (or None: sized by setup_share)")
+    if attempts < 1:
+        raise ValueError("max_attempts must be >= 1")
+
+
+def segment_sizer(
+    steps_per_round: int | None, setup_share: float | None
+) -> SegmentSizer:
+    """Fixed segments of ``steps_per_round`` steps, or (None) segments sized
+    from 10 steps so that set-up is at most ``setup_share`` of a round."""
+    if steps_per_round is None:
+        return SegmentSizer(DEFAULT_STEPS_PER_ROUND, setup_share)
+    return SegmentSizer(steps_per_round, None)
+
+
+def state_shapes(
+    model: str, model_args: Mapping[str, Any]
+) -> dict[str, tuple[int, ...]]:
+    """Each array of ``model``'s state and its shape (the model built once here)."""
+    reference = build_module(model, dict(model_args), seed=0)
+    return {k: tuple(v.shape) for k, v in reference.state_dict().items()}
 
 
 class LargeBatchSync(SpanJobStrategy):
@@ -91,12 +115,11 @@ class LargeBatchSync(SpanJobStrategy):
 
     Parameters
     ----------
-    fraction_train, fraction_evaluate, min_train_nodes, min_evaluate_nodes,
-    min_available_nodes, weighted_by_key, arrayrecord_key, configrecord_key,
-    train_metrics_aggr_fn, evaluate_metrics_aggr_fn
-        As in Flower's FedAvg (same defaults). ``fraction_train`` and
-        ``min_train_nodes`` bound the cohort; ``fraction_evaluate`` > 0 sends
-        the whole model to that share of members for evaluation after a round.
+    (FedAvg's parameters, same defaults: ``fraction_train`` and
+    ``min_train_nodes`` bound the cohort; ``fraction_evaluate`` > 0 sends the
+    whole model to that share of members for evaluation after a round), the span
+    parameters of :class:`~flowerbed.strategies.span.SpanJobStrategy` (a resumed
+    job profiles the boards connected then), and:
     model : str (default: "deep-mlp")
         Any ``nn.Module``: a name of ``flowerbed.models.SEQUENTIAL_MODELS`` or a
         factory ``"package.module:function"`` importable on every board
@@ -119,29 +142,11 @@ class LargeBatchSync(SpanJobStrategy):
     setup_share : float or None (default: 0.1)
         Largest share of a round set-up may take when ``steps_per_round`` is
         None; None keeps 10 steps per round.
-    optimizer : str (default: "lars")
-        ``"sgd"`` (momentum), ``"lars"`` or ``"lamb"`` (ignored when
-        ``training`` names an optimiser factory).
-    base_lr : float (default: 0.1)
-        ``eta`` for ``base_batch`` (Goyal et al.'s ResNet-50: 0.1 for 256).
-    base_batch : int (default: 256)
-        ``B_ref``; the peak rate is ``base_lr * batch_size / base_batch``.
-    warmup_steps : int (default: 0)
-        Gradual warm-up length ``T_w`` in steps.
-    decay_steps : int (default: 0)
-        Total steps of the polynomial decay after warm-up (0: none).
-    momentum, weight_decay : float (default: 0.9, 0.0)
-        Optimiser settings (LAMB ignores momentum).
-    trust : float (default: 0.001)
-        LARS's trust coefficient.
-    compression : str (default: "none")
-        ``"none"``, ``"fp16"`` or ``"powersgd"``.
-    powersgd_rank : int (default: 1)
-        PowerSGD's approximation rank.
-    profile_batch, profile_repeats : int (default: 8, 3)
-        Samples per timed step and steps timed when profiling a board.
-    speed_smoothing : float (default: 0.5)
-        ``a``, weight of a segment's speed measurement.
+    recipe : AllReduceRecipe, optional (default: AllReduceRecipe())
+        The optimiser, its schedule and the gradient compression
+        (:mod:`flowerbed.strategies.large_batch_options`).
+    profiling : MemberProfiling, optional (default: MemberProfiling())
+        How boards are timed when they join and their speeds smoothed.
     max_attempts : int (default: 3)
         Segments tried per round before the run stops.
     seed : int (default: 0)
@@ -149,21 +154,14 @@ class LargeBatchSync(SpanJobStrategy):
     training : flowerbed.parallel.Training, optional
         A loss function and a ``torch.optim`` optimiser factory of your own, by
         ``"package.module:function"`` name (default: cross-entropy and
-        ``optimizer``); a factory steps at the schedule's rate.
-    query_timeout_s : float (default: 60)
-        How long to wait for profiling answers.
-    rendezvous_port, rendezvous_ports, join_timeout_s, timeout_s, reply_margin_s,
-    checkpoint_path
-        As in :class:`~flowerbed.strategies.span.SpanJobStrategy` (a resumed job
-        profiles the boards connected then).
+        ``recipe.optimizer``); a factory steps at the schedule's rate.
 
     Attributes
     ----------
-    model, model_args, dataset, seed
+    model, model_args, dataset, seed, recipe, profiling
         The parameters of the same names, as given.
     schedule : flowerbed.parallel.large_batch.recipe.LrSchedule
-        The learning-rate schedule built from ``base_lr``, ``base_batch``,
-        ``batch_size``, ``warmup_steps`` and ``decay_steps``.
+        The learning-rate schedule of ``recipe`` for ``batch_size``.
     speeds : dict of int to float
         Smoothed samples per second of each member.
     cohort : list of int
@@ -177,132 +175,41 @@ class LargeBatchSync(SpanJobStrategy):
     """
 
     mode = "allreduce"
+    RECIPE = AllReduceRecipe()
+    PROFILING = MemberProfiling()
 
-    # pylint: disable=too-many-arguments,too-many-locals
-    def __init__(
+    def __init__(  # pylint: disable=too-many-arguments
         self,
-        fraction_train: float = 1.0,
-        fraction_evaluate: float = 1.0,
-        min_train_nodes: int = 2,
-        min_evaluate_nodes: int = 2,
-        min_available_nodes: int = 2,
-        weighted_by_key: str = keys.NUM_EXAMPLES,
-        arrayrecord_key: str = keys.ARRAYS,
-        configrecord_key: str = keys.CONFIG,
-        train_metrics_aggr_fn: Callable[[list[RecordDict], str], MetricRecord]
-        | None = None,
-        evaluate_metrics_aggr_fn: Callable[[list[RecordDict], str], MetricRecord]
-        | None = None,
-        *,
+        *args: Any,
         model: str = "deep-mlp",
         model_args: Mapping[str, Any] | None = None,
         dataset: str = "digits",
         batch_size: int = 256,
         steps_per_round: int | None = None,
         setup_share: float | None = DEFAULT_SETUP_SHARE,
-        optimizer: str = "lars",
-        base_lr: float = 0.1,
-        base_batch: int = 256,
-        warmup_steps: int = 0,
-        decay_steps: int = 0,
-        momentum: float = 0.9,
-        weight_decay: float = 0.0,
-        trust: float = 0.001,
-        compression: str = "none",
-        powersgd_rank: int = 1,
-        profile_batch: int = 8,
-        profile_repeats: int = 3,
-        speed_smoothing: float = 0.5,
+        recipe: AllReduceRecipe | None = None,
+        profiling: MemberProfiling | None = None,
         max_attempts: int = 3,
         seed: int = 0,
         training: Training | None = None,
-        query_timeout_s: float = 60.0,
-        rendezvous_port: int = DEFAULT_RENDEZVOUS_PORT,
-        rendezvous_ports: int = DEFAULT_RENDEZVOUS_PORTS,
-        join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
-        reply_margin_s: float = DEFAULT_REPLY_MARGIN_S,
-        checkpoint_path: str | Path | None = None,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(
-            fraction_train,
-            fraction_evaluate,
-            min_train_nodes,
-            min_evaluate_nodes,
-            min_available_nodes,
-            weighted_by_key,
-            arrayrecord_key,
-            configrecord_key,
-            train_metrics_aggr_fn,
-            evaluate_metrics_aggr_fn,
-            rendezvous_port=rendezvous_port,
-            rendezvous_ports=rendezvous_ports,
-            join_timeout_s=join_timeout_s,
-            timeout_s=timeout_s,
-            reply_margin_s=reply_margin_s,
-            checkpoint_path=checkpoint_path,
+        options = take_options(
+            type(self).__name__,
+            kwargs,
+            {"recipe": (recipe, self.RECIPE), "profiling": (profiling, self.PROFILING)},
         )
-        checks = [
-            (
-                optimizer in OPTIMIZERS,
-                f"optimizer {optimizer!r}; valid choices: {', '.join(OPTIMIZERS)}",
-            ),
-            (
-                compression in COMPRESSIONS,
-                f"compression {compression!r}; valid choices: "
-                f"{', '.join(COMPRESSIONS)}",
-            ),
-            (
-                batch_size >= max(1, min_train_nodes),
-                f"batch_size {batch_size} cannot give min_train_nodes "
-                f"({min_train_nodes}) members one sample each per step",
-            ),
-            (
-                steps_per_round is None or steps_per_round >= 1,
-                "steps_per_round must be >= 1 (or None: sized by setup_share)",
-            ),
-            (powersgd_rank >= 1, "powersgd_rank must be >= 1"),
-            (profile_batch >= 1 and profile_repeats >= 1, "profiling needs >= 1"),
-            (0 < speed_smoothing <= 1, "speed_smoothing must be in (0, 1]"),
-            (max_attempts >= 1, "max_attempts must be >= 1"),
-            (query_timeout_s > 0, "query_timeout_s must be > 0"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
-        self.schedule = LrSchedule(
-            base_lr=base_lr,
-            base_batch=base_batch,
-            batch_size=batch_size,
-            warmup_steps=warmup_steps,
-            total_steps=decay_steps,
-        )
-        self.model = model
-        self.model_args = dict(model_args or {})
+        super().__init__(*args, **kwargs)
+        self.recipe, self.profiling = options["recipe"], options["profiling"]
+        check_job_sizes(batch_size, self.min_train_nodes, steps_per_round, max_attempts)
+        self.schedule = self.recipe.schedule(batch_size)
+        self.model, self.model_args = model, dict(model_args or {})
         self.training = Training() if training is None else training
         self.training.check()  # a name that does not import fails here
-        reference = build_module(model, self.model_args, seed=0)
-        self.reference_state = {
-            k: tuple(v.shape) for k, v in reference.state_dict().items()
-        }
-        self.dataset = dataset
-        self.batch_size = batch_size
-        self.sizer = SegmentSizer(
-            DEFAULT_STEPS_PER_ROUND if steps_per_round is None else steps_per_round,
-            setup_share if steps_per_round is None else None,
-        )
-        self.optimizer = optimizer
-        self.momentum = momentum
-        self.weight_decay = weight_decay
-        self.trust = trust
-        self.compression = compression
-        self.powersgd_rank = powersgd_rank
-        self.profile_batch = profile_batch
-        self.profile_repeats = profile_repeats
-        self.speed_smoothing = speed_smoothing
-        self.max_attempts = max_attempts
-        self.seed = seed
-        self.query_timeout_s = query_timeout_s
+        self.reference_state = state_shapes(model, self.model_args)
+        self.dataset, self.batch_size = dataset, batch_size
+        self.sizer = segment_sizer(steps_per_round, setup_share)
+        self.max_attempts, self.seed = max_attempts, seed
         self.speeds: dict[int, float] = {}
         """Smoothed samples per second of each member."""
         self.addresses: dict[int, str] = {}
@@ -313,6 +220,7 @@ class LargeBatchSync(SpanJobStrategy):
     def reference_job(self) -> ReferenceJob:
         """This job as one device would train it: pass it to
         :func:`flowerbed.parallel.reference.single_device` to check a run."""
+        optimizer = self.recipe.optimizer
         return ReferenceJob(
             model=self.model,
             model_args=self.model_args,
@@ -321,10 +229,10 @@ class LargeBatchSync(SpanJobStrategy):
             seed=self.seed,
             lr=self.schedule.lr(0),
             schedule=self.schedule.to_config(),
-            optimizer="sgd-large-batch" if self.optimizer == "sgd" else self.optimizer,
-            momentum=self.momentum,
-            weight_decay=self.weight_decay,
-            trust=self.trust,
+            optimizer="sgd-large-batch" if optimizer == "sgd" else optimizer,
+            momentum=self.recipe.momentum,
+            weight_decay=self.recipe.weight_decay,
+            trust=self.recipe.trust,
             training=self.training,
         )
 
@@ -339,7 +247,7 @@ class LargeBatchSync(SpanJobStrategy):
             self.batch_size,
             self.steps_per_round,
         )
-        log(INFO, "\t\t├── %s", self.training.describe(self.optimizer))
+        log(INFO, "\t\t├── %s", self.training.describe(self.recipe.optimizer))
         log(
             INFO,
             "\t\t├── lr %.4g -> %.4g over %d warm-up steps",
@@ -347,7 +255,7 @@ class LargeBatchSync(SpanJobStrategy):
             self.schedule.peak_lr,
             self.schedule.warmup_steps,
         )
-        log(INFO, "\t\t└── compression %s", self.compression)
+        log(INFO, "\t\t└── compression %s", self.recipe.compression)
 
     # ------------------------------------------------------------------ members
     def _request(self) -> dict[str, Any]:
@@ -356,8 +264,8 @@ class LargeBatchSync(SpanJobStrategy):
             "model": self.model,
             "model_args": self.model_args,
             "dataset": self.dataset,
-            "batch": self.profile_batch,
-            "repeats": self.profile_repeats,
+            "batch": self.profiling.profile_batch,
+            "repeats": self.profiling.profile_repeats,
         }
 
     def admit(self, grid: Grid, node_ids: Iterable[int]) -> list[int]:
@@ -370,7 +278,7 @@ class LargeBatchSync(SpanJobStrategy):
         if not ids:
             return []
         found, errors = self.profile_members(
-            grid, ids, self._request(), self.query_timeout_s
+            grid, ids, self._request(), self.profiling.query_timeout_s
         )
         self.refused.update(errors)
         admitted = []
@@ -408,10 +316,10 @@ class LargeBatchSync(SpanJobStrategy):
         segment, port = self.next_segment()
         shares = batch_shares(self.batch_size, [self.speeds[n] for n in cohort])
         options: dict[str, Any] = {
-            "optimizer": self.optimizer,
-            "trust": self.trust,
-            "compression": self.compression,
-            "powersgd-rank": self.powersgd_rank,
+            "optimizer": self.recipe.optimizer,
+            "trust": self.recipe.trust,
+            "compression": self.recipe.compression,
+            "powersgd-rank": self.recipe.powersgd_rank,
             "schedule": self.schedule.to_config(),
             **self.training.to_options(),
         }
@@ -434,8 +342,8 @@ class LargeBatchSync(SpanJobStrategy):
                 model_args=self.model_args,
                 dataset=self.dataset,
                 lr=self.schedule.lr(self.step),
-                momentum=self.momentum,
-                weight_decay=self.weight_decay,
+                momentum=self.recipe.momentum,
+                weight_decay=self.recipe.weight_decay,
                 batch_share=bounds,
                 options=options,
             )
@@ -508,14 +416,7 @@ class LargeBatchSync(SpanJobStrategy):
         if not checked:
             return None, None
         first = checked[0]
-        diff = max(
-            (
-                float(np.max(np.abs(other.arrays[k] - v))) if v.size else 0.0
-                for other in checked[1:]
-                for k, v in first.arrays.items()
-            ),
-            default=0.0,
-        )
+        diff = replica_difference(checked)
         if diff > REPLICA_TOLERANCE:
             log(
                 WARNING,
@@ -524,43 +425,7 @@ class LargeBatchSync(SpanJobStrategy):
                 diff,
             )
         self.central_optimizer = dict(first.optimizer)
-        return arrayrecord(first.arrays), self._round_metrics(checked, diff)
-
-    def _round_metrics(self, replies: list[SegmentReply], diff: float) -> MetricRecord:
-        compute = [r.metrics.get(keys.SPAN_STEP_COMPUTE_S, []) for r in replies]
-        comm = [r.metrics.get(keys.SPAN_STEP_COMM_S, []) for r in replies]
-        steps = min((len(c) for c in compute), default=0)
-        walls = [
-            max(c[t] + m[t] for c, m in zip(compute, comm, strict=True))
-            for t in range(steps)
-        ]
-        examples = sum(float(r.metrics.get(keys.NUM_EXAMPLES, 0)) for r in replies)
-        losses = [
-            (float(r.metrics[keys.TRAIN_LOSS]), float(r.metrics[keys.NUM_EXAMPLES]))
-            for r in replies
-            if keys.TRAIN_LOSS in r.metrics
-        ]
-        record = MetricRecord(
-            {
-                keys.NUM_EXAMPLES: int(examples),
-                ROUND_MEMBERS: len(replies),
-                ROUND_REPLICA_DIFF: diff,
-                ROUND_LR: float(replies[0].metrics.get(keys.SPAN_LR, 0.0)),
-            }
-        )
-        if walls:
-            record[ROUND_STEP_S] = float(np.mean(walls))
-            record[ROUND_COMPUTE_S] = float(
-                np.mean([max(c[t] for c in compute) for t in range(steps)])
-            )
-            record[ROUND_COMM_S] = float(
-                np.mean([min(m[t] for m in comm) for t in range(steps)])
-            )
-            record[ROUND_SAMPLES_PER_S] = examples / max(sum(walls), 1e-9)
-        if losses:
-            total = sum(n for _, n in losses)
-            record[keys.TRAIN_LOSS] = sum(v * n for v, n in losses) / total
-        return record
+        return arrayrecord(first.arrays), round_figures(checked, diff)
 
     def evaluation_query(self) -> dict[str, Any]:
         return {
@@ -686,7 +551,7 @@ class LargeBatchSync(SpanJobStrategy):
         new, metrics = self.combine(server_round, replies)
         if new is None or metrics is None:
             return None, None
-        a = self.speed_smoothing
+        a = self.profiling.speed_smoothing
         for reply in replies:
             speed = reply.metrics.get(keys.SAMPLES_PER_S)
             if isinstance(speed, int | float) and speed > 0:
