@@ -494,3 +494,66 @@ def copy_fields(target: object, *options: object) -> None:
     for option in options:
         for f in fields(option):  # type: ignore[arg-type]
             setattr(target, f.name, getattr(option, f.name))
+
+
+def option_defaults(strategy: type) -> dict[str, Any]:
+    """Each option argument of ``strategy``'s constructors and its default object.
+
+    A class lists its own option arguments in ``OPTION_DEFAULTS``, pairs of the
+    argument and the class attribute holding its default (a subclass may set a
+    different default object under the same attribute).
+    """
+    defaults: dict[str, Any] = {}
+    for klass in reversed(strategy.__mro__):
+        for argument, default in vars(klass).get("OPTION_DEFAULTS", ()):
+            defaults[argument] = getattr(strategy, default)
+    return defaults
+
+
+def adopt_options(
+    strategy: object, flat: dict[str, Any], copy: bool = True, **given: Any
+) -> None:
+    """Set each option object a constructor was ``given`` on ``strategy``.
+
+    An argument that was not given (None) takes the class's default object
+    (:func:`option_defaults`), with the fields of ``flat`` keywords applied and
+    deprecated (:func:`take_options`). Each object becomes the attribute named
+    like its argument (``strategy.robustness``) and, with ``copy``, its fields
+    attributes too (:func:`copy_fields`).
+    """
+    defaults = option_defaults(type(strategy))
+    options = take_options(
+        type(strategy).__name__,
+        flat,
+        {argument: (value, defaults[argument]) for argument, value in given.items()},
+    )
+    for argument, option in options.items():
+        setattr(strategy, argument, option)
+    if copy:
+        copy_fields(strategy, *options.values())
+
+
+def group_settings(strategy: type, settings: dict[str, Any]) -> dict[str, Any]:
+    """``settings`` with the fields of ``strategy``'s option objects grouped.
+
+    Each name goes to the option object that has a field of that name, starting
+    from the strategy's default object; other names pass through.
+    """
+    for argument, default in option_defaults(strategy).items():
+        mine = pop_fields(settings, default)
+        if mine:
+            settings[argument] = replace(default, **mine)
+    return settings
+
+
+def constructor_keywords(strategy: type) -> list[str]:
+    """The keyword-only arguments of ``strategy``'s constructors (for the
+    message that refuses an unknown one)."""
+    names: list[str] = []
+    for klass in strategy.__mro__:
+        code = getattr(klass.__dict__.get("__init__"), "__code__", None)
+        if code is None:
+            continue
+        start = code.co_argcount
+        names += code.co_varnames[start : start + code.co_kwonlyargcount]
+    return sorted(set(names))

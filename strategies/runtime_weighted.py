@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import replace
 from logging import INFO, WARNING
 from pathlib import Path
 from typing import Any, ClassVar, Self
@@ -43,10 +42,10 @@ from flwr.supercore import log
 from .options import (
     Robustness,
     WorkBalance,
-    copy_fields,
-    pop_fields,
+    adopt_options,
+    constructor_keywords,
+    group_settings,
     refuse_unknown,
-    take_options,
 )
 from .rejections import RejectionLog
 from .reply_weights import ReplyWeights, balanced_steps
@@ -58,7 +57,7 @@ from .robust import (
 )
 from .rounds import MIN_MESSAGE_TTL_S, RoundLoop
 from .train_fold import FOLD_GROUP as FOLD_GROUP  # its import path before train_fold
-from .train_fold import FoldGroup, ReplyFolder, TrainFold
+from .train_fold import FoldGroup, ReplyFolder, SumMemory, TrainFold
 
 
 class RuntimeWeightedFedAvg(RoundLoop):
@@ -143,7 +142,17 @@ class RuntimeWeightedFedAvg(RoundLoop):
         ("robustness", "DEFAULT_ROBUSTNESS"),
     )
     """Each option argument of this class's constructor and the class attribute
-    holding its default (:meth:`from_settings` reads them)."""
+    holding its default (:func:`~.options.option_defaults` reads them)."""
+    work: WorkBalance
+    """The work balance this strategy runs with."""
+    robustness: Robustness
+    """The robustness settings this strategy runs with."""
+    recent_weights: Reference
+    """Weights of recent accepted replies (the weight cap's reference)."""
+    recent_norms: Reference
+    """Norms of recent accepted updates (the clipping's reference)."""
+    speeds: dict[int, float]
+    """Smoothed speed of each node, in optimiser steps per second."""
 
     def __init__(
         self,
@@ -179,46 +188,23 @@ class RuntimeWeightedFedAvg(RoundLoop):
             train_metrics_aggr_fn,
             evaluate_metrics_aggr_fn,
         )
-        owner = type(self).__name__
-        options = take_options(
-            owner,
-            flat,
-            {
-                "work": (work, self.DEFAULT_WORK),
-                "robustness": (robustness, self.DEFAULT_ROBUSTNESS),
-            },
-        )
-        refuse_unknown(owner, flat, self._option_names())
+        adopt_options(self, flat, work=work, robustness=robustness)
+        refuse_unknown(type(self).__name__, flat, constructor_keywords(type(self)))
         if message_ttl_s is not None and message_ttl_s <= 0:
             raise ValueError(f"message_ttl_s must be > 0, got {message_ttl_s}")
-        self.work: WorkBalance = options["work"]
-        """The work balance this strategy runs with."""
-        self.robustness: Robustness = options["robustness"]
-        """The robustness settings this strategy runs with."""
-        copy_fields(self, self.work, self.robustness)
         self.message_ttl_s = message_ttl_s
         self.seed = seed
         self.recent_weights = Reference()
-        """Weights of recent accepted replies (the weight cap's reference)."""
         self.recent_norms = Reference()
-        """Norms of recent accepted updates (the clipping's reference)."""
         self.reply_weights = ReplyWeights(self.weighting, self.weight_cap)
         """The weighting's formulas and what they remember."""
         self.rejections = RejectionLog(self.weighted_by_key)
         """The log lines of refused and bounded replies."""
         self.folder = ReplyFolder(self)
         """How ``aggregate_train`` stages, folds and settles train replies."""
-        self.quarantine = Quarantine(
-            self.robustness.quarantine_after, self.robustness.quarantine_rounds
-        )
+        self.quarantine = Quarantine(self.quarantine_after, self.quarantine_rounds)
         self.speeds: dict[int, float] = {}
-        """Smoothed speed of each node, in optimiser steps per second."""
-        self._sum_memory: dict[str, np.ndarray] = {}
-        """The last aggregation's result once encoded: where the next one makes
-        its sums (no fresh pages to fault in each round; see UpdateAccumulator)."""
-        self._spare_memory: dict[str, np.ndarray] = {}
-        """The last aggregation's other sum memory (BoundedSum.add_many writes
-        each group's pass beside the sum), kept likewise."""
+        self._sum_memory = SumMemory()
         self._init_loop(checkpoint_path)
 
     @classmethod
@@ -233,28 +219,7 @@ class RuntimeWeightedFedAvg(RoundLoop):
         strategy's default object); FedAvg's arguments and the strategy's own
         keywords pass through.
         """
-        options: dict[str, Any] = {}
-        for klass in reversed(cls.__mro__):
-            for argument, default in vars(klass).get("OPTION_DEFAULTS", ()):
-                options[argument] = getattr(cls, default)
-        for argument, default in options.items():
-            mine = pop_fields(settings, default)
-            if mine:
-                settings[argument] = replace(default, **mine)
-        return cls(*args, **settings)
-
-    @classmethod
-    def _option_names(cls) -> list[str]:
-        """The keyword arguments a constructor takes beyond FedAvg's (for the
-        message that refuses an unknown one)."""
-        names: list[str] = []
-        for klass in cls.__mro__:
-            code = getattr(klass.__dict__.get("__init__"), "__code__", None)
-            if code is None:
-                continue
-            start = code.co_argcount
-            names += code.co_varnames[start : start + code.co_kwonlyargcount]
-        return sorted(set(names))
+        return cls(*args, **group_settings(cls, settings))
 
     # ------------------------------------------------------------------ summary
     def summary(self) -> None:
@@ -497,8 +462,7 @@ class RuntimeWeightedFedAvg(RoundLoop):
         """What one aggregation folds updates into (``aggregation``, the bounds)."""
         if self.aggregation != "mean":
             return CoordinateRobust(self.aggregation, self.trim_fraction)
-        memory, self._sum_memory = self._sum_memory, {}
-        spare, self._spare_memory = self._spare_memory, {}
+        memory, spare = self._sum_memory.take()
         return BoundedSum(
             self.weight_cap,
             self.clip_factor if clip else None,
@@ -583,13 +547,7 @@ class RuntimeWeightedFedAvg(RoundLoop):
             fold.metrics.cap(self.weight_cap * reference)  # metrics as the model
         record = to_arrayrecord(new)  # a copy: ``new`` is free from here on
         current = fold.zeros if fold.zeros is not None else self._global_np
-        self._sum_memory = {
-            name: value
-            for name, value in new.items()
-            if not np.may_share_memory(value, current[name])
-        }
-        if isinstance(fold.updates, BoundedSum):
-            self._spare_memory = fold.updates.sum.leftover()
+        self._sum_memory.keep(new, current, fold.updates)
         return record, fold.metrics.result(self.train_metrics_aggr_fn)
 
     def aggregate_evaluate(
