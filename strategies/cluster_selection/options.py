@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..options import _check
 from .model import MODES, check_objective
 from .refine import (
     DEFAULT_INDIFFERENCE,
@@ -40,12 +41,6 @@ DEFAULT_DRIFT_TOLERANCE = 0.25
 """Relative gap between measured and estimated round time that triggers re-selection."""
 DEFAULT_DROP_AFTER_FAILURES = 2
 """Consecutive failed or missing replies after which a member counts as gone."""
-
-
-def _check(rules: list[tuple[bool, str]]) -> None:
-    for ok, message in rules:
-        if not ok:
-            raise ValueError(message)
 
 
 @dataclass(frozen=True)
@@ -103,7 +98,8 @@ class SelectionGoal:
                     self.min_nodes is None or self.min_nodes >= 1,
                     "min_nodes must be >= 1",
                 ),
-            ]
+            ],
+            type(self).__name__,
         )
 
 
@@ -143,7 +139,8 @@ class Profiling:
                     self.profile_max_tasks >= len(steps),
                     "profile_max_tasks must be >= len(profile_steps)",
                 ),
-            ]
+            ],
+            type(self).__name__,
         )
 
 
@@ -198,7 +195,8 @@ class Certainty:
                 (0 <= self.race_share <= 1, "race_share must be between 0 and 1"),
                 (self.power_gain_error >= 0, "power_gain_error must be >= 0"),
                 (self.confidence_draws >= 2, "confidence_draws must be >= 2"),
-            ]
+            ],
+            type(self).__name__,
         )
 
 
@@ -223,5 +221,6 @@ class Tracking:
             [
                 (self.drift_tolerance > 0, "drift_tolerance must be > 0"),
                 (self.drop_after_failures >= 1, "drop_after_failures must be >= 1"),
-            ]
+            ],
+            type(self).__name__,
         )

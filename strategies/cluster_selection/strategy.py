@@ -328,34 +328,24 @@ class ClusterSelection(Strategy):
         """
         train_config = ConfigRecord() if train_config is None else train_config
         inner = self.strategy
-        if isinstance(inner, RoundLoop):
-            inner.run_scope = self
-            try:
-                return inner.start(
-                    grid,
-                    initial_arrays,
-                    num_rounds,
-                    timeout,
-                    train_config,
-                    evaluate_config,
-                    evaluate_fn,
-                )
-            finally:
-                inner.run_scope = None
-        log(
-            WARNING,
-            "ClusterSelection: %s is not a flowerbed round loop: its own start() "
-            "runs the rounds on the selected nodes (no flowerbed round hooks, "
-            "clock or checkpoints); selection profiles before and adds its "
-            "metrics after, as for a flowerbed strategy",
-            type(inner).__name__,
-        )
-        selected = self.open(
-            grid, initial_arrays, num_rounds, train_config, evaluate_config
-        )
-        return self.close(
-            inner.start(
-                grid=selected,
+        looped = inner if isinstance(inner, RoundLoop) else None
+        if looped is not None:
+            looped.run_scope = self
+        else:
+            log(
+                WARNING,
+                "ClusterSelection: %s is not a flowerbed round loop: its own "
+                "start() runs the rounds on the selected nodes (no flowerbed round "
+                "hooks, clock or checkpoints); selection profiles before and adds "
+                "its metrics after, as for a flowerbed strategy",
+                type(inner).__name__,
+            )
+            grid = self.open(
+                grid, initial_arrays, num_rounds, train_config, evaluate_config
+            )
+        try:
+            result = inner.start(
+                grid=grid,
                 initial_arrays=initial_arrays,
                 num_rounds=num_rounds,
                 timeout=timeout,
@@ -363,4 +353,7 @@ class ClusterSelection(Strategy):
                 evaluate_config=evaluate_config,
                 evaluate_fn=evaluate_fn,
             )
-        )
+        finally:
+            if looped is not None:
+                looped.run_scope = None
+        return result if looped is not None else self.close(result)
