@@ -9,15 +9,12 @@ from typing import Any, ClassVar
 
 import numpy as np
 from flowerbed import keys
-from flowerbed.clock import clock_of
-from flowerbed.strategies.accumulation import to_arrayrecord, to_numpy
 from flowerbed.strategies.inflight import Ticket, enough_usable
 from flowerbed.strategies.round_metrics import (
     ROUND_CLOCK_S,
     ROUND_PARTICIPANTS,
     ROUND_STALENESS,
 )
-from flowerbed.strategies.sampling import round_rng, sample_nodes
 from flowerbed.strategies.staleness import StalenessFn, resolve_staleness_fn
 from flwr.app import (
     ArrayRecord,
@@ -30,9 +27,10 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 from flwr.supercore import log
 
-from .options import Buffering, Staleness, WorkBalance, copy_fields, take_options
+from .options import Buffering, Staleness, WorkBalance, adopt_options
 from .rounds import STALL_ROUNDS, RoundTally
 from .runtime_weighted import RuntimeWeightedFedAvg
+from .server_momentum import ServerMomentum
 
 CONCURRENCY_PER_SAMPLE = 2
 """Default ``concurrency``: this many times FedAvg's sample size. A node holds its
@@ -111,6 +109,10 @@ class FedBuff(RuntimeWeightedFedAvg):
     """FedBuff's paper weights by examples (Nguyen et al., AISTATS 2022, Alg. 1)."""
     DEFAULT_STALENESS = Staleness(max_staleness=10)
     DEFAULT_BUFFERING = Buffering()
+    buffering: Buffering
+    """The asynchrony settings this strategy runs with."""
+    staleness: Staleness
+    """How stale updates count."""
     OPTION_DEFAULTS: ClassVar[tuple[tuple[str, str], ...]] = (
         ("buffering", "DEFAULT_BUFFERING"),
         ("staleness", "DEFAULT_STALENESS"),
@@ -123,37 +125,29 @@ class FedBuff(RuntimeWeightedFedAvg):
         staleness: Staleness | None = None,
         **kwargs: Any,
     ) -> None:
-        options = take_options(
-            type(self).__name__,
-            kwargs,
-            {
-                "buffering": (buffering, self.DEFAULT_BUFFERING),
-                "staleness": (staleness, self.DEFAULT_STALENESS),
-            },
-        )
+        adopt_options(self, kwargs, buffering=buffering, staleness=staleness)
         super().__init__(*args, **kwargs)
-        self.buffering: Buffering = options["buffering"]
-        """The asynchrony settings this strategy runs with."""
-        self.staleness: Staleness = options["staleness"]
-        """How stale updates count."""
-        copy_fields(self, self.buffering, self.staleness)
         self.staleness_fn = resolve_staleness_fn(self.staleness.staleness_fn)
+        self.server_optimiser = ServerMomentum(self.server_momentum)
+        """SGD with momentum ``server_momentum`` on the buffered update."""
         self.version = 0
         self._versions: dict[int, dict[str, np.ndarray]] = {}
         self._evaluations: dict[int, tuple[set[str], list[Message]]] = {}
+        self._start_version()
+        self.round_trips: deque[float] = deque(maxlen=ABANDON_SAMPLE)
+        """Seconds from dispatch to reply of the newest completed train tasks
+        (at most :data:`ABANDON_SAMPLE`)."""
+        self.abandoned = 0
+        """Tasks given up so far (:meth:`abandon_overdue`)."""
+
+    def _start_version(self) -> None:
+        """Sampling state of a version that has had no ``configure_train`` yet."""
         self._version_config: ConfigRecord | None = None
         """The train config as it was before the current version's first
         configure_train call (None: that call has not happened yet)."""
         self._topped_up = False
         self._draws = 0
         """Train samplings of the current version so far."""
-        self._momentum: dict[str, np.ndarray] = {}
-        """``m_v`` of the server momentum, per float array."""
-        self.round_trips: deque[float] = deque(maxlen=ABANDON_SAMPLE)
-        """Seconds from dispatch to reply of the newest completed train tasks
-        (at most :data:`ABANDON_SAMPLE`)."""
-        self.abandoned = 0
-        """Tasks given up so far (:meth:`abandon_overdue`)."""
 
     def summary(self) -> None:
         """Log the configuration: the FedBuff branch, then the base strategy's."""
@@ -203,9 +197,7 @@ class FedBuff(RuntimeWeightedFedAvg):
             return []
         return self._train_messages(server_round, arrays, config, grid, missing)
 
-    def _sample(
-        self, grid: Grid, server_round: int, count: int, purpose: str
-    ) -> list[int]:
+    def _draw_name(self, purpose: str) -> str:
         """Each train sampling of a version draws afresh among the idle nodes.
 
         The base strategy seeds its draw by (seed, round, purpose), which a
@@ -215,26 +207,9 @@ class FedBuff(RuntimeWeightedFedAvg):
         draws of a version keeps runs reproducible and each draw uniform.
         """
         if purpose != "train":
-            return super()._sample(grid, server_round, count, purpose)
+            return purpose
         self._draws += 1
-        if self._draws > 1:  # the first draw is the base strategy's
-            purpose = f"train-{self._draws}"
-        inflight = self._inflight
-        busy = set() if inflight is None else inflight.busy_nodes(MessageType.TRAIN)
-        benched = {
-            n
-            for n in grid.get_node_ids()
-            if self.quarantine.is_quarantined(n, server_round)
-        }
-        return sample_nodes(
-            grid,
-            clock_of(grid),
-            count=count,
-            min_available=self.min_available_nodes,
-            exclude=benched | busy,
-            rng=round_rng(self.seed, server_round, purpose),
-            timeout=self._timeout,
-        )
+        return purpose if self._draws == 1 else f"train-{self._draws}"
 
     def _sampling_log_level(self) -> int:
         # Top-ups within a version are routine: one INFO line per version is enough.
@@ -405,10 +380,8 @@ class FedBuff(RuntimeWeightedFedAvg):
         self.version = done
         self._versions = {self.version: self._global_np}
         self._evaluations = {}
-        self._version_config = None
-        self._topped_up = False
-        self._draws = 0
-        self._momentum = {}
+        self._start_version()
+        self.server_optimiser.reset()
         self._starved = False
         self._buffer_size = self.buffer_size or max(
             1, self._concurrency(grid) // MEAN_STALENESS
@@ -494,9 +467,7 @@ class FedBuff(RuntimeWeightedFedAvg):
         returned nothing, as a Flower round whose aggregation fails)."""
         used = [a for a in self._handed if a.usable]
         self.version += 1
-        self._version_config = None
-        self._topped_up = False
-        self._draws = 0
+        self._start_version()
         if arrays is not None:
             self._set_global(arrays)
             self._updates_applied += 1
@@ -537,28 +508,7 @@ class FedBuff(RuntimeWeightedFedAvg):
         arrays, metrics = super().aggregate_train(server_round, replies)
         if arrays is None:
             return arrays, metrics
-        return self._server_step(arrays), metrics
-
-    def _server_step(self, proposed: ArrayRecord) -> ArrayRecord:
-        """``x_v + m_(v+1)`` from ``proposed = x_v + u_v``; ``proposed`` itself
-        when ``server_momentum`` is 0 or there is no global model."""
-        beta = self.server_momentum
-        current = self._global_np
-        if beta == 0.0 or not current:
-            return proposed
-        out: dict[str, np.ndarray] = {}
-        for name, value in to_numpy(proposed).items():
-            base = current.get(name)
-            if base is None or value.dtype.kind != "f" or base.shape != value.shape:
-                out[name] = value
-                continue
-            step = value.astype(np.float64) - base
-            previous = self._momentum.get(name)
-            if previous is not None and previous.shape == step.shape:
-                step += beta * previous
-            self._momentum[name] = step
-            out[name] = (base + step).astype(value.dtype)
-        return to_arrayrecord(out)
+        return self.server_optimiser.step(arrays, self._global_np), metrics
 
     def _finish_evaluations(self, until: float, result: Result) -> None:
         """Collect outstanding evaluation replies, then close what remains."""

@@ -324,9 +324,13 @@ class RuntimeWeightedFedAvg(RoundLoop):
             count=count,
             min_available=self.min_available_nodes,
             exclude=benched | busy,
-            rng=round_rng(self.seed, server_round, purpose),
+            rng=round_rng(self.seed, server_round, self._draw_name(purpose)),
             timeout=self._timeout,
         )
+
+    def _draw_name(self, purpose: str) -> str:
+        """What seeds a sampling's draw with the seed and the round."""
+        return purpose
 
     def _sample_size(self, grid: Grid, fraction: float, minimum: int) -> int:
         """FedAvg's sample size: ``max(int(connected * fraction), minimum)``."""
