@@ -69,7 +69,7 @@ from flwr.serverapp.exception import AggregationError
 from flwr.supercore import log
 
 from .deadline import DeadlineFedAvg
-from .options import Deadlines, WorkBalance, take_options
+from .options import Deadlines, WorkBalance, adopt_options
 
 ROUND_SERVER_LR = "server-lr"
 ROUND_BATCH = "large-batch"
@@ -116,6 +116,25 @@ class LargeBatchRecipe:
         if not (math.isfinite(self.client_lr) and self.client_lr > 0):
             raise ValueError(f"client_lr must be > 0, got {self.client_lr}")
 
+    def schedule(self) -> LrSchedule:
+        """Goyal et al.'s rate over server steps for this batch."""
+        return LrSchedule(
+            base_lr=self.base_lr,
+            base_batch=self.base_batch,
+            batch_size=self.batch_size,
+            warmup_steps=self.warmup_steps,
+            total_steps=self.decay_steps,
+        )
+
+    def server_optimizer(self) -> LargeBatchOptimizer:
+        """A fresh server optimiser with these settings."""
+        return LargeBatchOptimizer(
+            self.optimizer,
+            momentum=self.momentum,
+            weight_decay=self.weight_decay,
+            trust=self.trust,
+        )
+
 
 class LargeBatchRounds(DeadlineFedAvg):
     """Large-batch synchronous training as server rounds (module docstring).
@@ -136,37 +155,23 @@ class LargeBatchRounds(DeadlineFedAvg):
     OPTION_DEFAULTS: ClassVar[tuple[tuple[str, str], ...]] = (
         ("recipe", "DEFAULT_RECIPE"),
     )
+    recipe: LargeBatchRecipe
+    """The recipe this strategy runs with."""
 
     def __init__(
         self, *args: Any, recipe: LargeBatchRecipe | None = None, **kwargs: Any
     ) -> None:
-        options = take_options(
-            type(self).__name__, kwargs, {"recipe": (recipe, self.DEFAULT_RECIPE)}
-        )
+        adopt_options(self, kwargs, copy=False, recipe=recipe)
         super().__init__(*args, **kwargs)
         if self.weighting != "examples":
             raise ValueError(
                 "LargeBatchRounds sums gradients weighted by examples: give "
                 f"work=WorkBalance(weighting='examples'), not {self.weighting!r}"
             )
-        self.recipe: LargeBatchRecipe = options["recipe"]
-        """The recipe this strategy runs with."""
-        recipe = self.recipe
-        self.schedule = LrSchedule(
-            base_lr=recipe.base_lr,
-            base_batch=recipe.base_batch,
-            batch_size=recipe.batch_size,
-            warmup_steps=recipe.warmup_steps,
-            total_steps=recipe.decay_steps,
-        )
-        self.batch_size = recipe.batch_size
-        self.client_lr = float(recipe.client_lr)
-        self.server_optimizer = LargeBatchOptimizer(
-            recipe.optimizer,
-            momentum=recipe.momentum,
-            weight_decay=recipe.weight_decay,
-            trust=recipe.trust,
-        )
+        self.schedule = self.recipe.schedule()
+        self.batch_size = self.recipe.batch_size
+        self.client_lr = float(self.recipe.client_lr)
+        self.server_optimizer = self.recipe.server_optimizer()
         self.sample_rates: dict[int, float] = {}
         """Smoothed samples per second of each node (its batch share's basis)."""
         self._overhead: dict[int, float] = {}
