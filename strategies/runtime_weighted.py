@@ -7,7 +7,6 @@ from logging import INFO, WARNING
 from pathlib import Path
 from typing import Any, ClassVar, Self
 
-import numpy as np
 from flowerbed import keys
 from flowerbed.clock import clock_of
 from flowerbed.replies import (
@@ -39,6 +38,7 @@ from flwr.app import (
 from flwr.serverapp import Grid
 from flwr.supercore import log
 
+from .influence_bound import InfluenceBound
 from .options import (
     Robustness,
     WorkBalance,
@@ -50,14 +50,11 @@ from .options import (
 from .rejections import RejectionLog
 from .reply_weights import ReplyWeights, balanced_steps
 from .robust import (
-    BoundedSum,
-    CoordinateRobust,
     Reference,
-    UpdateSum,
 )
 from .rounds import MIN_MESSAGE_TTL_S, RoundLoop
 from .train_fold import FOLD_GROUP as FOLD_GROUP  # its import path before train_fold
-from .train_fold import FoldGroup, ReplyFolder, SumMemory, TrainFold
+from .train_fold import FoldGroup, ReplyFolder, TrainFold
 
 
 class RuntimeWeightedFedAvg(RoundLoop):
@@ -204,7 +201,8 @@ class RuntimeWeightedFedAvg(RoundLoop):
         """How ``aggregate_train`` stages, folds and settles train replies."""
         self.quarantine = Quarantine(self.quarantine_after, self.quarantine_rounds)
         self.speeds: dict[int, float] = {}
-        self._sum_memory = SumMemory()
+        self.influence_bound = InfluenceBound(self.robustness)
+        """The sums' bounds, and the memory they are made in."""
         self._init_loop(checkpoint_path)
 
     @classmethod
@@ -462,21 +460,6 @@ class RuntimeWeightedFedAvg(RoundLoop):
             return False
         return self.folder.fold([staged], server_round, fold)[0]
 
-    def _new_sum(self, *, clip: bool = True) -> UpdateSum:
-        """What one aggregation folds updates into (``aggregation``, the bounds)."""
-        if self.aggregation != "mean":
-            return CoordinateRobust(self.aggregation, self.trim_fraction)
-        memory, spare = self._sum_memory.take()
-        return BoundedSum(
-            self.weight_cap,
-            self.clip_factor if clip else None,
-            self.recent_weights,
-            self.recent_norms,
-            memory,
-            spare,
-            pull_bound=self.pull_bound,
-        )
-
     def _server_step_size(self) -> float:
         """Server learning rate applied to the averaged update (FedBuff's eta_g)."""
         return 1.0
@@ -497,7 +480,9 @@ class RuntimeWeightedFedAvg(RoundLoop):
         # update norm to clip (the weight cap still applies).
         fold = TrainFold(
             MetricsAccumulator(self.weighted_by_key),
-            self._new_sum(clip=bool(self._global_np)),
+            self.influence_bound.new_sum(
+                self.recent_weights, self.recent_norms, clip=bool(self._global_np)
+            ),
         )
         if type(self).fold_train_reply is RuntimeWeightedFedAvg.fold_train_reply:
             group = FoldGroup(self.folder, server_round, fold)
@@ -519,18 +504,7 @@ class RuntimeWeightedFedAvg(RoundLoop):
             if fold.results or fold.failures:
                 log(WARNING, "round %d: no usable train replies", server_round)
             return None, None
-        updates = fold.updates
-        if isinstance(updates, BoundedSum) and (updates.capped or updates.clipped):
-            log(
-                INFO,
-                "round %s: influence bound: %d weights capped at %g x the median, "
-                "%d updates clipped to %g x the median norm",
-                server_round,
-                updates.capped,
-                self.weight_cap,
-                updates.clipped,
-                self.clip_factor,
-            )
+        self.influence_bound.say_bounded(server_round, fold.updates)
         absolute = fold.zeros is not None
         if absolute and (
             self.weighting == "fednova" or self._server_step_size() != 1.0
@@ -546,12 +520,10 @@ class RuntimeWeightedFedAvg(RoundLoop):
             normalise_steps=self.weighting == "fednova" and not absolute,
             step_size=1.0 if absolute else self._server_step_size(),
         )
-        reference = self.recent_weights.median(minimum=1)
-        if self.weight_cap is not None and reference is not None:
-            fold.metrics.cap(self.weight_cap * reference)  # metrics as the model
+        self.influence_bound.cap_metrics(fold.metrics, self.recent_weights)
         record = to_arrayrecord(new)  # a copy: ``new`` is free from here on
         current = fold.zeros if fold.zeros is not None else self._global_np
-        self._sum_memory.keep(new, current, fold.updates)
+        self.influence_bound.memory.keep(new, current, fold.updates)
         return record, fold.metrics.result(self.train_metrics_aggr_fn)
 
     def aggregate_evaluate(
@@ -570,32 +542,8 @@ class RuntimeWeightedFedAvg(RoundLoop):
             results,
             failures,
         )
-        self._cap_evaluate_weights(server_round, metrics_acc)
+        self.influence_bound.cap_evaluation(server_round, metrics_acc)
         return metrics_acc.result(self.evaluate_metrics_aggr_fn)
-
-    def _cap_evaluate_weights(
-        self, server_round: int, metrics_acc: MetricsAccumulator
-    ) -> None:
-        """The weight cap on evaluation replies: at most ``weight_cap`` times the
-        median of the round's evaluation weights.
-
-        Test sets are not training sets, so the scale is this round's own
-        evaluation weights, not the training reference.
-        """
-        weights = metrics_acc.weights()
-        median = float(np.median(weights)) if weights else 0.0
-        if self.weight_cap is None or median <= 0:
-            return
-        capped = metrics_acc.cap(self.weight_cap * median)
-        if capped:
-            log(
-                INFO,
-                "round %s: influence bound: %d evaluation weights capped at %g x "
-                "the round's median",
-                server_round,
-                capped,
-                self.weight_cap,
-            )
 
     def fold_evaluate_reply(
         self, reply: Message, server_round: int, metrics_acc: MetricsAccumulator

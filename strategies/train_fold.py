@@ -33,7 +33,7 @@ from flwr.supercore import log
 from . import fold_kernel
 from .rejections import RejectionLog
 from .reply_weights import ReplyWeights
-from .robust import BoundedSum, Reference, UpdateSum
+from .robust import Reference, UpdateSum
 
 FOLD_GROUP = fold_kernel.MOST
 """Replies ``aggregate_train`` folds per pass (:meth:`UpdateAccumulator.add_many`:
@@ -60,40 +60,6 @@ class TrainFold:
             self.reference = spec_of(arrays)
             self.zeros = {k: np.zeros(v.shape, v.dtype) for k, v in arrays.items()}
         return self.zeros
-
-
-class SumMemory:
-    """Where the next aggregation makes its sums: no fresh pages to fault in
-    each round (see :class:`~flowerbed.strategies.accumulation.UpdateAccumulator`)."""
-
-    def __init__(self) -> None:
-        self.result: dict[str, np.ndarray] = {}
-        """The last aggregation's result once encoded."""
-        self.spare: dict[str, np.ndarray] = {}
-        """The last aggregation's other sum memory (``BoundedSum.add_many``
-        writes each group's pass beside the sum)."""
-
-    def take(self) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-        """The memory kept (result, spare), handed over once."""
-        taken = self.result, self.spare
-        self.result, self.spare = {}, {}
-        return taken
-
-    def keep(
-        self,
-        new: Mapping[str, np.ndarray],
-        current: Mapping[str, np.ndarray],
-        updates: UpdateSum,
-    ) -> None:
-        """Keep an aggregation's result ``new`` (where it is not ``current``'s
-        memory) and the other memory of its sum."""
-        self.result = {
-            name: value
-            for name, value in new.items()
-            if not np.may_share_memory(value, current[name])
-        }
-        if isinstance(updates, BoundedSum):
-            self.spare = updates.sum.leftover()
 
 
 @dataclass

@@ -467,13 +467,13 @@ def test_the_strategy_makes_each_rounds_sums_in_the_last_results_memory() -> Non
     first, _ = strategy.aggregate_train(
         1, [reply(template, {"w": np.full(8, 2.0, np.float32)}, num_examples=1)]
     )
-    memory = strategy._sum_memory.result["w"]
+    memory = strategy.influence_bound.memory.result["w"]
     second, _ = strategy.aggregate_train(
         1, [reply(template, {"w": np.full(8, 4.0, np.float32)}, num_examples=1)]
     )
     assert first is not None and second is not None
     assert np.shares_memory(
-        strategy._sum_memory.result["w"], memory
+        strategy.influence_bound.memory.result["w"], memory
     )  # made there again
     # each round's record is a copy, untouched by the next round's sums
     assert first["w"].numpy().tolist() == [2.0] * 8
