@@ -26,7 +26,6 @@ compute and communication seconds.
 
 from __future__ import annotations
 
-import json
 import math
 import uuid
 from collections.abc import Iterable, Mapping
@@ -43,9 +42,7 @@ from flwr.app import (
     ArrayRecord,
     ConfigRecord,
     Message,
-    MessageType,
     MetricRecord,
-    RecordDict,
 )
 from flwr.serverapp import Grid
 from flwr.supercore import log
@@ -67,6 +64,7 @@ from .span import (
     check_initial_arrays,
     check_segment_reply,
 )
+from .span_evaluation import evaluate_messages, query_config
 from .span_sizing import (
     DEFAULT_SETUP_SHARE,
     SegmentSizer,
@@ -448,20 +446,12 @@ class LargeBatchSync(SpanJobStrategy):
         count = max(
             self.min_evaluate_nodes, math.ceil(len(alive) * self.fraction_evaluate)
         )
-        record = ConfigRecord(dict(config))
-        record[keys.SPAN_QUERY] = json.dumps(self.evaluation_query())
+        record = query_config(config, self.evaluation_query())
         record[keys.SERVER_ROUND] = server_round
-        return [
-            Message(
-                RecordDict(
-                    {self.arrayrecord_key: arrays, self.configrecord_key: record}
-                ),
-                dst_node_id=node,
-                message_type=MessageType.EVALUATE,
-                ttl=self._timeout,
-            )
-            for node in alive[: min(count, len(alive))]
-        ]
+        records = {self.arrayrecord_key: arrays, self.configrecord_key: record}
+        return evaluate_messages(
+            records, alive[: min(count, len(alive))], self._timeout
+        )
 
     # ------------------------------------------------------------------ the rounds
     def _check_initial(self, initial_arrays: ArrayRecord) -> None:

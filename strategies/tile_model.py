@@ -3,8 +3,9 @@
 The planner needs the geometry of the model's early layers
 (:func:`flowerbed.parallel.tiles.region_ops.front_geometry`), and every array
 that reaches the server (``initial_arrays``, rank 0's reply, the optimiser
-state) must be the model's state; both come from one build of the model, made
-on first use (torch is imported then, not when the strategy is).
+state) must be the model's state, so member replies are checked here; both come
+from one build of the model, made on first use (torch is imported then, not when
+the strategy is).
 """
 
 from __future__ import annotations
@@ -13,7 +14,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+from flowerbed import keys
 from flowerbed.replies import ReplyRejected
+
+from .span import SegmentReply
 
 
 class TileModel:
@@ -75,6 +79,24 @@ class TileModel:
                     f"{what}: {name!r} has shape {list(np.shape(arrays[name]))}, "
                     f"the model's is {list(shape)}"
                 )
+
+    def check_reply(self, reply: SegmentReply, rank: int) -> None:
+        """Raise ReplyRejected unless a finished member's reply has its step's
+        compute seconds and MACs and, from rank 0, the train loss, the model's
+        state and an optimiser state that belongs to it."""
+        for key in (keys.TILES_COMPUTE_S, keys.TILES_MACS):
+            value = reply.metrics.get(key)
+            if not isinstance(value, int | float) or value < 0:
+                raise ReplyRejected(f"metric {key!r} missing or negative: {value!r}")
+        if rank != 0:
+            return
+        if keys.TRAIN_LOSS not in reply.metrics:
+            raise ReplyRejected(f"rank 0's reply has no {keys.TRAIN_LOSS!r}")
+        try:
+            self.check_arrays(reply.arrays, "rank 0's reply arrays")
+        except ValueError as err:
+            raise ReplyRejected(str(err)) from None
+        self.check_optimizer(reply.optimizer)
 
     def check_optimizer(self, state: Mapping[str, np.ndarray]) -> None:
         """Raise ReplyRejected unless every entry of an optimiser state belongs

@@ -34,7 +34,6 @@ fixed cost is not taken for slowness).
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -56,9 +55,7 @@ from flwr.app import (
     ArrayRecord,
     ConfigRecord,
     Message,
-    MessageType,
     MetricRecord,
-    RecordDict,
 )
 from flwr.serverapp import Grid
 from flwr.supercore import log
@@ -71,6 +68,7 @@ from .span import (
     arrayrecord,
     check_segment_reply,
 )
+from .span_evaluation import evaluate_messages, query_config
 from .tile_boards import (
     Board,
     colocated,
@@ -426,21 +424,8 @@ class TiledTraining(SpanJobStrategy):
         plan = self.segment.plans.get(reply.node_id)
         if plan is None:
             raise ReplyRejected(f"node {reply.node_id} is not a member of the segment")
-        if not reply.ok:
-            return
-        for key in (keys.TILES_COMPUTE_S, keys.TILES_MACS):
-            value = reply.metrics.get(key)
-            if not isinstance(value, int | float) or value < 0:
-                raise ReplyRejected(f"metric {key!r} missing or negative: {value!r}")
-        if plan.rank != 0:
-            return
-        if keys.TRAIN_LOSS not in reply.metrics:
-            raise ReplyRejected(f"rank 0's reply has no {keys.TRAIN_LOSS!r}")
-        try:
-            self.check_arrays(reply.arrays, "rank 0's reply arrays")
-        except ValueError as err:
-            raise ReplyRejected(str(err)) from None
-        self.tile_model.check_optimizer(reply.optimizer)
+        if reply.ok:
+            self.tile_model.check_reply(reply, plan.rank)
 
     def aggregate_segment(
         self, server_round: int, outcome: SegmentOutcome
@@ -528,19 +513,10 @@ class TiledTraining(SpanJobStrategy):
             return []
         query = dict(self.profile_query())
         query.update({"dataset": self.dataset, "eval-samples": self.eval_samples})
-        record = ConfigRecord(dict(config))
-        record[keys.SPAN_QUERY] = json.dumps(query)
+        record = query_config(config, query)
         head = self.rank_order(self.boards)[0].node_id
-        return [
-            Message(
-                RecordDict(
-                    {self.configrecord_key: record, self.arrayrecord_key: arrays}
-                ),
-                dst_node_id=head,
-                message_type=MessageType.EVALUATE,
-                ttl=ttl,
-            )
-        ]
+        records = {self.configrecord_key: record, self.arrayrecord_key: arrays}
+        return evaluate_messages(records, [head], ttl)
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
