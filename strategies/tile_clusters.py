@@ -41,6 +41,17 @@ from flwr.supercore import log
 from .tiled import TiledTraining
 
 
+def numbered(clusters: Sequence[Sequence[int]]) -> dict[int, list[int]]:
+    """Each cluster's node ids under its node id ``k + 1``; ValueError unless the
+    clusters are non-empty and disjoint."""
+    flat = [n for nodes in clusters for n in nodes]
+    if len(flat) != len(set(flat)) or any(not nodes for nodes in clusters):
+        raise ValueError(
+            f"clusters {list(map(list, clusters))} must be non-empty and disjoint"
+        )
+    return {k + 1: list(nodes) for k, nodes in enumerate(clusters)}
+
+
 class _Locked(GridWrapper):
     """One cluster's view of the shared grid: its nodes only, calls serialised."""
 
@@ -91,19 +102,11 @@ class TileClusters(GridWrapper):
         attempts: int = 3,
     ) -> None:
         super().__init__(grid)
-        flat = [n for nodes in clusters for n in nodes]
-        if len(flat) != len(set(flat)) or any(not nodes for nodes in clusters):
-            raise ValueError(
-                f"clusters {list(map(list, clusters))} must be non-empty and disjoint"
-            )
+        self.clusters = numbered(clusters)
         lock = threading.Lock()
-        self.clusters = {k + 1: list(nodes) for k, nodes in enumerate(clusters)}
-        self.views = {
-            k: _Locked(grid, nodes, lock) for k, nodes in self.clusters.items()
-        }
+        self.views = {k: _Locked(grid, n, lock) for k, n in self.clusters.items()}
         self.strategies = {k: make_strategy(k - 1) for k in self.clusters}
-        self.timeout = timeout
-        self.attempts = attempts
+        self.timeout, self.attempts = timeout, attempts
         self._ids = itertools.count()
         self._done: dict[str, Message] = {}
         self._done_lock = threading.Lock()
