@@ -47,6 +47,7 @@ from flowerbed.strategies.cluster_selection import (
     select,
 )
 from flowerbed.strategies.runtime_weighted import RuntimeWeightedFedAvg
+from flowerbed.strategies.wrappers import DifferentialPrivacyServerSideFixedClipping
 from flwr.app import Context, Message
 from flwr.serverapp.strategy import FedAvg
 
@@ -310,6 +311,18 @@ def test_a_flowerbed_strategy_runs_the_selection_as_its_run_scope(
     )
     assert scopes == [strategy] and wrapped.run_scope is None
     assert SELECTION_SIZE in result.train_metrics_clientapp[2]
+    # Inside flowerbed's differential-privacy wrapper, the wrapped loop runs it.
+    inner = Watched(fraction_evaluate=0.0)
+    ClusterSelection(
+        strategy=DifferentialPrivacyServerSideFixedClipping(
+            inner, noise_multiplier=0.0, clipping_norm=1e6, num_sampled_clients=2
+        )
+    ).start(
+        grid=build_fleet_grid(RUN, DEVICES),
+        initial_arrays=ArrayRecord(build_model("lenet", 1, 8, 10).state_dict()),
+        num_rounds=1,
+    )
+    assert len(scopes) == 2 and inner.run_scope is None
     lines = [r.getMessage() for r in caplog.records]
     assert not any("not a flowerbed round loop" in m for m in lines)
     # Flower's own FedAvg runs its own start(), and the log says so.

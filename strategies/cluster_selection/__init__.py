@@ -9,7 +9,7 @@ Heterogeneous Computing Platforms", 2019. Four ideas, one module each:
   that choice is;
 - :mod:`.refine`: refinement (rehearse the nodes the choice hinges on) and racing
   (train some rounds on rivals);
-- :mod:`.strategy`: the Flower strategy, with :mod:`.options` (its option
+- :mod:`.strategy`: the Flower strategy, with :mod:`.selection_options` (its option
   objects), :mod:`.profiling` (the profiling phase on a Grid), :mod:`.observe`
   (reading replies) and :mod:`.selector` (the chosen configuration during
   training).
@@ -37,7 +37,6 @@ from .model import (
     pool_variances,
 )
 from .observe import observation_of, timed_exchange
-from .options import Certainty, Profiling, SelectionGoal, Tracking
 from .profiling import Profiler
 from .refine import (
     DEFAULT_INDIFFERENCE,
@@ -63,6 +62,7 @@ from .search import (
     search_masks,
     select,
 )
+from .selection_options import Certainty, Profiling, SelectionGoal, Tracking
 from .selector import (
     SELECTION_ESTIMATED_S,
     SELECTION_MEASURED_S,

@@ -27,7 +27,6 @@ from .model import (
     pool_variances,
 )
 from .observe import observation_of, timed_exchange
-from .options import Certainty, Profiling, SelectionGoal
 from .refine import (
     expected_round_trip,
     informative_nodes,
@@ -36,6 +35,7 @@ from .refine import (
     settled_confidence,
 )
 from .search import search_masks
+from .selection_options import Certainty, Profiling, SelectionGoal
 
 
 class Profiler:

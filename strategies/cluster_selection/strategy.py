@@ -18,10 +18,11 @@ from flwr.supercore import log
 from ..fedbuff import FedBuff
 from ..options import copy_fields, refuse_unknown, take_options
 from ..rounds import RoundLoop
+from ..wrappers import _RunsTheWrappedLoop, wrapped_loop
 from .model import Estimate, NodeModel, Observation, Workload
-from .options import Certainty, Profiling, SelectionGoal, Tracking
 from .profiling import Profiler
 from .search import Confidence
+from .selection_options import Certainty, Profiling, SelectionGoal, Tracking
 from .selector import (
     SELECTION_ESTIMATED_S,
     SELECTION_MEASURED_S,
@@ -34,6 +35,17 @@ from .selector import (
 
 FEDAVG_PARAMETERS = tuple(inspect.signature(FedAvg).parameters)
 """Flower ``FedAvg``'s arguments, which build the wrapped strategy by default."""
+
+
+def round_loop_of(strategy: Strategy) -> RoundLoop | None:
+    """The flowerbed round loop whose ``start()`` runs ``strategy``'s rounds:
+    the strategy itself, the one inside a flowerbed differential-privacy wrapper
+    (:mod:`flowerbed.strategies.wrappers`), or None (Flower's own loop runs)."""
+    if isinstance(strategy, RoundLoop):
+        return strategy
+    if isinstance(strategy, _RunsTheWrappedLoop):
+        return wrapped_loop(strategy)
+    return None
 
 
 class ClusterSelection(Strategy):
@@ -321,14 +333,15 @@ class ClusterSelection(Strategy):
     ) -> Result:
         """The wrapped strategy's start with this selection around the run.
 
-        A flowerbed round loop (:class:`~flowerbed.strategies.rounds.RoundLoop`)
-        opens this selection as its ``run_scope``; any other strategy's own
+        A flowerbed round loop (:class:`~flowerbed.strategies.rounds.RoundLoop`,
+        also inside a flowerbed wrapper, :func:`round_loop_of`) opens this
+        selection as its ``run_scope``; any other strategy's own
         ``start()`` runs the rounds on the selected grid, between :meth:`open`
         and :meth:`close`, and the log says so.
         """
         train_config = ConfigRecord() if train_config is None else train_config
         inner = self.strategy
-        looped = inner if isinstance(inner, RoundLoop) else None
+        looped = round_loop_of(inner)
         if looped is not None:
             looped.run_scope = self
         else:
