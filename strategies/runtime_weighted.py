@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any, ClassVar, Self
 
 from flowerbed import keys
-from flowerbed.clock import clock_of
 from flowerbed.replies import (
     MAX_STEPS,
     ReplyRejected,
@@ -26,7 +25,7 @@ from flowerbed.strategies.checkpoints import (
     samples_per_second,
 )
 from flowerbed.strategies.inflight import Ticket
-from flowerbed.strategies.sampling import Quarantine, round_rng, sample_nodes
+from flowerbed.strategies.sampling import Quarantine
 from flwr.app import (
     ArrayRecord,
     ConfigRecord,
@@ -38,6 +37,13 @@ from flwr.app import (
 from flwr.serverapp import Grid
 from flwr.supercore import log
 
+from .dispatch import (
+    base_steps,
+    node_messages,
+    sample_free,
+    sample_size,
+    steps_to_send,
+)
 from .influence_bound import InfluenceBound
 from .options import (
     Robustness,
@@ -250,12 +256,6 @@ class RuntimeWeightedFedAvg(RoundLoop):
         super().summary()
 
     # ----------------------------------------------------------------- messages
-    def _base_steps(self, config: ConfigRecord) -> int | None:
-        if self.local_steps is not None:
-            return self.local_steps
-        steps = config.get(keys.LOCAL_STEPS)
-        return steps if isinstance(steps, int) and not isinstance(steps, bool) else None
-
     def assign_steps(self, node_ids: list[int], base: int) -> dict[int, int]:
         """Work balancing: ``L * s_i / mean(s)`` steps for known nodes, ``L`` else
         (:func:`~.reply_weights.balanced_steps`)."""
@@ -280,49 +280,35 @@ class RuntimeWeightedFedAvg(RoundLoop):
         server_round: int,
         steps: dict[int, int] | None = None,
     ) -> list[Message]:
-        messages = []
-        for node in node_ids:
-            node_config = ConfigRecord(dict(config))
-            node_config[keys.SERVER_ROUND] = server_round
-            if steps is not None:
-                node_config[keys.LOCAL_STEPS] = steps[node]
-            if message_type == MessageType.TRAIN:
-                node_config = self._node_config(node, node_config)
-            content = RecordDict(
-                {self.arrayrecord_key: arrays, self.configrecord_key: node_config}
-            )
-            messages.append(
-                Message(
-                    content,
-                    dst_node_id=node,
-                    message_type=message_type,
-                    ttl=self._message_ttl(),
-                    group_id=str(server_round),
-                )
-            )
-        return messages
+        """One message per node (:func:`~.dispatch.node_messages`)."""
+        content = (self.arrayrecord_key, arrays, self.configrecord_key, config)
+        return node_messages(
+            node_ids,
+            content,
+            message_type,
+            server_round,
+            steps,
+            self._node_config,
+            self._message_ttl,
+        )
 
     def _sample(
         self, grid: Grid, server_round: int, count: int, purpose: str
     ) -> list[int]:
-        clock = clock_of(grid)
-        busy = (
-            self._inflight.busy_nodes(MessageType.TRAIN)
-            if self._inflight is not None and purpose == "train"
-            else set()
-        )
-        benched = {
-            n
-            for n in grid.get_node_ids()
-            if self.quarantine.is_quarantined(n, server_round)
-        }
-        return sample_nodes(
+        """Nodes neither quarantined nor (for training) busy
+        (:func:`~.dispatch.sample_free`)."""
+        inflight = self._inflight
+        return sample_free(
             grid,
-            clock,
-            count=count,
+            server_round,
+            count,
+            quarantine=self.quarantine,
+            busy=inflight.busy_nodes(MessageType.TRAIN)
+            if inflight is not None and purpose == "train"
+            else set(),
+            seed=self.seed,
+            draw=self._draw_name(purpose),
             min_available=self.min_available_nodes,
-            exclude=benched | busy,
-            rng=round_rng(self.seed, server_round, self._draw_name(purpose)),
             timeout=self._timeout,
         )
 
@@ -331,10 +317,8 @@ class RuntimeWeightedFedAvg(RoundLoop):
         return purpose
 
     def _sample_size(self, grid: Grid, fraction: float, minimum: int) -> int:
-        """FedAvg's sample size: ``max(int(connected * fraction), minimum)``."""
-        if fraction == 0.0:
-            return 0
-        return max(int(len(list(grid.get_node_ids())) * fraction), minimum)
+        """FedAvg's sample size (:func:`~.dispatch.sample_size`)."""
+        return sample_size(grid, fraction, minimum)
 
     def _sampling_log_level(self) -> int:
         return INFO
@@ -371,17 +355,8 @@ class RuntimeWeightedFedAvg(RoundLoop):
             len(list(grid.get_node_ids())),
         )
         self._set_global(arrays)
-        base = self._base_steps(config)
-        steps: dict[int, int] | None = None
-        if self.balance_work:
-            if base is None:
-                raise ValueError(
-                    "balance_work needs a base amount of work: pass local_steps=... "
-                    f"or put {keys.LOCAL_STEPS!r} in train_config"
-                )
-            steps = self.assign_steps(node_ids, base)
-        elif base is not None:
-            steps = dict.fromkeys(node_ids, base)
+        base = base_steps(self.local_steps, config)
+        steps = steps_to_send(node_ids, base, self.balance_work, self.assign_steps)
         return self._messages(
             node_ids, arrays, config, MessageType.TRAIN, server_round, steps
         )
