@@ -190,6 +190,10 @@ def sync(quick: bool) -> dict[str, Any]:
     )
     from flowerbed.sims.span_sim import simulate
     from flowerbed.strategies import LargeBatchSync
+    from flowerbed.strategies.large_batch_options import (
+        AllReduceRecipe,
+        MemberProfiling,
+    )
 
     factor, grad_bytes = charged_costs(SYNC_MODEL)
     per_sample = get_device(DEVICE).seconds_per_sample * factor
@@ -206,11 +210,12 @@ def sync(quick: bool) -> dict[str, Any]:
                 dataset="mnist1d",
                 batch_size=batch,
                 steps_per_round=1 if quick else SYNC_STEPS,
-                optimizer="lamb",
-                base_lr=0.01,
-                base_batch=batch,
-                profile_batch=1,
-                profile_repeats=1,
+                recipe=AllReduceRecipe(
+                    optimizer="lamb",
+                    base_lr=0.01,
+                    base_batch=batch,
+                ),
+                profiling=MemberProfiling(profile_batch=1, profile_repeats=1),
             )
             run = simulate(
                 strategy,

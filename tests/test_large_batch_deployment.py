@@ -35,6 +35,7 @@ import json
 
 from flowerbed.models import build_sequential
 from flowerbed.strategies import LargeBatchSync
+from flowerbed.strategies.large_batch_options import AllReduceRecipe
 from flwr.app import ArrayRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
@@ -54,15 +55,17 @@ def main(grid: Grid, context: Context) -> None:
         dataset="digits",
         batch_size=16,
         steps_per_round=int(cfg["steps"]),
-        optimizer="lars",
-        base_lr=0.5,
-        base_batch=16,
-        trust=0.02,
         rendezvous_port=int(cfg["port"]),
         rendezvous_ports=5,
         join_timeout_s=45.0,
         timeout_s=20.0,
         reply_margin_s=10.0,
+        recipe=AllReduceRecipe(
+            optimizer="lars",
+            base_lr=0.5,
+            base_batch=16,
+            trust=0.02,
+        ),
     )
     model = build_sequential("deep-mlp", ARGS, seed=0)
     arrays = ArrayRecord(model.state_dict())

@@ -13,6 +13,7 @@ from flowerbed.parallel.plan import MemberPlan, PlanError
 from flowerbed.sims.links import SwitchedEthernet, WifiMedium
 from flowerbed.sims.span_sim import SegmentRunner, node_config, simulate, span_grid
 from flowerbed.strategies import LargeBatchSync
+from flowerbed.strategies.large_batch_options import AllReduceRecipe, MemberProfiling
 from flwr.app import Array
 from test_large_batch_ddp import SHARES, initial, one_large_batch, plan_of
 
@@ -40,9 +41,7 @@ def strategy(**changes: object) -> LargeBatchSync:
         "dataset": "digits",
         "batch_size": 24,
         "steps_per_round": 3,
-        "optimizer": "sgd",
-        "base_lr": 0.05,
-        "base_batch": 24,
+        "recipe": AllReduceRecipe(optimizer="sgd", base_lr=0.05, base_batch=24),
         "fraction_evaluate": 0.0,
     }
     settings.update(changes)
@@ -202,10 +201,9 @@ def test_a_charged_architecture_sets_compute_and_gradient_bytes() -> None:
     (3 x 8 samples at 3.4 s would exceed the 60 s query timeout): one sample."""
     s = strategy(
         batch_size=4,
-        base_batch=4,
+        recipe=AllReduceRecipe(optimizer="sgd", base_lr=0.05, base_batch=4),
         steps_per_round=1,
-        profile_batch=1,
-        profile_repeats=1,
+        profiling=MemberProfiling(profile_batch=1, profile_repeats=1),
     )
     run = simulate(s, [1.0, 1.0], 1, charge_as="mobilenet-v1")
     metrics = run.result.train_metrics_clientapp[1]

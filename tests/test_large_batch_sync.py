@@ -12,6 +12,7 @@ import logging
 import re
 import threading
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ from flowerbed.models import build_sequential
 from flowerbed.parallel.group import free_port
 from flowerbed.sims.process_grid import ProcessGrid
 from flowerbed.strategies import LargeBatchSync
+from flowerbed.strategies.large_batch_options import AllReduceRecipe, MemberProfiling
 from flwr.app import ArrayRecord
 
 HOST = "127.0.0.1"
@@ -27,6 +29,7 @@ MODEL_ARGS = {"hidden": 16, "depth": 3}
 # ~10 kFLOP with backward; a step of batch 16 split 2:1:1 is then ~0.8 s of
 # emulated compute (a floor: emulation sleeps when the host is faster)
 GFLOPS = [1e-4, 5e-5, 5e-5]
+RECIPE = AllReduceRecipe(optimizer="lars", base_lr=0.5, base_batch=16, trust=0.02)
 
 
 def strategy(**changes: object) -> LargeBatchSync:
@@ -39,16 +42,13 @@ def strategy(**changes: object) -> LargeBatchSync:
         "dataset": "digits",
         "batch_size": 16,
         "steps_per_round": 6,
-        "optimizer": "lars",
-        "base_lr": 0.5,
-        "base_batch": 16,
-        "trust": 0.02,
+        "recipe": RECIPE,
         "rendezvous_port": free_port(),
         "rendezvous_ports": 7,
         "join_timeout_s": 20.0,
         "timeout_s": 10.0,
         "reply_margin_s": 3.0,
-        "query_timeout_s": 60.0,
+        "profiling": MemberProfiling(query_timeout_s=60.0),
     }
     options.update(changes)
     return LargeBatchSync(**options)
@@ -70,7 +70,7 @@ def test_plans_share_the_batch_by_measured_speed() -> None:
     s.lost.add(1)
     assert s.choose_cohort() == [2, 3]
     # a batch of 2 takes the two fastest live boards, one sample each
-    small = strategy(batch_size=2, base_batch=2)
+    small = strategy(batch_size=2, recipe=replace(RECIPE, base_batch=2))
     small.speeds = {1: 50.0, 2: 300.0, 3: 100.0}
     small.addresses = s.addresses
     plans = small.plans(small.choose_cohort(), 6)
@@ -88,8 +88,20 @@ def test_plans_share_the_batch_by_measured_speed() -> None:
     ],
 )
 def test_bad_settings_are_named(changes: dict, message: str) -> None:
+    recipe = {k: changes.pop(k) for k in list(changes) if k in RECIPE.__dict__}
     with pytest.raises(ValueError, match=message):
-        strategy(**changes)
+        strategy(recipe=replace(RECIPE, **recipe), **changes)
+
+
+def test_the_flat_keywords_of_a_release_ago_still_work_and_warn() -> None:
+    with pytest.warns(DeprecationWarning, match=r"recipe=AllReduceRecipe\("):
+        old = LargeBatchSync(optimizer="lars", base_lr=0.5, base_batch=16, trust=0.02)
+    assert old.recipe == RECIPE and old.schedule == RECIPE.schedule(256)
+    with pytest.warns(DeprecationWarning, match=r"profiling=MemberProfiling\("):
+        old = LargeBatchSync(profile_batch=4, speed_smoothing=0.25)
+    assert old.profiling == MemberProfiling(profile_batch=4, speed_smoothing=0.25)
+    with pytest.raises(TypeError, match="put them in the AllReduceRecipe"):
+        LargeBatchSync(recipe=RECIPE, base_lr=0.1)
 
 
 def test_initial_arrays_of_another_model_are_refused_before_anything_runs() -> None:

@@ -18,6 +18,7 @@ from flowerbed.parallel import build_layers, single_device
 from flowerbed.parallel.user_code import build_module
 from flowerbed.strategies import LargeBatchSync, PipelineTraining
 from flowerbed.strategies.checkpoints import CheckpointError
+from flowerbed.strategies.large_batch_options import AllReduceRecipe
 from flowerbed.strategies.span_checkpoint import SpanCheckpoint
 from flwr.app import ArrayRecord
 from flwr.serverapp.strategy import Result
@@ -64,10 +65,9 @@ def test_large_batch_sync_resumes_after_its_last_round_exactly(tmp_path: Path) -
             model="span_user_code:two_branch",
             batch_size=24,
             steps_per_round=3,
-            base_lr=0.01,
-            base_batch=24,
             checkpoint_path=path,
             **_span_settings(),
+            recipe=AllReduceRecipe(base_lr=0.01, base_batch=24),
         )
 
     model = build_module("span_user_code:two_branch", seed=0)

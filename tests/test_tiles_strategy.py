@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Iterator
+from dataclasses import fields
 from typing import Any
 
 import numpy as np
@@ -35,6 +36,7 @@ from flowerbed.strategies import TiledTraining
 from flowerbed.strategies.accumulation import to_arrayrecord, to_numpy
 from flowerbed.strategies.span import SpanMember
 from flowerbed.strategies.tile_clusters import TileClusters
+from flowerbed.strategies.tile_options import TileLinks, TilePlanning
 from flowerbed.strategies.tiled import Board, colocated, subnet_of
 from flwr.app import ArrayRecord
 from flwr.serverapp.strategy import FedAvg
@@ -68,7 +70,12 @@ def grid() -> Iterator[ProcessGrid]:
 
 
 def tiled(cls: type[TiledTraining] = TiledTraining, **changes: Any) -> Any:
+    """The test's strategy; a change named like a field of TilePlanning goes
+    into its ``planning``."""
+    names = {f.name for f in fields(TilePlanning)}
+    planning = {k: changes.pop(k) for k in list(changes) if k in names}
     settings: dict[str, Any] = {
+        "planning": TilePlanning(**planning),
         "model": MODEL,
         "model_args": CASE,
         "input_shape": SHAPE,
@@ -231,6 +238,19 @@ def test_bad_plans_are_clear_errors() -> None:
         tiled(input_shape=(48, 48))
     with pytest.raises(ValueError, match="batch_size must be an integer >= 1"):
         tiled(batch_size=0)
+    with pytest.raises(ValueError, match="link_mbps must be > 0"):
+        tiled(links=TileLinks(link_mbps=0.0))
+
+
+def test_the_flat_keywords_of_a_release_ago_still_work_and_warn() -> None:
+    with pytest.warns(DeprecationWarning, match=r"planning=TilePlanning\("):
+        old = TiledTraining(model=MODEL, model_args=CASE, max_devices=3, bands=1)
+    assert old.planning == TilePlanning(max_devices=3, bands=1)
+    with pytest.warns(DeprecationWarning, match=r"links=TileLinks\("):
+        old = TiledTraining(model=MODEL, model_args=CASE, emulate_link=True)
+    assert old.links == TileLinks(emulate_link=True)
+    with pytest.raises(TypeError, match="put them in the TileLinks"):
+        TiledTraining(links=TileLinks(), link_mbps=10.0)
 
 
 def test_co_located_boards_share_a_subnet() -> None:

@@ -22,6 +22,8 @@ from flowerbed.parallel import (
 from flowerbed.parallel.large_batch.allreduce import run_group
 from flowerbed.parallel.member import MemberContext, load_module_state, module_state
 from flowerbed.strategies import LargeBatchSync, PipelineTraining, TiledTraining
+from flowerbed.strategies.large_batch_options import AllReduceRecipe
+from flowerbed.strategies.tile_options import TilePlanning
 from torch import nn
 
 LOSS = "span_user_code:smooth_loss"
@@ -202,10 +204,9 @@ def test_large_batch_in_process_with_a_user_model_loss_and_adam_equals_one_devic
         model="span_user_code:two_branch",
         batch_size=24,
         steps_per_round=3,
-        base_lr=0.01,
-        base_batch=24,
         training=Training(LOSS, ADAM, {"eps": 1e-6}),
         fraction_evaluate=0.0,
+        recipe=AllReduceRecipe(base_lr=0.01, base_batch=24),
     )
     strategy.speeds = {1: 10.0, 2: 20.0}
     strategy.addresses = {1: "127.0.0.1", 2: "127.0.0.1"}
@@ -253,11 +254,13 @@ def test_the_reference_of_the_default_large_batch_recipe_matches_the_group(
         model_args={"hidden": 16, "depth": 2},
         batch_size=24,
         steps_per_round=2,
-        optimizer=optimizer,
-        base_lr=0.05,
-        base_batch=8,
-        warmup_steps=3,
         fraction_evaluate=0.0,
+        recipe=AllReduceRecipe(
+            optimizer=optimizer,
+            base_lr=0.05,
+            base_batch=8,
+            warmup_steps=3,
+        ),
     )
     strategy.speeds = {1: 10.0, 2: 20.0}
     strategy.addresses = {1: "127.0.0.1", 2: "127.0.0.1"}
@@ -281,6 +284,8 @@ def test_the_reference_of_the_default_large_batch_recipe_matches_the_group(
 
 
 def test_a_frozen_norm_tile_job_has_no_reference_before_its_front_is_planned() -> None:
-    strategy = TiledTraining(model="vgg", input_shape=(1, 32, 32), norm="frozen")
+    strategy = TiledTraining(
+        model="vgg", input_shape=(1, 32, 32), planning=TilePlanning(norm="frozen")
+    )
     with pytest.raises(ValueError, match="after start"):
         strategy.reference_job()

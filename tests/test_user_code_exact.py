@@ -25,6 +25,7 @@ from flowerbed.parallel.plan import LayerSource, MemberPlan
 from flowerbed.parallel.tiles import runner
 from flowerbed.parallel.user_code import build_module
 from flowerbed.strategies import LargeBatchSync
+from flowerbed.strategies.large_batch_options import AllReduceRecipe
 from ranks import run_ranks
 from test_tiles_exact import plan_of, settings
 
@@ -142,12 +143,11 @@ def test_large_batch_ddp_of_any_module_with_a_user_loss_and_adam_is_exact() -> N
         model="span_user_code:two_branch",
         batch_size=24,
         steps_per_round=3,
-        base_lr=0.01,
-        base_batch=24,
         training=TRAINING,
         rendezvous_port=free_port(),
         rendezvous_ports=1,
         fraction_evaluate=0.0,
+        recipe=AllReduceRecipe(base_lr=0.01, base_batch=24),
     )
     strategy.speeds, strategy.addresses = {1: 10.0, 2: 25.0}, {1: HOST, 2: HOST}
     initial = {
@@ -254,9 +254,8 @@ def test_large_batch_sync_on_span_clientapps_trains_any_module_with_user_code() 
         model="span_user_code:two_branch",
         batch_size=24,
         steps_per_round=3,
-        base_lr=0.01,
-        base_batch=24,
         **_span_settings(),
+        recipe=AllReduceRecipe(base_lr=0.01, base_batch=24),
     )
     initial = ArrayRecord(build_module(strategy.model, seed=0).state_dict())
     with _grid(2) as grid:
