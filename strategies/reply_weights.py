@@ -198,3 +198,9 @@ def balanced_steps(
         else:
             steps[node] = base
     return steps
+
+
+def smooth(speeds: dict[int, float], node: int, speed: float, a: float) -> None:
+    """``s <- a s_new + (1 - a) s`` for ``node`` (its first ``speed`` as it is)."""
+    old = speeds.get(node)
+    speeds[node] = speed if old is None else a * speed + (1 - a) * old

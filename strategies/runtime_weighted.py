@@ -9,20 +9,12 @@ from typing import Any, ClassVar, Self
 
 from flowerbed import keys
 from flowerbed.replies import (
-    MAX_STEPS,
     ReplyRejected,
     check_evaluate_reply,
 )
 from flowerbed.strategies.accumulation import (
     MetricsAccumulator,
     to_arrayrecord,
-)
-from flowerbed.strategies.checkpoints import (
-    NORMS,
-    STEPS_PER_SECOND,
-    Bounds,
-    StateReader,
-    samples_per_second,
 )
 from flowerbed.strategies.inflight import Ticket
 from flowerbed.strategies.sampling import Quarantine
@@ -45,6 +37,7 @@ from .dispatch import (
     steps_to_send,
 )
 from .influence_bound import InfluenceBound
+from .learnt_state import LearntState
 from .options import (
     Robustness,
     WorkBalance,
@@ -54,13 +47,13 @@ from .options import (
     refuse_unknown,
 )
 from .rejections import RejectionLog
-from .reply_weights import ReplyWeights, balanced_steps
+from .reply_weights import ReplyWeights, balanced_steps, smooth
 from .robust import (
     Reference,
 )
 from .rounds import MIN_MESSAGE_TTL_S, RoundLoop
 from .train_fold import FOLD_GROUP as FOLD_GROUP  # its import path before train_fold
-from .train_fold import FoldGroup, ReplyFolder, TrainFold
+from .train_fold import ReplyFolder, TrainFold
 
 
 class RuntimeWeightedFedAvg(RoundLoop):
@@ -407,11 +400,8 @@ class RuntimeWeightedFedAvg(RoundLoop):
     ) -> None:
         """Smooth the reply's steps per second into ``speeds[node_id]``."""
         speed = self.reply_weights.speed(metrics, ticket, arrived)
-        if speed is None:
-            return
-        old = self.speeds.get(node_id)
-        a = self.speed_smoothing
-        self.speeds[node_id] = speed if old is None else a * speed + (1 - a) * old
+        if speed is not None:
+            smooth(self.speeds, node_id, speed, self.speed_smoothing)
 
     def fold_train_reply(
         self, reply: Message, server_round: int, fold: TrainFold
@@ -460,12 +450,7 @@ class RuntimeWeightedFedAvg(RoundLoop):
             ),
         )
         if type(self).fold_train_reply is RuntimeWeightedFedAvg.fold_train_reply:
-            group = FoldGroup(self.folder, server_round, fold)
-            for reply in replies:
-                item = self.folder.stage(reply, server_round, fold)
-                if item is not None:
-                    group.add(item)
-            group.fold()
+            self.folder.fold_all(replies, server_round, fold)
         else:  # a subclass's own fold_train_reply: one reply at a time
             for reply in replies:
                 self.fold_train_reply(reply, server_round, fold)
@@ -480,25 +465,16 @@ class RuntimeWeightedFedAvg(RoundLoop):
                 log(WARNING, "round %d: no usable train replies", server_round)
             return None, None
         self.influence_bound.say_bounded(server_round, fold.updates)
-        absolute = fold.zeros is not None
-        if absolute and (
-            self.weighting == "fednova" or self._server_step_size() != 1.0
-        ):
-            self.reply_weights.fallback_once(
-                "absolute",
-                "aggregate_train without a global model: averaging the replies' "
-                "arrays as FedAvg does (step normalisation and the server "
-                "learning rate need the model the nodes trained from)",
-            )
-        new = fold.updates.result(
-            fold.zeros if fold.zeros is not None else self._global_np,
-            normalise_steps=self.weighting == "fednova" and not absolute,
-            step_size=1.0 if absolute else self._server_step_size(),
+        new = fold.model(
+            self._global_np,
+            fednova=self.weighting == "fednova",
+            step_size=self._server_step_size(),
+            warn=self.reply_weights.fallback_once,
         )
         self.influence_bound.cap_metrics(fold.metrics, self.recent_weights)
         record = to_arrayrecord(new)  # a copy: ``new`` is free from here on
-        current = fold.zeros if fold.zeros is not None else self._global_np
-        self.influence_bound.memory.keep(new, current, fold.updates)
+        base = fold.base(self._global_np)
+        self.influence_bound.memory.keep(new, base, fold.updates)
         return record, fold.metrics.result(self.train_metrics_aggr_fn)
 
     def aggregate_evaluate(
@@ -536,40 +512,24 @@ class RuntimeWeightedFedAvg(RoundLoop):
 
     # ---------------------------------------------------------------- checkpoint
     def state(self) -> dict[str, Any]:
-        """JSON-able strategy state (what a checkpoint holds besides arrays)."""
-        return {
-            "speeds": {str(k): v for k, v in self.speeds.items()},
-            "quarantine": self.quarantine.state(),
-            "influence": {
-                "weights": list(self.recent_weights.values),
-                "norms": list(self.recent_norms.values),
-                "steps": list(self.reply_weights.recent_steps.values),
-            },
-        }
+        """JSON-able strategy state (what a checkpoint holds besides arrays:
+        :class:`~.learnt_state.LearntState`)."""
+        learnt = LearntState(
+            self.speeds,
+            self.quarantine,
+            self.recent_weights,
+            self.recent_norms,
+            self.reply_weights.recent_steps,
+        )
+        return learnt.state()
 
     def load_state(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state` returned; a field out of range raises one
         CheckpointError naming it, and nothing is loaded
-        (:class:`~.checkpoints.StateReader`)."""
-        saved = StateReader.of(state)
-        speeds = saved.by_node("speeds", STEPS_PER_SECOND)
-        quarantine = Quarantine(self.quarantine.after, self.quarantine.rounds)
-        quarantine.load_state(saved.section("quarantine"))
-        influence = saved.section("influence")
-        weights = influence.numbers(
-            "weights", samples_per_second(self.max_num_examples)
-        )
-        norms = influence.numbers("norms", NORMS)
-        steps = (
-            influence.numbers("steps", Bounds(0.0, MAX_STEPS))
-            if "steps" in influence
-            else []  # a checkpoint from before the steps bound
-        )
-        self.speeds = speeds
-        self.quarantine.failures, self.quarantine.until = (
-            quarantine.failures,
-            quarantine.until,
-        )
-        self.recent_weights = Reference(weights)
-        self.recent_norms = Reference(norms)
-        self.reply_weights.recent_steps = Reference(steps)
+        (:meth:`~.learnt_state.LearntState.read`)."""
+        saved = LearntState.read(state, self.quarantine, self.max_num_examples)
+        self.speeds = saved.speeds
+        self.quarantine.failures = saved.quarantine.failures
+        self.quarantine.until = saved.quarantine.until
+        self.recent_weights, self.recent_norms = saved.weights, saved.norms
+        self.reply_weights.recent_steps = saved.steps

@@ -11,7 +11,7 @@ the node's fault).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from logging import WARNING
 from typing import Protocol
@@ -60,6 +60,36 @@ class TrainFold:
             self.reference = spec_of(arrays)
             self.zeros = {k: np.zeros(v.shape, v.dtype) for k, v in arrays.items()}
         return self.zeros
+
+    def base(self, global_np: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """What the updates were taken against: the global model ``global_np``,
+        or zeros when the replies are averaged as they are."""
+        return self.zeros if self.zeros is not None else global_np
+
+    def model(
+        self,
+        global_np: dict[str, np.ndarray],
+        *,
+        fednova: bool,
+        step_size: float,
+        warn: Callable[[str, str], None],
+    ) -> dict[str, np.ndarray]:
+        """The new model from the sums, steps normalised with ``fednova`` and the
+        step scaled by ``step_size``; replies averaged as they are (no global
+        model) take neither, which ``warn`` says once."""
+        absolute = self.zeros is not None
+        if absolute and (fednova or step_size != 1.0):
+            warn(
+                "absolute",
+                "aggregate_train without a global model: averaging the replies' "
+                "arrays as FedAvg does (step normalisation and the server "
+                "learning rate need the model the nodes trained from)",
+            )
+        return self.updates.result(
+            self.base(global_np),
+            normalise_steps=fednova and not absolute,
+            step_size=1.0 if absolute else step_size,
+        )
 
 
 @dataclass
@@ -159,6 +189,17 @@ class ReplyFolder:
             self.reject_unusable(reply, server_round, node, err, arrival)
             return None
         return Staged(reply, node, arrival, metrics, n, update)
+
+    def fold_all(
+        self, replies: Iterable[Message], server_round: int, fold: TrainFold
+    ) -> None:
+        """Stage each reply as it comes; fold them :data:`FOLD_GROUP` at a time."""
+        group = FoldGroup(self, server_round, fold)
+        for reply in replies:
+            item = self.stage(reply, server_round, fold)
+            if item is not None:
+                group.add(item)
+        group.fold()
 
     def fold(
         self, group: list[Staged], server_round: int, fold: TrainFold
