@@ -125,6 +125,14 @@ class WorkBalance:
             "WorkBalance",
         )
 
+    def summary_lines(self) -> list[str]:
+        """This work balance in a strategy's summary (its configuration log)."""
+        return [
+            f"\t│\t├── Weighting: {self.weighting}",
+            f"\t│\t├── Work balancing: {self.balance_work} (base local steps "
+            f"{self.local_steps}, smoothing {self.speed_smoothing:.2f})",
+        ]
+
 
 @dataclass(frozen=True)
 class Robustness:
@@ -166,6 +174,16 @@ class Robustness:
     quarantine_after: int = DEFAULT_QUARANTINE_AFTER
     quarantine_rounds: int = DEFAULT_QUARANTINE_ROUNDS
     pull_bound: bool = False
+
+    def summary_lines(self) -> list[str]:
+        """These settings in a strategy's summary (its configuration log)."""
+        return [
+            f"\t│\t├── Quarantine: after {int(self.quarantine_after)} rejected "
+            f"replies, for {int(self.quarantine_rounds)} rounds",
+            f"\t│\t├── Influence bound: {self.aggregation} aggregation, weight cap "
+            f"{self.weight_cap}, clip factor {self.clip_factor}, num-examples "
+            f"ceiling {self.max_num_examples:g}",
+        ]
 
     @classmethod
     def hardened(cls) -> Robustness:

@@ -222,29 +222,8 @@ class RuntimeWeightedFedAvg(RoundLoop):
     def summary(self) -> None:
         """Log the configuration: this strategy's branch, then FedAvg's."""
         log(INFO, "\t├──> Runtime weighting:")
-        log(INFO, "\t│\t├── Weighting: %s", self.weighting)
-        log(
-            INFO,
-            "\t│\t├── Work balancing: %s (base local steps %s, smoothing %.2f)",
-            self.balance_work,
-            self.local_steps,
-            self.speed_smoothing,
-        )
-        log(
-            INFO,
-            "\t│\t├── Quarantine: after %d rejected replies, for %d rounds",
-            self.quarantine.after,
-            self.quarantine.rounds,
-        )
-        log(
-            INFO,
-            "\t│\t├── Influence bound: %s aggregation, weight cap %s, clip factor %s, "
-            "num-examples ceiling %g",
-            self.aggregation,
-            self.weight_cap,
-            self.clip_factor,
-            self.max_num_examples,
-        )
+        for line in self.work.summary_lines() + self.robustness.summary_lines():
+            log(INFO, line)
         log(INFO, "\t│\t└── Checkpoint: %s", self.checkpoint_path or "(none)")
         super().summary()
 
