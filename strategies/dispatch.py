@@ -15,6 +15,7 @@ from flowerbed.clock import clock_of
 from flowerbed.strategies.sampling import Quarantine, round_rng, sample_nodes
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
+from flwr.supercore import log
 
 
 def sample_size(grid: Grid, fraction: float, minimum: int) -> int:
@@ -23,6 +24,12 @@ def sample_size(grid: Grid, fraction: float, minimum: int) -> int:
     if fraction == 0.0:
         return 0
     return max(int(len(list(grid.get_node_ids())) * fraction), minimum)
+
+
+def log_sampled(stage: str, node_ids: list[int], grid: Grid, level: int) -> None:
+    """Flower's line for a sampling: ``<stage>: Sampled n nodes (out of N)``."""
+    connected = len(list(grid.get_node_ids()))
+    log(level, "%s: Sampled %s nodes (out of %s)", stage, len(node_ids), connected)
 
 
 def sample_free(

@@ -15,6 +15,11 @@ from flwr.app import Message
 from flwr.supercore import log
 
 
+def log_received(stage: str, results: int, failures: int) -> None:
+    """Flower's line for the replies an aggregation got."""
+    log(INFO, "%s: Received %s results and %s failures", stage, results, failures)
+
+
 def log_error_reply(reply: Message, node: int) -> None:
     """Flower's own line for an error reply."""
     log(INFO, "\t> Received error in reply from node %s: %s", node, reply.error.reason)

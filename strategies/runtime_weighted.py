@@ -31,6 +31,7 @@ from flwr.supercore import log
 
 from .dispatch import (
     base_steps,
+    log_sampled,
     node_messages,
     sample_free,
     sample_size,
@@ -46,7 +47,7 @@ from .options import (
     group_settings,
     refuse_unknown,
 )
-from .rejections import RejectionLog
+from .rejections import RejectionLog, log_received
 from .reply_weights import ReplyWeights, balanced_steps, smooth
 from .robust import (
     Reference,
@@ -320,12 +321,7 @@ class RuntimeWeightedFedAvg(RoundLoop):
         count: int,
     ) -> list[Message]:
         node_ids = self._sample(grid, server_round, count, "train")
-        log(
-            self._sampling_log_level(),
-            "configure_train: Sampled %s nodes (out of %s)",
-            len(node_ids),
-            len(list(grid.get_node_ids())),
-        )
+        log_sampled("configure_train", node_ids, grid, self._sampling_log_level())
         self._set_global(arrays)
         base = base_steps(self.local_steps, config)
         steps = steps_to_send(node_ids, base, self.balance_work, self.assign_steps)
@@ -342,12 +338,7 @@ class RuntimeWeightedFedAvg(RoundLoop):
             return []
         config[keys.SERVER_ROUND] = server_round
         node_ids = self._sample(grid, server_round, count, "evaluate")
-        log(
-            INFO,
-            "configure_evaluate: Sampled %s nodes (out of %s)",
-            len(node_ids),
-            len(list(grid.get_node_ids())),
-        )
+        log_sampled("configure_evaluate", node_ids, grid, INFO)
         return self._messages(
             node_ids, arrays, config, MessageType.EVALUATE, server_round
         )
@@ -433,12 +424,7 @@ class RuntimeWeightedFedAvg(RoundLoop):
         else:  # a subclass's own fold_train_reply: one reply at a time
             for reply in replies:
                 self.fold_train_reply(reply, server_round, fold)
-        log(
-            INFO,
-            "aggregate_train: Received %s results and %s failures",
-            fold.results,
-            fold.failures,
-        )
+        log_received("aggregate_train", fold.results, fold.failures)
         if fold.updates.count == 0:
             if fold.results or fold.failures:
                 log(WARNING, "round %d: no usable train replies", server_round)
@@ -466,12 +452,7 @@ class RuntimeWeightedFedAvg(RoundLoop):
             failures += reply.has_error()
             results += not reply.has_error()
             self.fold_evaluate_reply(reply, server_round, metrics_acc)
-        log(
-            INFO,
-            "aggregate_evaluate: Received %s results and %s failures",
-            results,
-            failures,
-        )
+        log_received("aggregate_evaluate", results, failures)
         self.influence_bound.cap_evaluation(server_round, metrics_acc)
         return metrics_acc.result(self.evaluate_metrics_aggr_fn)
 
