@@ -9,7 +9,6 @@ from typing import Any, ClassVar
 
 import numpy as np
 from flowerbed import keys
-from flowerbed.strategies.inflight import Ticket, enough_usable
 from flowerbed.strategies.round_metrics import (
     ROUND_CLOCK_S,
     ROUND_PARTICIPANTS,
@@ -31,6 +30,7 @@ from .options import Buffering, Staleness, WorkBalance, adopt_options
 from .rounds import STALL_ROUNDS, RoundTally
 from .runtime_weighted import RuntimeWeightedFedAvg
 from .server_momentum import ServerMomentum
+from .versions import VersionEvaluations, buffer_full
 
 CONCURRENCY_PER_SAMPLE = 2
 """Default ``concurrency``: this many times FedAvg's sample size. A node holds its
@@ -132,7 +132,7 @@ class FedBuff(RuntimeWeightedFedAvg):
         """SGD with momentum ``server_momentum`` on the buffered update."""
         self.version = 0
         self._versions: dict[int, dict[str, np.ndarray]] = {}
-        self._evaluations: dict[int, tuple[set[str], list[Message]]] = {}
+        self._evaluations = VersionEvaluations()
         self._start_version()
         self.round_trips: deque[float] = deque(maxlen=ABANDON_SAMPLE)
         """Seconds from dispatch to reply of the newest completed train tasks
@@ -272,24 +272,6 @@ class FedBuff(RuntimeWeightedFedAvg):
         self._topped_up = True
         self._inflight.push(messages, self.version)
 
-    def _fold_evaluation(self, reply: Message, ticket: Ticket, result: Result) -> None:
-        pending = self._evaluations.get(ticket.server_round)
-        if pending is None:
-            return
-        ids, replies = pending
-        ids.discard(reply.metadata.reply_to_message_id)
-        replies.append(reply)
-        if not ids:
-            self._close_evaluation(ticket.server_round, result)
-
-    def _close_evaluation(self, version: int, result: Result) -> None:
-        """``aggregate_evaluate`` over the version's evaluation replies (small)."""
-        _, replies = self._evaluations.pop(version)
-        metrics = self._driver.aggregate_evaluate(version, replies)
-        if metrics is not None:
-            log(INFO, "\t└──> Aggregated MetricRecord: %s", metrics)
-            result.evaluate_metrics_clientapp[version] = metrics
-
     def _prune_versions(self) -> None:
         assert self._inflight is not None
         oldest = self.version - self.max_staleness
@@ -316,17 +298,7 @@ class FedBuff(RuntimeWeightedFedAvg):
         progress_at = self._clock.now()
 
         def full() -> bool:
-            """``buffer_size`` usable replies, or as many refused ones (replies
-            with content that cannot be used; error replies are waited out as
-            before): a version then closes with what is usable (the model
-            unchanged if nothing is), as a synchronous round does, instead of
-            dispatching for ever to nodes whose replies cannot be used."""
-            if enough_usable(self._handed, buffer_size):
-                return True
-            if len(self._handed) < buffer_size:
-                return False
-            refused = sum(a.error_code is None and not a.usable for a in self._handed)
-            return refused >= buffer_size
+            return buffer_full(self._handed, buffer_size)
 
         while not full():
             # the last usable reply (replies are folded, and known usable, a
@@ -338,7 +310,9 @@ class FedBuff(RuntimeWeightedFedAvg):
                 progress_at + self._timeout, done=full
             ):
                 if ticket.kind == MessageType.EVALUATE:
-                    self._fold_evaluation(reply, ticket, result)
+                    self._evaluations.add(
+                        reply, ticket, result, self._driver.aggregate_evaluate
+                    )
                     continue
                 staleness = self.version - ticket.server_round
                 if staleness > self.max_staleness:
@@ -379,7 +353,7 @@ class FedBuff(RuntimeWeightedFedAvg):
         super()._prepare_run(grid, done)
         self.version = done
         self._versions = {self.version: self._global_np}
-        self._evaluations = {}
+        self._evaluations = VersionEvaluations()
         self._start_version()
         self.server_optimiser.reset()
         self._starved = False
@@ -435,8 +409,7 @@ class FedBuff(RuntimeWeightedFedAvg):
             self.version, self._global, config, grid
         )
         ids = self._inflight.push(messages, self.version)
-        if ids:
-            self._evaluations[self.version] = (set(ids), [])
+        self._evaluations.expect(self.version, ids)
         return None
 
     def _central_evaluation(
@@ -454,7 +427,13 @@ class FedBuff(RuntimeWeightedFedAvg):
         if self.fraction_train == 0.0:
             return
         assert self._inflight is not None
-        self._finish_evaluations(self._clock.now() + self._timeout, result)
+        evaluations = self._evaluations
+        replies = self._inflight.replies(
+            self._clock.now() + self._timeout,
+            kind=MessageType.EVALUATE,
+            done=lambda: not evaluations.pending,
+        )
+        evaluations.finish(replies, result, self._driver.aggregate_evaluate)
         self._inflight.forget(list(self._inflight.tickets))
 
     def _new_version(
@@ -509,13 +488,3 @@ class FedBuff(RuntimeWeightedFedAvg):
         if arrays is None:
             return arrays, metrics
         return self.server_optimiser.step(arrays, self._global_np), metrics
-
-    def _finish_evaluations(self, until: float, result: Result) -> None:
-        """Collect outstanding evaluation replies, then close what remains."""
-        assert self._inflight is not None
-        for reply, ticket, _ in self._inflight.replies(
-            until, kind=MessageType.EVALUATE, done=lambda: not self._evaluations
-        ):
-            self._fold_evaluation(reply, ticket, result)
-        for version in sorted(self._evaluations):
-            self._close_evaluation(version, result)
