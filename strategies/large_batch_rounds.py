@@ -70,6 +70,7 @@ from flwr.supercore import log
 
 from .deadline import DeadlineFedAvg
 from .options import Deadlines, WorkBalance, adopt_options
+from .reply_weights import smooth
 
 ROUND_SERVER_LR = "server-lr"
 ROUND_BATCH = "large-batch"
@@ -246,9 +247,7 @@ class LargeBatchRounds(DeadlineFedAvg):
         if examples <= 0 or seconds <= 0:
             return
         rate = float(examples) / float(seconds)
-        old = self.sample_rates.get(node_id)
-        a = self.speed_smoothing
-        self.sample_rates[node_id] = rate if old is None else a * rate + (1 - a) * old
+        smooth(self.sample_rates, node_id, rate, self.speed_smoothing)
         if ticket is not None and arrived is not None:
             self._overhead[node_id] = max(0.0, arrived - ticket.sent_at - seconds)
 

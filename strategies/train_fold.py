@@ -104,6 +104,14 @@ class Staged:
     update: Update
 
 
+WeighReply = Callable[
+    [MetricRecord, float, Ticket | None, float | None], tuple[float, float, float]
+]
+"""``reply_weight(metrics, num_examples, ticket, arrived)``."""
+UpdateSpeed = Callable[[int, MetricRecord, Ticket | None, float | None], None]
+"""``_update_speed(node_id, metrics, ticket, arrived)``."""
+
+
 class FoldingStrategy(Protocol):
     """What a :class:`ReplyFolder` reads from its strategy: the reply limits,
     the replies' arrivals, the weighting and the hooks a subclass may override."""
@@ -118,21 +126,13 @@ class FoldingStrategy(Protocol):
     _arrivals: dict[str, Arrival]
     _global_np: dict[str, np.ndarray]
 
-    def reply_weight(
-        self,
-        metrics: MetricRecord,
-        num_examples: float,
-        ticket: Ticket | None = None,
-        arrived: float | None = None,
-    ) -> tuple[float, float, float]: ...
+    @property
+    def reply_weight(self) -> WeighReply:
+        """``(w_i, c_i, tau_i)`` of a reply (an override included)."""
 
-    def _update_speed(
-        self,
-        node_id: int,
-        metrics: MetricRecord,
-        ticket: Ticket | None,
-        arrived: float | None,
-    ) -> None: ...
+    @property
+    def _update_speed(self) -> UpdateSpeed:
+        """What a reply tells of its node's speed (an override included)."""
 
 
 class ReplyFolder:
