@@ -50,11 +50,17 @@ from flwr.supercore import log
 from .large_batch_figures import (
     REPLICA_TOLERANCE,
     ROUND_ATTEMPTS,
+    ROUND_COMM_S,
+    ROUND_COMPUTE_S,
+    ROUND_LR,
+    ROUND_MEMBERS,
+    ROUND_REPLICA_DIFF,
+    ROUND_SAMPLES_PER_S,
     ROUND_STEP_S,
     replica_difference,
     round_figures,
 )
-from .large_batch_options import AllReduceRecipe, MemberProfiling
+from .large_batch_options import COMPRESSIONS, AllReduceRecipe, MemberProfiling
 from .options import take_options
 from .span import (
     SegmentOutcome,
@@ -69,6 +75,21 @@ from .span_sizing import (
     DEFAULT_SETUP_SHARE,
     SegmentSizer,
 )
+
+__all__ = [  # the names this module held before its concerns moved out
+    "COMPRESSIONS",
+    "DEFAULT_STEPS_PER_ROUND",
+    "REPLICA_TOLERANCE",
+    "ROUND_ATTEMPTS",
+    "ROUND_COMM_S",
+    "ROUND_COMPUTE_S",
+    "ROUND_LR",
+    "ROUND_MEMBERS",
+    "ROUND_REPLICA_DIFF",
+    "ROUND_SAMPLES_PER_S",
+    "ROUND_STEP_S",
+    "LargeBatchSync",
+]
 
 DEFAULT_STEPS_PER_ROUND = 10
 """Steps of the first round's segment when the strategy sizes segments."""

@@ -70,6 +70,7 @@ from .span import (
 )
 from .span_evaluation import evaluate_messages, query_config
 from .tile_boards import (
+    MEMORY_HEADROOM,
     Board,
     colocated,
     colocated_boards,
@@ -78,9 +79,25 @@ from .tile_boards import (
     rank_order,
     subnet_of,
 )
-from .tile_figures import segment_figures
+from .tile_figures import (
+    DEVICES,
+    FRONT,
+    GROUPS,
+    PREDICTED_STEP_S,
+    SEGMENT_OK,
+    TILE_AREAS,
+    segment_figures,
+)
 from .tile_model import TileModel
-from .tile_options import TileLinks, TilePlanning, check_count
+from .tile_options import (
+    DEFAULT_LATENCY_S,
+    DEFAULT_LINK_MBPS,
+    DEFAULT_MAX_DEVICES,
+    DEFAULT_SUBNET_PREFIX,
+    TileLinks,
+    TilePlanning,
+    check_count,
+)
 from .tile_segment import (
     SegmentPlan,
     cluster_of,
@@ -89,7 +106,24 @@ from .tile_segment import (
     tile_options,
 )
 
-__all__ = ["Board", "SegmentPlan", "TiledTraining", "colocated", "subnet_of"]
+__all__ = [  # the names this module held before its concerns moved out
+    "DEFAULT_LATENCY_S",
+    "DEFAULT_LINK_MBPS",
+    "DEFAULT_MAX_DEVICES",
+    "DEFAULT_SUBNET_PREFIX",
+    "DEVICES",
+    "FRONT",
+    "GROUPS",
+    "MEMORY_HEADROOM",
+    "PREDICTED_STEP_S",
+    "SEGMENT_OK",
+    "TILE_AREAS",
+    "Board",
+    "SegmentPlan",
+    "TiledTraining",
+    "colocated",
+    "subnet_of",
+]
 
 MODE = "tiles"
 
@@ -188,8 +222,6 @@ class TiledTraining(SpanJobStrategy):
     """
 
     mode = MODE
-    PLANNING = TilePlanning()
-    LINKS = TileLinks()
 
     def __init__(  # pylint: disable=too-many-arguments
         self,
@@ -211,7 +243,7 @@ class TiledTraining(SpanJobStrategy):
         links: TileLinks | None = None,
         **kwargs: Any,
     ) -> None:
-        wanted = {"planning": (planning, self.PLANNING), "links": (links, self.LINKS)}
+        wanted = {"planning": (planning, TilePlanning()), "links": (links, TileLinks())}
         options = take_options(type(self).__name__, kwargs, wanted)
         super().__init__(*args, **kwargs)
         self.planning, self.links = options["planning"], options["links"]
