@@ -152,3 +152,28 @@ def test_a_run_whose_messages_all_expire_names_the_timeout(
     lines = [r.getMessage() for r in caplog.records]
     for kind in ("NO PROGRESS", "NO TRAINING"):
         assert sum(m.startswith(kind) and m.endswith(cause) for m in lines) == 1
+
+
+def test_flowers_arguments_land_where_flowers_fedavg_puts_them() -> None:
+    from flwr.serverapp.strategy import FedAvg
+
+    def aggregate(records: list, key: str) -> None:  # type: ignore[type-arg]
+        return None
+
+    flower = {
+        "fraction_train": 0.3,
+        "fraction_evaluate": 0.4,
+        "min_train_nodes": 5,
+        "min_evaluate_nodes": 6,
+        "min_available_nodes": 7,
+        "weighted_by_key": "w",
+        "arrayrecord_key": "a",
+        "configrecord_key": "c",
+        "train_metrics_aggr_fn": aggregate,
+        "evaluate_metrics_aggr_fn": len,
+    }
+    ours, theirs = RuntimeWeightedFedAvg(**flower), FedAvg(**flower)  # type: ignore[arg-type]
+    assert {k: getattr(ours, k) for k in flower} == {
+        k: getattr(theirs, k) for k in flower
+    }
+    assert {k: getattr(ours, k) for k in flower} == flower
