@@ -53,7 +53,7 @@ from .robust import (
     Reference,
 )
 from .rounds import MIN_MESSAGE_TTL_S, RoundLoop
-from .train_fold import FOLD_GROUP as FOLD_GROUP  # its import path before train_fold
+from .train_fold import FOLD_GROUP as FOLD_GROUP  # re-exported: imported from here
 from .train_fold import ReplyFolder, TrainFold
 
 
