@@ -15,7 +15,7 @@ import pytest
 from flowerbed import keys
 from flowerbed.strategies import DeadlineFedAvg
 from flowerbed.strategies.inflight import InFlight
-from flowerbed.strategies.options import Deadlines, WorkBalance
+from flowerbed.strategies.options import RECOMMENDED_DEADLINES, Deadlines, WorkBalance
 from flowerbed.strategies.round_metrics import ROUND_PARTICIPANTS
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from test_strategies_fakes import (
@@ -154,3 +154,22 @@ def test_lateness_is_measured_against_the_reply_s_own_task() -> None:
     short = reply(messages[1], {"x": np.zeros(1)}, num_examples=10, num_steps=6)
     strategy._note_lateness(short, second, arrived=6.5)
     assert strategy.lateness == {1: [pytest.approx(0.1)]}
+
+
+def test_the_node_at_the_percentile_keeps_its_whole_task() -> None:
+    # Three identical nodes that count everything inside deadline-s, 10 steps
+    # of 1 s. Round 2: D = c(20) / 0.98 = 10.2 s, lateness not yet known, so
+    # 0.8 D = 8.16 s: 8 steps, landing before their deadline-s (lateness 0).
+    # Round 3: D = 10 / 0.98 again and each node gets D - 0 - 0.02 D = 10 s:
+    # the whole task. With D = c(20) it would get 9.8 s, and 9 steps, every
+    # round, in rounds as long as a full task.
+    grid = FakeGrid({n: board(after_s=0.0) for n in (1, 2, 3)})
+    strategy = DeadlineFedAvg(
+        fraction_evaluate=0.0,
+        work=WorkBalance(weighting="examples"),
+        deadlines=RECOMMENDED_DEADLINES,
+    )
+    strategy.start(grid, weights(), num_rounds=3, train_config=ASSIGNED)
+    sent = [config_of(m).get(keys.DEADLINE_S) for m in grid.pushed_to(1)]
+    assert sent[0] is None  # round 1: no duration known yet
+    assert sent[1:] == pytest.approx([0.8 * 10 / 0.98, 10.0])
