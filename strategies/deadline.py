@@ -415,9 +415,10 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
         """The deadline (clock seconds) for ``server_round``; None if unknown.
 
         ``D = c(p)`` (times the pacer's factor), the ``p``-th percentile of
-        recent full-work durations; with ``learn_margin``, ``D = c(p) / (1 -
-        0.02)``, so that the node at the percentile, given ``D - l - 0.02 D``
-        (:meth:`node_deadline`), still has the whole task it needs. Without
+        recent full-work durations; with partial work and ``learn_margin``,
+        ``D = c(p) / (1 - 0.02)``, so that the node at the percentile, given
+        ``D - l - 0.02 D`` (:meth:`node_deadline`), still has the whole task
+        it needs. Without
         that division the percentile's own node lost its last step every round
         (on 20 identical boards, 9 of 10 steps in a round as long as FedAvg's).
         Also sets :attr:`percentile`, the one this deadline is taken at.
@@ -444,7 +445,7 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
         if base is None:
             return self.deadline_s
         deadline = self.pacing * base
-        if self.learn_margin:
+        if self.partial_work and self.learn_margin:
             # The percentile's node keeps its whole task: its deadline-s,
             # D - l - 0.02 D, covers the c(p) - l it needs before what follows.
             deadline /= 1 - LATENESS_SLACK

@@ -140,7 +140,8 @@ def test_partial_work_does_not_shrink_the_adaptive_deadline() -> None:
     # Both nodes do 1 step/s and are assigned 10 steps. With deadline D they
     # train 0.8 D and reply then; their full work is 10 s, not 0.8 D. So the
     # deadline goes 5 s (given) -> 10 s and stays there, instead of shrinking
-    # by 0.8 every round.
+    # by 0.8 every round (10 s / 0.98: the margin a node is given comes on top
+    # of the percentile's full task).
     def partial(message):  # type: ignore[no-untyped-def]
         budget = config_of(message)[keys.DEADLINE_S]
         done = min(10, int(budget))
@@ -157,7 +158,7 @@ def test_partial_work_does_not_shrink_the_adaptive_deadline() -> None:
     deadlines = [
         result.train_metrics_clientapp[r][ROUND_DEADLINE_S] for r in (1, 2, 3, 4)
     ]
-    assert deadlines == pytest.approx([5.0, 10.0, 10.0, 10.0])
+    assert deadlines == pytest.approx([5.0, *[10.0 / 0.98] * 3])
 
 
 def test_a_node_that_cannot_do_one_step_lengthens_the_deadline_and_is_not_benched() -> (
@@ -166,7 +167,8 @@ def test_a_node_that_cannot_do_one_step_lengthens_the_deadline_and_is_not_benche
     # Node 2 needs 3 s for its first step; with 0.8 * 2 s it answers at once with
     # num-steps 0. That is no fault: it stays in the sample, and as the p100
     # node it had not finished, the deadline grows 2 -> 3 -> 4.5 s, after which
-    # it fits a step.
+    # it fits a step. (A fixed 0.8 share: the deadline as measured, without
+    # the learnt margin's 2% on top.)
     def slow(message):  # type: ignore[no-untyped-def]
         budget = config_of(message)[keys.DEADLINE_S]
         done = int(budget // 3.0)
@@ -182,6 +184,7 @@ def test_a_node_that_cannot_do_one_step_lengthens_the_deadline_and_is_not_benche
         pacer_step=0.0,
         quarantine_after=1,
         min_completion=1,
+        learn_margin=False,
     ).start(grid, weights(), num_rounds=4)
     deadlines = [
         result.train_metrics_clientapp[r][ROUND_DEADLINE_S] for r in (1, 2, 3, 4)

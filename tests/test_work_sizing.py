@@ -135,6 +135,7 @@ def test_a_smaller_step_counts_as_its_share_of_a_step_in_the_deadline(
         pacer_step=0.0,
         fraction_evaluate=0.0,
         weighting="examples",
+        learn_margin=False,  # the full-work time itself, no margin on top
     ).start(
         grid,
         weights(),
