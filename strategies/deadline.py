@@ -40,6 +40,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 from flwr.supercore import log
 
+from .lateness import LATENESS_SLACK, NodeLateness
 from .options import (
     DEFAULT_WAIT_RATIO,
     FAST_PERCENTILE,
@@ -66,16 +67,6 @@ noisy accuracies. On the mnist1d suite (device-correlated labels, seeds 1-5)
 it wandered (up to 1.8 in seed 1: rounds of ~1.8x the 30th percentile) and the
 two-speed deadline reached 58.7% accuracy in 3,781, 5,603, 3,943, 4,558 and
 3,613 virtual s with it, 3,658, 3,322, 3,440, 3,628 and 4,460 without."""
-LATENESS_MEMORY = 3
-"""Replies per node whose largest lateness the node's deadline allows for."""
-LATENESS_SAMPLE = 100
-"""Lateness values of the fleet a node without its own is judged by."""
-LATENESS_PERCENTILE = 80.0
-"""Percentile of the fleet's lateness given to a node without its own."""
-LATENESS_SLACK = 0.02
-"""Share of the deadline kept free beyond a node's learnt lateness."""
-MIN_DEADLINE_SHARE = 0.1
-"""Smallest share of the deadline a node is given, however late it replies."""
 WHOLE_WORK_PERCENTILE = PATIENT_PERCENTILE
 """The adaptive deadline's percentile without partial work: without it the slow
 nodes' full-work durations are never seen, only that they did not finish, so
@@ -357,10 +348,17 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
         self._round_least: list[float] = []
         self._batch: float | None = None
         """The round's assigned batch size (``batch-size`` of its config)."""
-        self.lateness: dict[int, list[float]] = {}
-        """Per node, the seconds its last (up to three) replies that stopped at
-        their deadline arrived after their ``deadline-s``, newest last
-        (:meth:`node_deadline`)."""
+        self.node_lateness = NodeLateness()
+        """What each node's replies need after its ``deadline-s``."""
+
+    @property
+    def lateness(self) -> dict[int, list[float]]:
+        """Per node, its last lateness values (:attr:`NodeLateness.seen`)."""
+        return self.node_lateness.seen
+
+    @lateness.setter
+    def lateness(self, seen: dict[int, list[float]]) -> None:
+        self.node_lateness.seen = seen
 
     @classmethod
     def recommended(cls, *args: Any, **kwargs: Any) -> Self:
@@ -468,19 +466,12 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
         of a fast phone's task) that growth set rounds 1.6x the 30th
         percentile's duration, longer than Flower's best timeout.
         """
-        late = self._fleet_lateness() if self.learn_margin else None
+        late = self.node_lateness.fleet() if self.learn_margin else None
         if late is not None:
             return (least + max(late, 0.0)) / (1 - LATENESS_SLACK)
         if deadline * self.work_fraction < least:
             return least * self.deadline_growth / self.work_fraction
         return deadline
-
-    def _fleet_lateness(self) -> float | None:
-        """The 80th percentile of the fleet's last 100 lateness values."""
-        if not self.lateness:
-            return None
-        recent = [max(v) for v in list(self.lateness.values())[-LATENESS_SAMPLE:]]
-        return float(np.percentile(recent, LATENESS_PERCENTILE))
 
     def _least_seconds(self, server_round: int) -> float | None:
         """``P_p(least)``: what a partial-work deadline must leave a node.
@@ -514,38 +505,12 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
         Without ``learn_margin``: ``work_fraction * D``. With it, ``D`` less
         the time the node's replies need after its ``deadline-s``, learnt from
         its replies that stopped at the deadline (partial work) or came after
-        it: ``l_i = t_rtt - deadline-s``. The node gets::
-
-            deadline-s = clamp(D - max(l, 0) - max(0.02 D, spread), 0.1 D, D)
-
-        with ``l`` the largest of the node's last three lateness values, else
-        the 80th percentile of that value over the last 100 nodes seen late,
-        else ``(1 - work_fraction) D``. The largest, not the last: a node stops
-        at its last whole step before ``deadline-s``, so one reply can
-        understate what comes after it by up to a step. ``spread`` is the
-        range of those three values (each taken as at least 0): a node whose
-        delivery varies (a SuperNode's polling, a ClientApp's start on a busy
-        board) keeps that much more in hand. The 2% is a margin for jitter,
-        not a measured value.
-
-        What comes after a node's ``deadline-s`` depends on the node: a
-        board's client stops training at it and then uploads
-        (``flowerbed.clients.timed``), a simulated device counts its
-        transfers in it, Flower's delivery adds the SuperNode's polling. A
-        fixed share of ``D`` cut the fast nodes' work where nothing comes
-        after it (in the suite's small fleets, a fifth of every round's steps)
-        and was too little where the upload is most of the task.
+        it (:meth:`NodeLateness.deadline_s
+        <flowerbed.strategies.lateness.NodeLateness.deadline_s>`).
         """
         if not self.learn_margin:
             return self.work_fraction * deadline
-        seen = [max(v, 0.0) for v in self.lateness.get(node_id, [])]
-        spread = max(seen) - min(seen) if seen else 0.0
-        late = max(seen) if seen else self._fleet_lateness()
-        if late is None:
-            return self.work_fraction * deadline
-        slack = max(LATENESS_SLACK * deadline, spread)
-        given = deadline - max(late, 0.0) - slack
-        return min(deadline, max(MIN_DEADLINE_SHARE * deadline, given))
+        return self.node_lateness.deadline_s(node_id, deadline, self.work_fraction)
 
     def _note_lateness(self, reply: Message, ticket: Ticket, arrived: float) -> None:
         """Record how late after its ``deadline-s`` a reply that used all of it
@@ -568,10 +533,7 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
             and steps < ticket.assigned_steps
         )
         if stopped or round_trip > given:
-            seen = self.lateness.pop(ticket.node_id, [])  # newest node last
-            self.lateness[ticket.node_id] = [*seen, round_trip - given][
-                -LATENESS_MEMORY:
-            ]
+            self.node_lateness.note(ticket.node_id, round_trip - given)
 
     def _node_config(self, node_id: int, config: ConfigRecord) -> ConfigRecord:
         if self.partial_work and self._deadline is not None:
