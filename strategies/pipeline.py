@@ -60,11 +60,6 @@ from flwr.serverapp import Grid
 from flwr.supercore import log
 
 from .span import (
-    DEFAULT_JOIN_TIMEOUT_S,
-    DEFAULT_RENDEZVOUS_PORT,
-    DEFAULT_RENDEZVOUS_PORTS,
-    DEFAULT_REPLY_MARGIN_S,
-    DEFAULT_TIMEOUT_S,
     SegmentOutcome,
     SegmentReply,
     SpanJobStrategy,
@@ -72,6 +67,14 @@ from .span import (
     arrayrecord,
     check_initial_arrays,
     check_segment_reply,
+)
+from .span_options import (
+    DEFAULT_JOIN_TIMEOUT_S,
+    DEFAULT_RENDEZVOUS_PORT,
+    DEFAULT_RENDEZVOUS_PORTS,
+    DEFAULT_REPLY_MARGIN_S,
+    DEFAULT_TIMEOUT_S,
+    SpanGroup,
 )
 from .span_sizing import (
     DEFAULT_SETUP_SHARE,
@@ -313,11 +316,13 @@ class PipelineTraining(SpanJobStrategy):
             configrecord_key,
             train_metrics_aggr_fn,
             evaluate_metrics_aggr_fn,
-            rendezvous_port=rendezvous_port,
-            rendezvous_ports=rendezvous_ports,
-            join_timeout_s=join_timeout_s,
-            timeout_s=timeout_s,
-            reply_margin_s=reply_margin_s,
+            group=SpanGroup(
+                rendezvous_port,
+                rendezvous_ports,
+                join_timeout_s,
+                timeout_s,
+                reply_margin_s,
+            ),
             checkpoint_path=checkpoint_path,
         )
         checks = [

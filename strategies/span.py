@@ -63,9 +63,11 @@ from flowerbed.parallel.setup_time import member_setup_s
 from flowerbed.replies import ReplyRejected, check_evaluate_reply
 from flowerbed.strategies.accumulation import MetricsAccumulator
 from flowerbed.strategies.inflight import InFlight, Ticket
+from flowerbed.strategies.options import copy_fields, refuse_unknown, take_options
 from flowerbed.strategies.rounds import RoundLoop, RoundTally
 from flowerbed.strategies.sampling import WAIT_FOR_NODES_S
 from flowerbed.strategies.span_checkpoint import Resumed, SpanCheckpoint
+from flowerbed.strategies.span_options import SpanGroup
 from flowerbed.strategies.span_sizing import (
     ROUND_SETUP_S,
     ROUND_SETUP_SHARE,
@@ -102,11 +104,6 @@ it was probed is heard from in time, while a dead one costs only this."""
 LIVENESS_CHECK_S = 1.0
 """Seconds between the server's own liveness checks of members not heard from,
 once a member reported a loss (:meth:`SpanJobStrategy.run_segment`)."""
-DEFAULT_RENDEZVOUS_PORT = 29500
-DEFAULT_RENDEZVOUS_PORTS = 50
-DEFAULT_JOIN_TIMEOUT_S = 60.0
-DEFAULT_TIMEOUT_S = 60.0
-DEFAULT_REPLY_MARGIN_S = 15.0
 
 
 @dataclass
@@ -276,20 +273,10 @@ class SpanJobStrategy(RoundLoop):
     ----------
     (FedAvg's parameters, same defaults; ``fraction_train`` and
     ``min_train_nodes`` bound how many members a job takes), and:
-    rendezvous_port : int (default: 29500)
-        First port of the rendezvous range; rank 0's board must accept
-        connections on it (and gloo's own ephemeral ports) from the others.
-    rendezvous_ports : int (default: 50)
-        Size of the range; segment ``n`` uses port ``first + n % size``.
-    join_timeout_s : float (default: 60)
-        How long members wait for each other to join a segment's group
-        (covers Flower's delivery skew: SuperNodes poll every few seconds and
-        start a process per message).
-    timeout_s : float (default: 60)
-        How long one collective or send/receive may take before a peer counts as
-        lost.
-    reply_margin_s : float (default: 15)
-        Extra seconds for replies to travel through Flower after a loss.
+    group : SpanGroup, optional
+        Where the members meet and how long everyone waits
+        (:class:`~flowerbed.strategies.span_options.SpanGroup`; its fields as
+        keywords are deprecated).
     checkpoint_path : str or Path, optional (default: None)
         Where the job's state is saved after every completed round (the model,
         the optimiser state, the step, the metric histories;
@@ -345,12 +332,9 @@ class SpanJobStrategy(RoundLoop):
         evaluate_metrics_aggr_fn: Callable[[list[RecordDict], str], MetricRecord]
         | None = None,
         *,
-        rendezvous_port: int = DEFAULT_RENDEZVOUS_PORT,
-        rendezvous_ports: int = DEFAULT_RENDEZVOUS_PORTS,
-        join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
-        reply_margin_s: float = DEFAULT_REPLY_MARGIN_S,
+        group: SpanGroup | None = None,
         checkpoint_path: str | Path | None = None,
+        **legacy: Any,
     ) -> None:
         super().__init__(
             fraction_train,
@@ -364,20 +348,12 @@ class SpanJobStrategy(RoundLoop):
             train_metrics_aggr_fn,
             evaluate_metrics_aggr_fn,
         )
-        segment_port(rendezvous_port, rendezvous_ports, 0)  # raises when out of range
-        for name, value in (
-            ("join_timeout_s", join_timeout_s),
-            ("timeout_s", timeout_s),
-        ):
-            if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"{name} must be > 0, got {value}")
-        if not (math.isfinite(reply_margin_s) and reply_margin_s >= 0):
-            raise ValueError(f"reply_margin_s must be >= 0, got {reply_margin_s}")
-        self.rendezvous_port = rendezvous_port
-        self.rendezvous_ports = rendezvous_ports
-        self.join_timeout_s = float(join_timeout_s)
-        self.timeout_s = float(timeout_s)
-        self.reply_margin_s = float(reply_margin_s)
+        owner = type(self).__name__
+        taken = take_options(owner, legacy, {"group": (group, SpanGroup())})
+        refuse_unknown(owner, legacy, ["group", "checkpoint_path"])
+        self.group: SpanGroup = taken["group"]
+        """Where the members meet and how long everyone waits."""
+        copy_fields(self, self.group)  # self.timeout_s, ... as before
         self._init_loop(None)  # the span checkpoint below, not RoundLoop's
         self.checkpoint = (
             None

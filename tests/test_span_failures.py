@@ -19,6 +19,7 @@ from flowerbed.strategies.span import (
     SegmentOutcome,
     SpanJobStrategy,
 )
+from flowerbed.strategies.span_options import SpanGroup
 from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 from test_strategies_fakes import FakeGrid
 
@@ -41,7 +42,7 @@ def failed(message: Message, lost_ranks: list[int]) -> Message:
 
 
 def run(grid: FakeGrid) -> SegmentOutcome:
-    s = SpanJobStrategy(timeout_s=10, reply_margin_s=3)
+    s = SpanJobStrategy(group=SpanGroup(timeout_s=10, reply_margin_s=3))
     s.attach(grid)
     plans = {
         node: MemberPlan(
@@ -104,3 +105,14 @@ def test_a_silent_member_nobody_names_is_waited_for_the_grace_period() -> None:
     out = run(grid)
     assert out.lost == {2}
     assert out.seconds == pytest.approx(2.0 + GRACE_S)
+
+
+def test_the_group_s_old_keywords_still_work_and_warn() -> None:
+    with pytest.warns(DeprecationWarning, match=r"group=SpanGroup\(timeout_s=10"):
+        s = SpanJobStrategy(timeout_s=10, reply_margin_s=3)
+    assert s.group == SpanGroup(timeout_s=10, reply_margin_s=3)
+    assert (s.timeout_s, s.reply_margin_s, s.rendezvous_port) == (10.0, 3.0, 29500)
+    with pytest.raises(TypeError, match="put them in the SpanGroup"):
+        SpanJobStrategy(group=SpanGroup(), timeout_s=10)
+    with pytest.raises(ValueError, match="timeout_s must be > 0"):
+        SpanGroup(timeout_s=0)

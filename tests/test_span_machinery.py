@@ -20,6 +20,7 @@ from flowerbed.parallel.group import free_port
 from flowerbed.parallel.plan import MemberPlan
 from flowerbed.sims.process_grid import ProcessGrid
 from flowerbed.strategies.span import SpanJobStrategy
+from flowerbed.strategies.span_options import SpanGroup
 from flwr.app import ConfigRecord, Context, RecordDict
 
 HOST = "127.0.0.1"
@@ -41,11 +42,13 @@ def grid() -> Iterator[ProcessGrid]:
 
 def strategy(first_port: int, ports: int = 3, join_s: float = 20) -> SpanJobStrategy:
     return SpanJobStrategy(
-        rendezvous_port=first_port,
-        rendezvous_ports=ports,
-        join_timeout_s=join_s,
-        timeout_s=10,
-        reply_margin_s=3,
+        group=SpanGroup(
+            rendezvous_port=first_port,
+            rendezvous_ports=ports,
+            join_timeout_s=join_s,
+            timeout_s=10,
+            reply_margin_s=3,
+        )
     )
 
 
