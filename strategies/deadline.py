@@ -190,6 +190,42 @@ def _number(metrics: MetricRecord | ConfigRecord, key: str) -> float | None:
     return number if math.isfinite(number) and number >= 0 else None
 
 
+def reply_seconds(
+    reply: Message,
+    ticket: Ticket,
+    arrived: float,
+    min_batch_size: int,
+    batch: float | None,
+) -> tuple[float | None, float | None]:
+    """Full-work seconds and least-useful seconds of a fresh reply.
+
+    Full work (:func:`full_work_seconds`): None when it did no step; the
+    round trip for an error. Least useful: the seconds for its transfers and
+    one smallest step, ``(t_rtt - t_compute) + t_compute / k * b_min / b``
+    for ``k`` steps of batch ``b`` (``b_min`` = ``min_batch_size``, or ``b``
+    when work sizing is off); None without ``train-time-s`` or a step.
+    """
+    round_trip = arrived - ticket.sent_at
+    if reply.has_error() or not reply.has_content():
+        return round_trip, None
+    metrics = next(iter(reply.content.metric_records.values()), MetricRecord())
+    steps = _number(metrics, keys.NUM_STEPS)
+    examples = _number(metrics, keys.NUM_EXAMPLES)
+    compute = _number(metrics, keys.TRAIN_TIME_S)
+    least = None
+    if steps and compute is not None:
+        share = 1.0
+        if min_batch_size and batch:
+            share = min(1.0, min_batch_size / batch)
+        bounded = min(compute, round_trip)
+        least = round_trip - bounded + bounded / steps * share
+    if min_batch_size and steps and examples is not None and batch:
+        # A step on a smaller batch (min_batch_size) is that share of a step.
+        steps = min(steps, examples / batch)
+    full = full_work_seconds(round_trip, compute, steps, ticket.assigned_steps)
+    return full, least
+
+
 class DeadlineFedAvg(RuntimeWeightedFedAvg):
     """Rounds with a deadline, over-selection, partial work and late updates.
 
@@ -477,7 +513,7 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
         """``P_p(least)``: what a partial-work deadline must leave a node.
 
         The ``p``-th percentile of the seconds recent usable replies needed for
-        their transfers and one smallest step (:meth:`_timings`). When
+        their transfers and one smallest step (:func:`reply_seconds`). When
         ``work_fraction * D`` falls below it, the deadline grows as for a
         censored percentile: ``D = P_p(least) * deadline_growth /
         work_fraction``. A fast percentile of full-work durations can fall
@@ -614,7 +650,9 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
                 handed = self._hand_over(
                     reply, ticket, arrived, self._bases[server_round]
                 )
-                full, least = self._timings(reply, ticket, arrived)
+                full, least = reply_seconds(
+                    reply, ticket, arrived, self.min_batch_size, self._batch
+                )
                 self._round_obs.append((self._handed[-1], full))
                 if least is not None:
                     self._round_least.append(least)
@@ -636,37 +674,6 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
                     staleness=staleness,
                     discount=self.staleness_fn(staleness),
                 )
-
-    def _timings(
-        self, reply: Message, ticket: Ticket, arrived: float
-    ) -> tuple[float | None, float | None]:
-        """Full-work seconds and least-useful seconds of a fresh reply.
-
-        Full work (:func:`full_work_seconds`): None when it did no step; the
-        round trip for an error. Least useful: the seconds for its transfers and
-        one smallest step, ``(t_rtt - t_compute) + t_compute / k * b_min / b``
-        for ``k`` steps of batch ``b`` (``b_min`` = ``min_batch_size``, or ``b``
-        when work sizing is off); None without ``train-time-s`` or a step.
-        """
-        round_trip = arrived - ticket.sent_at
-        if reply.has_error() or not reply.has_content():
-            return round_trip, None
-        metrics = next(iter(reply.content.metric_records.values()), MetricRecord())
-        steps = _number(metrics, keys.NUM_STEPS)
-        examples = _number(metrics, keys.NUM_EXAMPLES)
-        compute = _number(metrics, keys.TRAIN_TIME_S)
-        least = None
-        if steps and compute is not None:
-            share = 1.0
-            if self.min_batch_size and self._batch:
-                share = min(1.0, self.min_batch_size / self._batch)
-            bounded = min(compute, round_trip)
-            least = round_trip - bounded + bounded / steps * share
-        if self.min_batch_size and steps and examples is not None and self._batch:
-            # A step on a smaller batch (min_batch_size) is that share of a step.
-            steps = min(steps, examples / self._batch)
-        full = full_work_seconds(round_trip, compute, steps, ticket.assigned_steps)
-        return full, least
 
     def _observe(self, server_round: int, closed_at: float) -> None:
         """Record the round's full-work durations; unfinished nodes are censored."""
