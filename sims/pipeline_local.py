@@ -139,6 +139,7 @@ def run_local(
     from flowerbed.parallel.group import free_port
     from flowerbed.parallel.user_code import build_layers
     from flowerbed.strategies import PipelineTraining
+    from flowerbed.strategies.span_options import SpanGroup
     from flwr.app import ArrayRecord
 
     from .process_grid import ProcessGrid
@@ -147,11 +148,13 @@ def run_local(
         "fraction_evaluate": 0.0,
         "min_train_nodes": 1,
         "min_available_nodes": len(nodes),
-        "rendezvous_port": free_port(),
-        "rendezvous_ports": 1,
-        "join_timeout_s": 60.0,
-        "timeout_s": 20.0,
-        "reply_margin_s": 3.0,
+        "group": SpanGroup(
+            rendezvous_port=free_port(),
+            rendezvous_ports=1,
+            join_timeout_s=60.0,
+            timeout_s=20.0,
+            reply_margin_s=3.0,
+        ),
     }
     settings.update(strategy_kwargs)
     with our_settings():  # Flower's notice of the fraction_evaluate chosen above

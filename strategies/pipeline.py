@@ -68,14 +68,7 @@ from .span import (
     check_initial_arrays,
     check_segment_reply,
 )
-from .span_options import (
-    DEFAULT_JOIN_TIMEOUT_S,
-    DEFAULT_RENDEZVOUS_PORT,
-    DEFAULT_RENDEZVOUS_PORTS,
-    DEFAULT_REPLY_MARGIN_S,
-    DEFAULT_TIMEOUT_S,
-    SpanGroup,
-)
+from .span_options import SpanGroup
 from .span_sizing import (
     DEFAULT_SETUP_SHARE,
     SegmentSizer,
@@ -228,9 +221,11 @@ class PipelineTraining(SpanJobStrategy):
         Result keeps the last good weights).
     seed : int (default: 0)
         Seed of the batch order (and of the model built on the server).
-    rendezvous_port, rendezvous_ports, join_timeout_s, timeout_s, reply_margin_s,
-    checkpoint_path
-        See :class:`flowerbed.strategies.span.SpanJobStrategy`. A resumed job
+    group, checkpoint_path
+        Where the members meet and how long they wait (a
+        :class:`~flowerbed.strategies.span_options.SpanGroup`; its fields as
+        keywords are deprecated), and the checkpoint file: see
+        :class:`flowerbed.strategies.span.SpanJobStrategy`. A resumed job
         re-profiles the boards connected then and plans afresh from its step.
 
     Attributes
@@ -298,12 +293,9 @@ class PipelineTraining(SpanJobStrategy):
         max_attempts: int = 10,
         seed: int = 0,
         training: Training | None = None,
-        rendezvous_port: int = DEFAULT_RENDEZVOUS_PORT,
-        rendezvous_ports: int = DEFAULT_RENDEZVOUS_PORTS,
-        join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
-        reply_margin_s: float = DEFAULT_REPLY_MARGIN_S,
+        group: SpanGroup | None = None,
         checkpoint_path: str | Path | None = None,
+        **legacy: Any,
     ) -> None:
         super().__init__(
             fraction_train,
@@ -316,14 +308,9 @@ class PipelineTraining(SpanJobStrategy):
             configrecord_key,
             train_metrics_aggr_fn,
             evaluate_metrics_aggr_fn,
-            group=SpanGroup(
-                rendezvous_port,
-                rendezvous_ports,
-                join_timeout_s,
-                timeout_s,
-                reply_margin_s,
-            ),
+            group=group,
             checkpoint_path=checkpoint_path,
+            **legacy,
         )
         checks = [
             (bool(model), "model is required: a layered model name or 'pkg.mod:fn'"),

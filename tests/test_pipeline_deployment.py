@@ -54,6 +54,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from flowerbed.models import build_sequential
 from flowerbed.strategies import PipelineTraining
+from flowerbed.strategies.span_options import SpanGroup
 
 app = ServerApp()
 
@@ -75,11 +76,13 @@ def main(grid: Grid, context: Context) -> None:
         micro_batches=4,
         replicate_every=int(cfg["replicate-every"]),
         lr=float(cfg["lr"]),
-        rendezvous_port=int(cfg["port"]),
-        rendezvous_ports=10,
-        join_timeout_s=90.0,
-        timeout_s=10.0,
-        reply_margin_s=10.0,
+        group=SpanGroup(
+            rendezvous_port=int(cfg["port"]),
+            rendezvous_ports=10,
+            join_timeout_s=90.0,
+            timeout_s=10.0,
+            reply_margin_s=10.0,
+        ),
     )
     model = build_sequential(str(cfg["model"]), args, seed=0)
     result = strategy.start(

@@ -27,6 +27,7 @@ from flowerbed.parallel.group import free_port
 from flowerbed.parallel.plan import PlanError
 from flowerbed.sims.process_grid import ProcessGrid
 from flowerbed.strategies.pipeline import PipelineTraining
+from flowerbed.strategies.span_options import SpanGroup
 from flwr.app import ArrayRecord
 
 MODEL = "deep-mlp"
@@ -53,14 +54,14 @@ def strategy(**changes: object) -> PipelineTraining:
         "fraction_evaluate": 0.0,
         "min_train_nodes": 1,
         "min_available_nodes": 3,
-        "rendezvous_port": free_port(),
-        "rendezvous_ports": PORTS,
-        "join_timeout_s": 30,
-        "timeout_s": 10,
-        "reply_margin_s": 3,
     }
+    group = {"rendezvous_port": free_port(), "rendezvous_ports": PORTS}
+    group.update(join_timeout_s=30, timeout_s=10, reply_margin_s=3)
+    for name in list(changes):
+        if name in group:
+            group[name] = changes.pop(name)
     settings.update(changes)
-    return PipelineTraining(**settings)
+    return PipelineTraining(group=SpanGroup(**group), **settings)
 
 
 def initial() -> ArrayRecord:
@@ -315,3 +316,13 @@ def test_the_docs_resnet_cut_at_block_boundaries_is_a_valid_pipeline_model(
         "4",
         "5",
     }
+
+
+def test_the_group_s_old_keywords_still_work_and_warn() -> None:
+    with pytest.warns(DeprecationWarning, match=r"PipelineTraining\(timeout_s=\.\.\."):
+        s = PipelineTraining(model=MODEL, input_shape=(1, 8, 8), timeout_s=7)
+    assert s.group == SpanGroup(timeout_s=7) and s.timeout_s == 7.0
+    with pytest.raises(TypeError, match="put them in the SpanGroup"):
+        PipelineTraining(
+            model=MODEL, input_shape=(1, 8, 8), group=SpanGroup(), timeout_s=7
+        )

@@ -26,6 +26,7 @@ from flowerbed.parallel.tiles import runner
 from flowerbed.parallel.user_code import build_module
 from flowerbed.strategies import LargeBatchSync
 from flowerbed.strategies.large_batch_options import AllReduceRecipe
+from flowerbed.strategies.span_options import SpanGroup
 from ranks import run_ranks
 from test_tiles_exact import plan_of, settings
 
@@ -234,11 +235,13 @@ def _span_settings() -> dict[str, Any]:
         "fraction_evaluate": 0.0,
         "min_train_nodes": 2,
         "min_available_nodes": 2,
-        "rendezvous_port": free_port(),
-        "rendezvous_ports": 20,
-        "join_timeout_s": 30,
-        "timeout_s": 20,
-        "reply_margin_s": 3,
+        "group": SpanGroup(
+            rendezvous_port=free_port(),
+            rendezvous_ports=20,
+            join_timeout_s=30,
+            timeout_s=20,
+            reply_margin_s=3,
+        ),
         "training": TRAINING,
     }
 
