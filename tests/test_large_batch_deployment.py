@@ -12,11 +12,10 @@ which member was lost and why, and the job completes with the other members.
 from __future__ import annotations
 
 import json
-import textwrap
 from pathlib import Path
 
 import pytest
-from procs import Federation, free_port
+from procs import Federation, free_port, write_app
 from span_kills import (
     FAILURE_BOUND_S,
     FIRST_STEP_BOUND_S,
@@ -75,49 +74,14 @@ def main(grid: Grid, context: Context) -> None:
         json.dump({"rounds": rounds, "lost": sorted(strategy.lost)}, fh)
 """
 
-PYPROJECT = """
-[build-system]
-requires = ["hatchling"]
-build-backend = "hatchling.build"
-
-[project]
-name = "fblargebatch"
-version = "1.0.0"
-description = "flowerbed large-batch deployment test app"
-license = "Apache-2.0"
-dependencies = []
-
-[tool.hatch.build.targets.wheel]
-packages = ["."]
-
-[tool.flwr.app]
-publisher = "flowerbed"
-
-[tool.flwr.app.components]
-serverapp = "fblargebatch.server:app"
-clientapp = "flowerbed.clients.span_app:app"
-
-[tool.flwr.app.config]
-steps = 20
-port = 29500
-out-file = ""
-"""
-
-
-def write_app(root: Path) -> Path:
-    app_dir = root / "app"
-    package = app_dir / "fblargebatch"
-    package.mkdir(parents=True)
-    (app_dir / "pyproject.toml").write_text(textwrap.dedent(PYPROJECT))
-    (package / "__init__.py").write_text("")
-    (package / "server.py").write_text(SERVER_APP)
-    return app_dir
+DEFAULTS = {"steps": 20, "port": 29500, "out-file": ""}
+"""The run config's defaults (the test sets port and out-file per run)."""
 
 
 def test_killed_boards_are_found_in_seconds_and_the_next_segments_complete(
     tmp_path: Path,
 ) -> None:
-    app_dir = write_app(tmp_path)
+    app_dir = write_app(tmp_path, "fblargebatch", SERVER_APP, DEFAULTS)
     out = tmp_path / "result.json"
     with Federation(tmp_path / "fed", env=FLOWER_ENV) as fed:
         fed.start_superlink()
