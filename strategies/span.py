@@ -285,6 +285,7 @@ class SpanJobStrategy(RoundLoop):
     """
 
     mode = "probe"
+    """The plan mode this strategy's members run (a key of parallel.modes)."""
     sizer: SegmentSizer
     """How many steps a segment takes (set by the subclasses that size them)."""
 
@@ -313,8 +314,6 @@ class SpanJobStrategy(RoundLoop):
             self.sizer.steps,
         )
         return setup
-
-    """The plan mode this strategy's members run (a key of parallel.modes)."""
 
     # pylint: disable=too-many-arguments
     def __init__(
