@@ -33,13 +33,12 @@ from typing import Protocol
 
 from flowerbed import keys
 from flowerbed.clock import collect_replies
+from flowerbed.grid import LocalGrid
 from flowerbed.sims.links import Network, charge_round
 from flowerbed.sims.vclock import NodeDropout
 from flwr.app import Context, Error, Message, MessageType, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
-from flwr.serverapp import Grid
-from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
 log = logging.getLogger(__name__)
@@ -166,7 +165,7 @@ class ArrivalQueue:
         return min(later) if later else None
 
 
-class FleetGrid(Grid):
+class FleetGrid(LocalGrid):
     """Flower ``Grid`` over simulated nodes, releasing replies in virtual-time order.
 
     Parameters
@@ -220,36 +219,12 @@ class FleetGrid(Grid):
         self._run_config = dict(run_config)
         self._run_id = run_id
         self._contexts: dict[int, Context] = {}
-        self._run = Run.create_empty(run_id)
+        super().__init__(run_id)
         self._seq = itertools.count()
         self._queue = ArrivalQueue()
         self.messages_run = 0
-        # Messages built by strategies need a task identity, as inside a ServerApp.
-        if TaskIdentity._run_id is None:
-            TaskIdentity.run_id = run_id
-        if TaskIdentity._node_id is None:
-            TaskIdentity.node_id = SUPERLINK_NODE_ID
-        if TaskIdentity._task_id is None:
-            TaskIdentity.task_id = 0
 
     # --- Grid API -----------------------------------------------------------------
-    def set_run(self, run: Run) -> None:
-        self._run = run
-
-    @property
-    def run(self) -> Run:
-        return self._run
-
-    def create_message(
-        self,
-        content: RecordDict,
-        message_type: str,
-        dst_node_id: int,
-        group_id: str,
-        ttl: float | None = None,
-    ) -> Message:
-        return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
-
     def get_node_ids(self) -> Iterable[int]:
         return sorted(self._nodes)
 

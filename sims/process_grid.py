@@ -37,10 +37,9 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from flowerbed.clock import collect_replies
+from flowerbed.grid import LocalGrid
 from flwr.app import Context, Error, Message, RecordDict
-from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
-from flwr.serverapp import Grid
-from flwr.supercore.run import Run
+from flwr.common.constant import ErrorCode
 from flwr.supercore.task_identity import TaskIdentity
 
 NodeConfig = Mapping[str, bool | float | int | str]
@@ -118,7 +117,7 @@ def _await_ready(nodes: Iterable[_Node], timeout: float) -> None:
             raise RuntimeError(f"node {node.node_id} sent {tag!r} before 'ready'")
 
 
-class ProcessGrid(Grid):
+class ProcessGrid(LocalGrid):
     """Flower ``Grid`` over local worker processes (see the module docstring).
 
     Parameters
@@ -155,18 +154,12 @@ class ProcessGrid(Grid):
         self.run_config = dict(run_config or {})
         self.unavailable_after_s = unavailable_after_s
         self.env = dict(env or {})
-        self._run = Run.create_empty(run_id)
+        super().__init__(run_id)
         self._ids = itertools.count(1)
         self._seq = itertools.count()
         self._nodes: dict[int, _Node] = {}
         self._arrived: dict[str, Message] = {}
         self._ctx = multiprocessing.get_context("spawn")
-        if TaskIdentity._run_id is None:
-            TaskIdentity.run_id = run_id
-        if TaskIdentity._node_id is None:
-            TaskIdentity.node_id = SUPERLINK_NODE_ID
-        if TaskIdentity._task_id is None:
-            TaskIdentity.task_id = 0
         try:
             for config in node_configs:
                 self.add_node(config, wait=False)
@@ -252,23 +245,6 @@ class ProcessGrid(Grid):
         self.close()
 
     # --- Grid API ------------------------------------------------------------------
-    def set_run(self, run: Run) -> None:
-        self._run = run
-
-    @property
-    def run(self) -> Run:
-        return self._run
-
-    def create_message(
-        self,
-        content: RecordDict,
-        message_type: str,
-        dst_node_id: int,
-        group_id: str,
-        ttl: float | None = None,
-    ) -> Message:
-        return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
-
     def get_node_ids(self) -> Iterable[int]:
         now = time.monotonic()
         return sorted(
