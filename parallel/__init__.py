@@ -72,9 +72,7 @@ and gives the new module (:mod:`flowerbed.moved`).
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
+from flowerbed.lazy import lazy_names
 from flowerbed.moved import alias_modules
 
 _EXPORTS = {
@@ -104,12 +102,7 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_names(__name__, _EXPORTS)
 
 
 MOVED_MODULES = {

@@ -10,8 +10,9 @@ Names are imported on first use, so importing a submodule (``flowerbed bridge
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from flowerbed.lazy import lazy_names
 
 if TYPE_CHECKING:
     from flowerbed.clients.bridge.codec import (
@@ -52,9 +53,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_names(__name__, _EXPORTS)
