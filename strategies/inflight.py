@@ -35,20 +35,26 @@ class Ticket:
     """The ``deadline-s`` this message gave its node; None if it gave none."""
 
 
-def _assigned_steps(message: Message) -> int | None:
+def _configured(
+    message: Message, key: str, kinds: tuple[type, ...]
+) -> int | float | None:
+    """The first ``key`` of the message's ConfigRecords that is of ``kinds``
+    (never a bool); None if there is none."""
     for config in records_of(message.content, ConfigRecord):
-        steps = config.get(keys.LOCAL_STEPS)
-        if isinstance(steps, int) and not isinstance(steps, bool):
-            return steps
+        value = config.get(key)
+        if isinstance(value, kinds) and not isinstance(value, bool):
+            return value  # type: ignore[return-value]
     return None
+
+
+def _assigned_steps(message: Message) -> int | None:
+    steps = _configured(message, keys.LOCAL_STEPS, (int,))
+    return None if steps is None else int(steps)
 
 
 def _deadline_s(message: Message) -> float | None:
-    for config in records_of(message.content, ConfigRecord):
-        seconds = config.get(keys.DEADLINE_S)
-        if isinstance(seconds, (int, float)) and not isinstance(seconds, bool):
-            return float(seconds)
-    return None
+    seconds = _configured(message, keys.DEADLINE_S, (int, float))
+    return None if seconds is None else float(seconds)
 
 
 class InFlight:
