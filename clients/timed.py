@@ -131,6 +131,7 @@ class TimedTraining:
     power_w: float | None = None
     energy_j: float | None = None
     temp_c: float | None = None
+    start_wait_s: float | None = None
 
     @property
     def samples_per_s(self) -> float | None:
@@ -152,6 +153,7 @@ class TimedTraining:
             keys.POWER_W: self.power_w,
             keys.ENERGY_J: self.energy_j,
             keys.TEMP_C: self.temp_c,
+            keys.START_WAIT_S: self.start_wait_s,
         }
         out.update({k: v for k, v in optional.items() if v is not None})
         return out
@@ -210,6 +212,7 @@ class TrainingMeter:
         self._power = PowerSampler(root, power_interval_s)
         self._t0 = 0.0
         self._t1: float | None = None
+        self._origin_given = started_at is not None
         self.num_steps = 0
         self.num_examples = 0
         self.stopped_by_deadline = False
@@ -256,6 +259,15 @@ class TrainingMeter:
         self.num_examples += num_examples
 
     @property
+    def start_wait_s(self) -> float | None:
+        """Seconds from ``started_at`` to entering the meter (None without both a
+        deadline and a ``started_at`` of the caller's)."""
+        if self.deadline_s is None or not self._origin_given:
+            return None
+        assert self.started_at is not None
+        return max(0.0, self._t0 - self.started_at)
+
+    @property
     def elapsed_s(self) -> float:
         """Seconds inside the meter (up to now while still running)."""
         end = self._t1 if self._t1 is not None else self._clock()
@@ -275,6 +287,7 @@ class TrainingMeter:
             power_w=mean_w,
             energy_j=energy_j(mean_w, seconds) if mean_w is not None else None,
             temp_c=float(temp) if isinstance(temp, int | float) else None,
+            start_wait_s=self.start_wait_s,
         )
 
 

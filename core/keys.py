@@ -17,6 +17,11 @@ ENERGY_J = "energy-j"
 POWER_W = "power-w"
 BATTERY_PCT = "battery-pct"
 TEMP_C = "temp-c"
+START_WAIT_S = "start-wait-s"
+"""Seconds from the deadline's origin (the task's creation on the server) to the
+first training step: queueing, delivery and the ClientApp's start-up. A reply
+with ``num-steps`` 0 and ``start-wait-s`` >= ``deadline-s`` got its task too late
+to train (the board ClientApp reports it whenever the task had a deadline)."""
 COMM_TIME_S = "comm-time-s"
 """Seconds spent moving the model down and the update up (simulation reports it)."""
 PARTITION_ID = "partition-id"

@@ -107,6 +107,18 @@ def test_deadline_counts_from_when_the_task_was_sent() -> None:
     assert (result.num_steps, result.num_examples) == (3, 24)
     assert result.stopped_by_deadline
     assert result.train_time_s == 7.0
+    # It waited 3 s for the task before training: the reply says so.
+    assert result.metrics()[keys.START_WAIT_S] == 3.0
+
+
+def test_a_task_received_after_its_deadline_does_no_work_and_says_why() -> None:
+    clock = FakeClock(100.0)
+    meter = TrainingMeter(deadline_s=10.0, started_at=88.0, clock=clock.now)
+    with meter:
+        assert meter.should_stop()
+    metrics = meter.result().metrics()
+    assert metrics[keys.NUM_STEPS] == 0
+    assert metrics[keys.START_WAIT_S] == 12.0
 
 
 def test_no_deadline_means_never_stop_early() -> None:
@@ -153,6 +165,8 @@ def test_timed_train_stops_at_deadline_with_partial_work(tmp_path: Path) -> None
     assert (done.num_steps, done.num_examples) == (3, 24)
     assert done.stopped_by_deadline
     assert done.train_time_s == 3.5
+    # Without a started_at of its own the deadline counts from entry: no wait.
+    assert keys.START_WAIT_S not in done.metrics()
 
 
 def test_timed_train_meters_board_power_and_temperature(tmp_path: Path) -> None:

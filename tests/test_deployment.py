@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from flowerbed import keys
 from flowerbed.data import load_dataset, partition
 from procs import Federation, SuperNode, alive, tagged
 
@@ -31,6 +32,12 @@ partial work."""
 BATCH_SIZE = 16
 SLOWDOWN_S = 0.5
 PROFILE_STEPS = 3
+STEP_SLACK_S = 1.0
+"""A node checks its deadline before each step, so it may end one step (and its
+timing) past deadline-s: milliseconds here, under a second on a loaded machine."""
+CLOCK_SLACK_S = 0.05
+"""The board counts deadline-s from the task's creation (wall clock) and times its
+steps on the monotonic clock: the two agree to within this."""
 CLOSE_SLACK_S = 3.0
 CLOSE_SLACK_SHARE = 0.2
 """A round may end ``max(CLOSE_SLACK_S, CLOSE_SLACK_SHARE x deadline)`` after its
@@ -313,22 +320,34 @@ def test_straggler_reports_partial_work_and_rounds_keep_the_deadline(
     assert len(result["durations"]) == 3
     for seconds in result["durations"]:
         assert seconds <= close_by(deadline), why
-    for metrics in result["rounds"].values():
-        assert metrics["deadline-s"] == deadline
-        assert metrics["participants"] == 3, why
-        assert metrics["stragglers"] == 0, why
 
-    # Partial work: nodes may train until deadline-s = 0.8 x deadline after the
-    # task was sent. At 0.5 s per step the slowed node manages at most
-    # 0.8 x deadline / 0.5 s of its 200 steps, yet its reply arrives in time and
-    # is used; the others do all 200.
-    for round_replies in result["replies"]:
-        steps = sorted(int(r["num-steps"]) for r in round_replies)
-        assert len(steps) == 3
-        assert 0 < steps[0] <= WORK_FRACTION * deadline / SLOWDOWN_S
-        assert steps[-1] == LOCAL_STEPS, why
+    # Partial work: each node may train until deadline-s = 0.8 x deadline after the
+    # task was created. A fast node does all 200 steps in about a second; the slowed
+    # node, at 0.5 s per step, stops at its deadline-s with part of them, yet its
+    # reply arrives in time and is used. Every node's time counts from the task's
+    # creation, so a ClientApp that starts late (a loaded machine) trains for less,
+    # and one that starts after deadline-s trains not at all: its empty reply is
+    # rejected ("no work") and the round goes on with the others. So each used
+    # reply either did all its steps or stopped at its own deadline-s, and no reply
+    # trained past it.
+    budget = WORK_FRACTION * deadline
+    slow_used = 0
+    for round_no, round_replies in zip(["1", "2", "3"], result["replies"], strict=True):
+        assert result["rounds"][round_no]["deadline-s"] == deadline
+        assert result["rounds"][round_no]["participants"] == len(round_replies), why
+        assert 1 <= len(round_replies) <= 3, why
         for reply in round_replies:
-            assert reply["train-time-s"] <= WORK_FRACTION * deadline
+            steps = int(reply["num-steps"])
+            began = float(reply[keys.START_WAIT_S])
+            ended = began + float(reply["train-time-s"])
+            assert 0 < steps <= LOCAL_STEPS, reply
+            assert ended <= budget + STEP_SLACK_S, (reply, budget)
+            if steps < LOCAL_STEPS:  # stopped by its deadline-s, not before it
+                assert ended >= budget - CLOCK_SLACK_S, (reply, budget)
+            if float(reply["samples-per-s"]) <= BATCH_SIZE / SLOWDOWN_S:
+                slow_used += 1
+                assert steps <= (budget - began) / SLOWDOWN_S + 1, (reply, budget)
+    assert slow_used >= 1, why  # the straggler's partial work was used
 
 
 def test_a_straggler_with_learnt_lateness_keeps_replying_in_time(
