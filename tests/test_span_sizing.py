@@ -9,6 +9,7 @@ from flowerbed.strategies.span_sizing import (
     ROUND_NEXT_STEPS,
     ROUND_SETUP_S,
     ROUND_SETUP_SHARE,
+    SHARE_HEADROOM,
     SegmentSizer,
     round_setup_s,
     steps_for_share,
@@ -46,20 +47,26 @@ def test_a_share_outside_zero_one_is_refused() -> None:
 def test_the_sizer_grows_segments_to_the_share_and_reports_the_round() -> None:
     sizer = SegmentSizer(20)
     assert sizer.share == DEFAULT_SETUP_SHARE
+    aim = DEFAULT_SETUP_SHARE * SHARE_HEADROOM  # 8% of the round
     # A round of 20 steps at 0.1 s in 11 s of wall: 9 s of set-up, 9/11 of it.
     metrics = sizer.measured(11.0, 20, 0.1)
     assert metrics[ROUND_SETUP_S] == pytest.approx(9.0)
     assert metrics[ROUND_SETUP_SHARE] == pytest.approx(9.0 / 11.0)
-    assert metrics[ROUND_NEXT_STEPS] == 810
-    assert sizer.steps == 810
-    # The next round (810 steps, 90 s of wall): S = 9 s again, 10% of it.
-    metrics = sizer.measured(90.0, 810, 0.1)
-    assert metrics[ROUND_SETUP_SHARE] == pytest.approx(0.1)
-    assert sizer.steps == 810
+    # k = 9 * 0.92 / (0.08 * 0.1) = 1035 steps
+    assert metrics[ROUND_NEXT_STEPS] == steps_for_share(9.0, 0.1, aim) == 1035
+    assert sizer.steps == 1035
+    # The next round (1035 steps, 9 s of set-up): 8% of it.
+    metrics = sizer.measured(9.0 + 103.5, 1035, 0.1)
+    assert metrics[ROUND_SETUP_SHARE] == pytest.approx(0.08)
+    assert sizer.steps == 1035
+    # A round whose set-up came out a quarter above the forecast still keeps
+    # within the 10% share.
+    metrics = sizer.measured(9.0 * 1.25 + 103.5, 1035, 0.1)
+    assert metrics[ROUND_SETUP_SHARE] <= DEFAULT_SETUP_SHARE
 
 
 def test_the_sizer_sizes_on_the_mean_and_never_shrinks() -> None:
-    sizer = SegmentSizer(20)
+    sizer = SegmentSizer(20, share=0.1 / SHARE_HEADROOM)  # aims at 10%
     sizer.measured(5.0 + 2.0, 20, 0.1)  # S = 5 s: 5 * 0.9 / 0.01 = 450
     assert sizer.steps == 450
     sizer.measured(13.0 + 45.0, 450, 0.1)  # S = 13 s; mean 9 s: 810
@@ -68,7 +75,7 @@ def test_the_sizer_sizes_on_the_mean_and_never_shrinks() -> None:
     assert sizer.steps == 810
     # Set-up already small: the starting steps stay.
     small = SegmentSizer(20)
-    small.measured(2.0 + 0.1, 20, 0.1)  # S = 0.1 s: 9 steps would do
+    small.measured(2.0 + 0.1, 20, 0.1)  # S = 0.1 s: 12 steps would do
     assert small.steps == 20
 
 
