@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from logging import INFO, WARNING
 from typing import Any, ClassVar, Self
 
 import numpy as np
 from flowerbed import keys
-from flowerbed.replies import UNAVAILABLE_CODES
 from flowerbed.strategies.checkpoints import (
     FINITE,
     METRIC_VALUES,
@@ -40,10 +38,18 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 from flwr.supercore import log
 
-from .lateness import LATENESS_SLACK, NodeLateness
+from .durations import (
+    DurationHistory,
+    Observation,
+    censored_percentile,
+    deadline_seconds,
+    full_work_seconds,
+    metric_number,
+    reply_seconds,
+    two_speed_percentile,
+)
+from .lateness import LATENESS_SLACK, NodeLateness, deadline_floor
 from .options import (
-    DEFAULT_WAIT_RATIO,
-    FAST_PERCENTILE,
     PATIENT_PERCENTILE,
     RECOMMENDED_DEADLINES,
     Deadlines,
@@ -51,8 +57,19 @@ from .options import (
     copy_fields,
     take_options,
 )
+from .pacer import Pacer
 from .rounds import MIN_MESSAGE_TTL_S, RoundTally
 from .runtime_weighted import RuntimeWeightedFedAvg
+
+__all__ = [  # the names this module held before the durations moved out
+    "DeadlineFedAvg",
+    "Observation",
+    "censored_percentile",
+    "deadline_seconds",
+    "full_work_seconds",
+    "reply_seconds",
+    "two_speed_percentile",
+]
 
 PROGRESS_METRICS = ("accuracy", keys.EVAL_ACC)
 """Metrics the pacer looks for (server-side evaluation first, then federated)."""
@@ -71,159 +88,6 @@ WHOLE_WORK_PERCENTILE = PATIENT_PERCENTILE
 """The adaptive deadline's percentile without partial work: without it the slow
 nodes' full-work durations are never seen, only that they did not finish, so
 there is nothing to weigh the two speeds with."""
-
-
-@dataclass(frozen=True)
-class Observation:
-    """How long one sampled node needed for its whole assigned work in a round.
-
-    ``censored``: it did not finish (straggler, expired message, no step done),
-    so it needed more than ``seconds``.
-    """
-
-    round: int
-    seconds: float
-    censored: bool = False
-
-
-def full_work_seconds(
-    round_trip_s: float,
-    compute_s: float | None,
-    steps_done: float | None,
-    steps_assigned: int | None,
-) -> float | None:
-    """Seconds a node would have needed for all its assigned steps; None if 0 done.
-
-    With partial work a reply covers ``k`` of ``L`` assigned steps, so its round
-    trip understates the time the whole task takes. The compute part scales with
-    the steps, the rest (transfers, queueing) does not::
-
-        t_full = (t_rtt - t_compute) + t_compute * L / k
-
-    and without a reported ``train-time-s`` the whole round trip is scaled.
-    """
-    if steps_done is None or steps_assigned is None or steps_done >= steps_assigned:
-        return round_trip_s
-    if steps_done <= 0:
-        return None
-    compute = round_trip_s if compute_s is None else min(compute_s, round_trip_s)
-    return round_trip_s - compute + compute * steps_assigned / steps_done
-
-
-def censored_percentile(
-    observations: Iterable[Observation], percentile: float
-) -> tuple[float, bool] | None:
-    """Nearest-rank ``percentile`` of durations; ``(value, censored)``, None if empty.
-
-    Nodes that did not finish sort after every finished one (they needed longer
-    than their ``seconds``). The result is the duration of rank
-    ``ceil(p/100 * n)``; when that rank falls on a node that did not finish, the
-    percentile is only known to exceed ``value`` and ``censored`` is True.
-    """
-    ranked = sorted(observations, key=lambda o: (o.censored, o.seconds))
-    if not ranked:
-        return None
-    rank = max(1, math.ceil(percentile / 100 * len(ranked)))
-    chosen = ranked[rank - 1]
-    return chosen.seconds, chosen.censored
-
-
-def deadline_seconds(
-    observations: Iterable[Observation], percentile: float, growth: float
-) -> float | None:
-    """The seconds a deadline at ``percentile`` starts from: the nearest-rank
-    value of :func:`censored_percentile`, times ``growth`` when it is censored
-    (the percentile is only known to exceed it). None if there are none."""
-    found = censored_percentile(observations, percentile)
-    if found is None:
-        return None
-    seconds, censored = found
-    return seconds * growth if censored else seconds
-
-
-def two_speed_percentile(
-    observations: Iterable[Observation],
-    fast: float = FAST_PERCENTILE,
-    patient: float = PATIENT_PERCENTILE,
-    growth: float = 1.5,
-    wait_ratio: float = DEFAULT_WAIT_RATIO,
-) -> float:
-    """The percentile of the next deadline: ``patient`` while waiting is cheap.
-
-    With ``c(p)`` the seconds a deadline at percentile ``p`` starts from
-    (:func:`deadline_seconds`, as :meth:`DeadlineFedAvg.current_deadline` uses
-    it)::
-
-        p = patient   if c(patient) <= wait_ratio * c(fast)   else fast
-
-    and ``patient`` before any observation. Rationale: a round at the fast
-    percentile folds the full work of the fast part of the cohort and a step
-    sized to the deadline from the rest, so it gains less accuracy per round
-    than one that waits, and more per second only when waiting is expensive.
-    What waiting costs is known from the durations the deadline already
-    records; how much accuracy a round gains is not (the train loss replies
-    report is local and noisy under non-IID data). Measured (issue 14,
-    ``flowerbed bench`` suite and tests/test_deadline_sweep.py): on phones-10x
-    with digits, where a slow phone's transfers alone outlast a fast phone's
-    task, ``c(80) / c(30)`` is ~3.4 and the patient deadline is needed from the
-    first round to end within a point of FedAvg at equal rounds (a first round
-    at p30, then p80, ended 1.1-1.4 points below at 20 and 50 nodes); on the
-    1,000-phone mnist1d suite, charged as MobileNet compute, it is ~8 (fast
-    phones ~35-42 s, low-end ones ~306 s) and p30 reached 58.7% accuracy 2.1x
-    as fast as Flower's best timeout, where p80 never did in the budget.
-    ``wait_ratio`` 5 sits between the two (about their geometric mean); it is a
-    measured threshold, not a published one.
-    """
-    recent = list(observations)
-    slow = deadline_seconds(recent, patient, growth)
-    quick = deadline_seconds(recent, fast, growth)
-    if slow is None or quick is None:
-        return patient
-    return patient if slow <= wait_ratio * quick else fast
-
-
-def _number(metrics: MetricRecord | ConfigRecord, key: str) -> float | None:
-    value = metrics.get(key)
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    number = float(value)
-    return number if math.isfinite(number) and number >= 0 else None
-
-
-def reply_seconds(
-    reply: Message,
-    ticket: Ticket,
-    arrived: float,
-    min_batch_size: int,
-    batch: float | None,
-) -> tuple[float | None, float | None]:
-    """Full-work seconds and least-useful seconds of a fresh reply.
-
-    Full work (:func:`full_work_seconds`): None when it did no step; the
-    round trip for an error. Least useful: the seconds for its transfers and
-    one smallest step, ``(t_rtt - t_compute) + t_compute / k * b_min / b``
-    for ``k`` steps of batch ``b`` (``b_min`` = ``min_batch_size``, or ``b``
-    when work sizing is off); None without ``train-time-s`` or a step.
-    """
-    round_trip = arrived - ticket.sent_at
-    if reply.has_error() or not reply.has_content():
-        return round_trip, None
-    metrics = next(iter(reply.content.metric_records.values()), MetricRecord())
-    steps = _number(metrics, keys.NUM_STEPS)
-    examples = _number(metrics, keys.NUM_EXAMPLES)
-    compute = _number(metrics, keys.TRAIN_TIME_S)
-    least = None
-    if steps and compute is not None:
-        share = 1.0
-        if min_batch_size and batch:
-            share = min(1.0, min_batch_size / batch)
-        bounded = min(compute, round_trip)
-        least = round_trip - bounded + bounded / steps * share
-    if min_batch_size and steps and examples is not None and batch:
-        # A step on a smaller batch (min_batch_size) is that share of a step.
-        steps = min(steps, examples / batch)
-    full = full_work_seconds(round_trip, compute, steps, ticket.assigned_steps)
-    return full, least
 
 
 class DeadlineFedAvg(RuntimeWeightedFedAvg):
@@ -370,22 +234,36 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
         self.staleness_fn = resolve_staleness_fn(self.staleness.staleness_fn)
         if self.min_completion is None:
             self.min_completion = max(1, self.min_train_nodes)
-        self.pacing = 1.0
-        self.durations: list[Observation] = []
-        """Full-work durations of the sampled nodes of recent rounds."""
-        self.progress: list[float] = []
+        self.pacer = Pacer()
+        """The pacer's factor on the deadline and the accuracies it follows."""
+        self.history = DurationHistory()
+        """Recent full-work durations and least-useful seconds of replies."""
         self._deadline: float | None = None
         self._wanted = 0
         self._bases: dict[int, dict[str, np.ndarray]] = {}
-        self._round_obs: list[tuple[Arrival, float | None]] = []
-        self.least: list[tuple[int, float]] = []
-        """(round, seconds) a usable reply of recent rounds needed for its
-        transfers and one smallest step: the floor of a partial-work deadline."""
-        self._round_least: list[float] = []
         self._batch: float | None = None
         """The round's assigned batch size (``batch-size`` of its config)."""
         self.node_lateness = NodeLateness()
         """What each node's replies need after its ``deadline-s``."""
+
+    @property
+    def pacing(self) -> float:
+        """The pacer's factor on the deadline (:attr:`Pacer.factor`)."""
+        return self.pacer.factor
+
+    @property
+    def durations(self) -> list[Observation]:
+        """Recent full-work durations (:attr:`DurationHistory.durations`)."""
+        return self.history.durations
+
+    @durations.setter
+    def durations(self, durations: list[Observation]) -> None:
+        self.history.durations = durations
+
+    @property
+    def least(self) -> list[tuple[int, float]]:
+        """Recent least-useful seconds (:attr:`DurationHistory.least`)."""
+        return self.history.least
 
     @property
     def lateness(self) -> dict[int, list[float]]:
@@ -459,11 +337,7 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
         """
         if not self.adaptive_deadline:
             return self.deadline_s
-        recent = [
-            o
-            for o in self.durations
-            if o.round > server_round - 1 - self.deadline_window
-        ]
+        recent = self.history.recent(server_round, self.deadline_window)
         self.percentile = (
             self.deadline_percentile
             if self.deadline_percentile is not None
@@ -484,50 +358,18 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
             # D - l - 0.02 D, covers the c(p) - l it needs before what follows.
             deadline /= 1 - LATENESS_SLACK
         if self.partial_work:
-            least = self._least_seconds(server_round)
+            least = self.history.least_seconds(
+                server_round, self.deadline_window, self.percentile
+            )
             if least is not None:
-                deadline = max(deadline, self._deadline_floor(deadline, least))
+                late = self.node_lateness.fleet() if self.learn_margin else None
+                deadline = max(
+                    deadline,
+                    deadline_floor(
+                        deadline, least, late, self.work_fraction, self.deadline_growth
+                    ),
+                )
         return min(deadline, self._timeout)
-
-    def _deadline_floor(self, deadline: float, least: float) -> float:
-        """The shortest deadline that leaves the percentile's node one step.
-
-        With the fleet's lateness ``l`` known (``learn_margin``, see
-        :meth:`node_deadline`): ``(P_p(least) + max(l, 0)) / (1 - 0.02)``, the
-        deadline whose ``deadline-s`` covers the transfers and one smallest
-        step. Otherwise, when ``work_fraction * D < P_p(least)``, ``D`` grows
-        as for a censored percentile to ``P_p(least) * deadline_growth /
-        work_fraction`` (the fixed share gives no better estimate of what
-        comes after ``deadline-s``). On digits with 50 phones (transfers ~85%
-        of a fast phone's task) that growth set rounds 1.6x the 30th
-        percentile's duration, longer than Flower's best timeout.
-        """
-        late = self.node_lateness.fleet() if self.learn_margin else None
-        if late is not None:
-            return (least + max(late, 0.0)) / (1 - LATENESS_SLACK)
-        if deadline * self.work_fraction < least:
-            return least * self.deadline_growth / self.work_fraction
-        return deadline
-
-    def _least_seconds(self, server_round: int) -> float | None:
-        """``P_p(least)``: what a partial-work deadline must leave a node.
-
-        The ``p``-th percentile of the seconds recent usable replies needed for
-        their transfers and one smallest step (:func:`reply_seconds`). When
-        ``work_fraction * D`` falls below it, the deadline grows as for a
-        censored percentile: ``D = P_p(least) * deadline_growth /
-        work_fraction``. A fast percentile of full-work durations can fall
-        there when transfers dominate a task (digits on phones-10x, where a
-        fast phone's task is ~85% transfer): every node would answer zero steps
-        and the round would starve. None before any usable reply.
-        """
-        recent = [
-            Observation(r, s)
-            for r, s in self.least
-            if r > server_round - 1 - self.deadline_window
-        ]
-        found = censored_percentile(recent, self.percentile)
-        return None if found is None else found[0]
 
     def _message_ttl(self) -> float:
         if self.message_ttl_s is not None or self._deadline is None:
@@ -549,27 +391,8 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
         return self.node_lateness.deadline_s(node_id, deadline, self.work_fraction)
 
     def _note_lateness(self, reply: Message, ticket: Ticket, arrived: float) -> None:
-        """Record how late after its ``deadline-s`` a reply that used all of it
-        arrived (see :meth:`node_deadline`): one that stopped short of its
-        assigned steps, or came after its ``deadline-s``, having done at least
-        one step (a node that could not start says nothing about what follows
-        its training). Measured against the ``deadline-s`` of the reply's own
-        task: a node may have been given another since."""
-        given = ticket.deadline_s
-        if given is None or reply.has_error() or not reply.has_content():
-            return
-        metrics = next(iter(reply.content.metric_records.values()), MetricRecord())
-        steps = _number(metrics, keys.NUM_STEPS)
-        if not steps:  # no step: its time says nothing of what follows training
-            return
-        round_trip = arrived - ticket.sent_at
-        stopped = (
-            steps is not None
-            and ticket.assigned_steps is not None
-            and steps < ticket.assigned_steps
-        )
-        if stopped or round_trip > given:
-            self.node_lateness.note(ticket.node_id, round_trip - given)
+        """Record the reply's lateness (:meth:`NodeLateness.note_reply`)."""
+        self.node_lateness.note_reply(reply, ticket, arrived)
 
     def _node_config(self, node_id: int, config: ConfigRecord) -> ConfigRecord:
         if self.partial_work and self._deadline is not None:
@@ -594,7 +417,7 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
             return []
         config[keys.SERVER_ROUND] = server_round
         self._deadline = self.current_deadline(server_round)
-        self._batch = _number(config, keys.BATCH_SIZE)
+        self._batch = metric_number(config, keys.BATCH_SIZE)
         wanted = self._sample_size(grid, self.fraction_train, self.min_train_nodes)
         count = math.ceil(wanted * self.over_selection)
         messages = self._train_messages(server_round, arrays, config, grid, count)
@@ -613,8 +436,7 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
             grid, self.fraction_train, self.min_train_nodes
         )
         self._bases[server_round] = self._global_np
-        self._round_obs = []
-        self._round_least = []
+        self.history.open_round()
 
     def _train_replies(self, server_round: int) -> Iterator[Message]:
         """Fresh and late replies as they arrive, until the round's rule closes it."""
@@ -653,9 +475,7 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
                 full, least = reply_seconds(
                     reply, ticket, arrived, self.min_batch_size, self._batch
                 )
-                self._round_obs.append((self._handed[-1], full))
-                if least is not None:
-                    self._round_least.append(least)
+                self.history.note(self._handed[-1], full, least)
                 yield handed
             elif not self.late_updates or staleness > self.max_staleness:
                 log(
@@ -674,38 +494,6 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
                     staleness=staleness,
                     discount=self.staleness_fn(staleness),
                 )
-
-    def _observe(self, server_round: int, closed_at: float) -> None:
-        """Record the round's full-work durations; unfinished nodes are censored."""
-        assert self._inflight is not None
-        # An unfinished node needed longer than it waited, and than the deadline
-        # (one that did no step at all answers early, but had the deadline).
-        given = self._deadline or 0.0
-        for arrival, seconds in self._round_obs:
-            if arrival.fault or (
-                arrival.error_code is not None
-                and arrival.error_code not in UNAVAILABLE_CODES
-            ):
-                continue  # broken, not slow: says nothing about the deadline
-            waited = arrival.arrived - arrival.ticket.sent_at
-            if arrival.error_code is not None or seconds is None:
-                self.durations.append(
-                    Observation(server_round, max(waited, given), True)
-                )
-            else:
-                self.durations.append(Observation(server_round, seconds))
-        for ticket in self._inflight.tickets.values():
-            if ticket.server_round == server_round and ticket.kind == MessageType.TRAIN:
-                waited = closed_at - ticket.sent_at
-                self.durations.append(
-                    Observation(server_round, max(waited, given), True)
-                )
-        self.durations = [
-            o for o in self.durations if o.round > server_round - self.deadline_window
-        ]
-        self.least = [
-            (r, s) for r, s in self.least if r > server_round - self.deadline_window
-        ] + [(server_round, s) for s in self._round_least]
 
     def _close_train(
         self,
@@ -732,7 +520,17 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
                 else f"{self._deadline:.3g} s deadline",
                 stragglers,
             )
-        self._observe(server_round, self._clock.now())
+        self.history.close_round(
+            server_round,
+            self._clock.now(),
+            self._deadline,
+            (
+                t
+                for t in self._inflight.tickets.values()
+                if t.server_round == server_round and t.kind == MessageType.TRAIN
+            ),
+            self.deadline_window,
+        )
         self._expire(server_round)
         fresh = sum(a.usable for a in self._handed if a.staleness == 0)
         late = sum(a.usable for a in self._handed if a.staleness > 0)
@@ -801,19 +599,11 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
             return
         if not math.isfinite(value):  # an evaluate_fn's NaN says nothing of pace
             return
-        self.progress.append(value)
-        w = self.pacer_window
-        if len(self.progress) < 2 * w + 1 or server_round % w != 0:
+        change = self.pacer.update(
+            server_round, value, self.pacer_step, self.pacer_window, self.pacing_bounds
+        )
+        if change is None:
             return
-        recent = self.progress[-1] - self.progress[-1 - w]
-        before = self.progress[-1 - w] - self.progress[-1 - 2 * w]
-        lo, hi = self.pacing_bounds
-        if recent < before:
-            self.pacing = min(hi, self.pacing * (1 + self.pacer_step))
-            change = "slowed: relaxing"
-        else:
-            self.pacing = max(lo, self.pacing * (1 - self.pacer_step))
-            change = "held: tightening"
         log(
             INFO,
             "round %d: accuracy progress %s the deadline (pacing factor %.2f)",
@@ -844,7 +634,7 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
         state["deadline"] = {
             "pacing": self.pacing,
             "durations": [[o.round, o.seconds, o.censored] for o in self.durations],
-            "progress": self.progress,
+            "progress": self.pacer.progress,
             "least": [[r, s] for r, s in self.least],
             "lateness": [[n, s] for n, seen in self.lateness.items() for s in seen],
         }
@@ -865,10 +655,10 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
             saved.rows("lateness", NODE_IDS, FINITE) if "lateness" in saved else []
         )
         super().load_state(state)
-        self.pacing = pacing
-        self.durations = durations
-        self.progress = progress
-        self.least = [(int(r), float(s)) for r, s in least]
+        self.pacer.factor = pacing
+        self.history.durations = durations
+        self.pacer.progress = progress
+        self.history.least = [(int(r), float(s)) for r, s in least]
         self.lateness = {}
         for n, s in lateness:
             self.lateness.setdefault(int(n), []).append(float(s))

@@ -13,6 +13,11 @@ little where the upload is most of the task.
 from __future__ import annotations
 
 import numpy as np
+from flowerbed import keys
+from flwr.app import Message, MetricRecord
+
+from .durations import metric_number
+from .inflight import Ticket
 
 LATENESS_MEMORY = 3
 """Replies per node whose largest lateness the node's deadline allows for."""
@@ -43,6 +48,29 @@ class NodeLateness:
         ``deadline-s``; keep the node's last three values."""
         seen = self.seen.pop(node_id, [])  # newest node last
         self.seen[node_id] = [*seen, late][-LATENESS_MEMORY:]
+
+    def note_reply(self, reply: Message, ticket: Ticket, arrived: float) -> None:
+        """Record how late after its ``deadline-s`` a reply that used all of it
+        arrived: one that stopped short of its assigned steps, or came after
+        its ``deadline-s``, having done at least one step (a node that could
+        not start says nothing about what follows its training). Measured
+        against the ``deadline-s`` of the reply's own task: a node may have
+        been given another since."""
+        given = ticket.deadline_s
+        if given is None or reply.has_error() or not reply.has_content():
+            return
+        metrics = next(iter(reply.content.metric_records.values()), MetricRecord())
+        steps = metric_number(metrics, keys.NUM_STEPS)
+        if not steps:  # no step: its time says nothing of what follows training
+            return
+        round_trip = arrived - ticket.sent_at
+        stopped = (
+            steps is not None
+            and ticket.assigned_steps is not None
+            and steps < ticket.assigned_steps
+        )
+        if stopped or round_trip > given:
+            self.note(ticket.node_id, round_trip - given)
 
     def fleet(self) -> float | None:
         """The 80th percentile of the fleet's last 100 lateness values."""
@@ -76,3 +104,32 @@ class NodeLateness:
         slack = max(LATENESS_SLACK * deadline, spread)
         given = deadline - max(late, 0.0) - slack
         return min(deadline, max(MIN_DEADLINE_SHARE * deadline, given))
+
+
+def deadline_floor(
+    deadline: float,
+    least: float,
+    late: float | None,
+    work_fraction: float,
+    growth: float,
+) -> float:
+    """The shortest deadline that leaves the percentile's node one step.
+
+    ``least`` is ``P_p(least)``, the seconds recent usable replies needed for
+    their transfers and one smallest step
+    (:meth:`~flowerbed.strategies.durations.DurationHistory.least_seconds`).
+    With the fleet's lateness ``l = late`` known (``learn_margin``, see
+    :meth:`NodeLateness.fleet`): ``(P_p(least) + max(l, 0)) / (1 - 0.02)``, the
+    deadline whose ``deadline-s`` covers the transfers and one smallest step.
+    Otherwise, when ``work_fraction * D < P_p(least)``, ``D`` grows as for a
+    censored percentile to ``P_p(least) * growth / work_fraction`` (the fixed
+    share gives no better estimate of what comes after ``deadline-s``). On
+    digits with 50 phones (transfers ~85% of a fast phone's task) that growth
+    set rounds 1.6x the 30th percentile's duration, longer than Flower's best
+    timeout.
+    """
+    if late is not None:
+        return (least + max(late, 0.0)) / (1 - LATENESS_SLACK)
+    if deadline * work_fraction < least:
+        return least * growth / work_fraction
+    return deadline
