@@ -10,12 +10,6 @@ from typing import Any, ClassVar, Self
 import numpy as np
 from flowerbed import keys
 from flowerbed.strategies.checkpoints import (
-    FINITE,
-    METRIC_VALUES,
-    NODE_IDS,
-    NON_NEGATIVE,
-    ROUNDS,
-    Bounds,
     StateReader,
 )
 from flowerbed.strategies.inflight import Arrival, Ticket, enough_usable
@@ -38,8 +32,14 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 from flwr.supercore import log
 
+from .adaptive_deadline import (
+    DEFAULT_PACER_STEP,
+    PROGRESS_METRICS,
+    TWO_SPEED_PACER_STEP,
+    WHOLE_WORK_PERCENTILE,
+    AdaptiveDeadline,
+)
 from .durations import (
-    DurationHistory,
     Observation,
     censored_percentile,
     deadline_seconds,
@@ -48,7 +48,6 @@ from .durations import (
     reply_seconds,
     two_speed_percentile,
 )
-from .lateness import LATENESS_SLACK, NodeLateness, deadline_floor
 from .options import (
     PATIENT_PERCENTILE,
     RECOMMENDED_DEADLINES,
@@ -57,11 +56,14 @@ from .options import (
     copy_fields,
     take_options,
 )
-from .pacer import Pacer
 from .rounds import MIN_MESSAGE_TTL_S, RoundTally
 from .runtime_weighted import RuntimeWeightedFedAvg
 
 __all__ = [  # the names this module held before the durations moved out
+    "DEFAULT_PACER_STEP",
+    "PROGRESS_METRICS",
+    "TWO_SPEED_PACER_STEP",
+    "WHOLE_WORK_PERCENTILE",
     "DeadlineFedAvg",
     "Observation",
     "censored_percentile",
@@ -71,23 +73,8 @@ __all__ = [  # the names this module held before the durations moved out
     "two_speed_percentile",
 ]
 
-PROGRESS_METRICS = ("accuracy", keys.EVAL_ACC)
-"""Metrics the pacer looks for (server-side evaluation first, then federated)."""
 EVALUATE_SHARE = 0.25
 """Default evaluation wait as a share of the round's deadline."""
-DEFAULT_PACER_STEP = 0.1
-"""The pacer's step with a fixed percentile (Oort's pacer, see the class)."""
-TWO_SPEED_PACER_STEP = 0.0
-"""No pacer with two speeds: :func:`two_speed_percentile` already sets how long
-rounds wait, from durations, and the pacer's factor follows differences of
-noisy accuracies. On the mnist1d suite (device-correlated labels, seeds 1-5)
-it wandered (up to 1.8 in seed 1: rounds of ~1.8x the 30th percentile) and the
-two-speed deadline reached 58.7% accuracy in 3,781, 5,603, 3,943, 4,558 and
-3,613 virtual s with it, 3,658, 3,322, 3,440, 3,628 and 4,460 without."""
-WHOLE_WORK_PERCENTILE = PATIENT_PERCENTILE
-"""The adaptive deadline's percentile without partial work: without it the slow
-nodes' full-work durations are never seen, only that they did not finish, so
-there is nothing to weigh the two speeds with."""
 
 
 class DeadlineFedAvg(RuntimeWeightedFedAvg):
@@ -99,29 +86,12 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
     - **Fixed deadline** ``D = deadline_s``: the round closes ``D`` clock seconds
       after the push; replies after that are stragglers.
     - **Adaptive deadline**: ``D_r = f * P_p(full-work durations of the last W
-      rounds)``, the ``p``-th percentile (nearest rank) of the time each sampled
-      node needed for its whole assigned work, times a pacing factor ``f``. A
-      node that did not finish (straggler, expired message, no step within
-      ``deadline-s``) counts as slower than every node that did; when the
-      percentile falls on such a node, the deadline grows:
-      ``D_r = f * deadline_growth * (the time it was given)``. With partial
-      work a reply of ``k`` of ``L`` steps counts as
-      ``(t_rtt - t_compute) + t_compute * L / k`` (:func:`full_work_seconds`),
-      so the deadline cannot shrink round after round on its own partial work.
-      The pacer follows Oort (Lai et al., OSDI 2021, Sec. 4.3): every
-      ``pacer_window`` rounds it compares the accuracy gained over the last
-      window with the window before; when progress slows, ``f *= 1 +
-      pacer_step`` (more patience, more participants), otherwise ``f *= 1 -
-      pacer_step``; ``f`` stays within ``pacing_bounds``. ``D`` never exceeds
-      ``start()``'s ``timeout``. Without history (round 1, no ``deadline_s``)
-      the round closes when ``floor(p% of sampled)`` nodes (at least one)
-      replied, that round's ``p``-th percentile.
-    - **Two speeds** (the default with partial work, ``deadline_percentile``
-      None): each round ``p`` is 80 while the 80th percentile of the recent
-      full-work durations is at most ``wait_ratio`` times the 30th, else
-      ``fast_percentile`` (:func:`two_speed_percentile`, which gives the
-      rationale and the measurements): rounds wait for the slow nodes where
-      that is cheap and do not where it is not.
+      rounds)``, times Oort's pacing factor ``f``, at a fixed percentile or
+      with two speeds
+      (:class:`~flowerbed.strategies.adaptive_deadline.AdaptiveDeadline` gives
+      the formulas). Without history (round 1, no ``deadline_s``) the round
+      closes when ``floor(p% of sampled)`` nodes (at least one) replied, that
+      round's ``p``-th percentile.
     - **Over-selection** (Bonawitz et al., "Towards Federated Learning at Scale",
       MLSys 2019, Sec. 2.3; FedScale's default 1.3): sample
       ``ceil(K * over_selection)`` nodes and close the round at the first ``K``
@@ -214,37 +184,29 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
         self.staleness: Staleness = options["staleness"]
         """How late updates count."""
         copy_fields(self, self.deadlines, self.staleness)
-        percentile = self.deadlines.deadline_percentile
-        if percentile is None and not self.partial_work:
-            percentile = WHOLE_WORK_PERCENTILE
-        self.deadline_percentile = None if percentile is None else float(percentile)
-        """The fixed percentile; None: two speeds (:func:`two_speed_percentile`)."""
+        self.adaptive = AdaptiveDeadline(self.deadlines)
+        """The adaptive deadline's history, pacer and learnt lateness."""
+        self.deadline_percentile = self.adaptive.fixed_percentile
+        self.pacer_step = self.adaptive.pacer_step
         self.fast_percentile = float(self.fast_percentile)
         self.wait_ratio = float(self.wait_ratio)
-        self.percentile = self.deadline_percentile or PATIENT_PERCENTILE
-        """The percentile of the current round's deadline."""
-        if self.pacer_step is None:
-            self.pacer_step = (
-                TWO_SPEED_PACER_STEP
-                if self.deadline_percentile is None
-                else DEFAULT_PACER_STEP
-            )
-        self.pacer_step = float(self.pacer_step)
         self.min_batch_size = int(self.min_batch_size)
         self.staleness_fn = resolve_staleness_fn(self.staleness.staleness_fn)
         if self.min_completion is None:
             self.min_completion = max(1, self.min_train_nodes)
-        self.pacer = Pacer()
-        """The pacer's factor on the deadline and the accuracies it follows."""
-        self.history = DurationHistory()
-        """Recent full-work durations and least-useful seconds of replies."""
+        self.pacer = self.adaptive.pacer
+        self.history = self.adaptive.history
+        self.node_lateness = self.adaptive.lateness
         self._deadline: float | None = None
         self._wanted = 0
         self._bases: dict[int, dict[str, np.ndarray]] = {}
         self._batch: float | None = None
         """The round's assigned batch size (``batch-size`` of its config)."""
-        self.node_lateness = NodeLateness()
-        """What each node's replies need after its ``deadline-s``."""
+
+    @property
+    def percentile(self) -> float:
+        """The percentile of the current round's deadline."""
+        return self.adaptive.percentile
 
     @property
     def pacing(self) -> float:
@@ -324,52 +286,10 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
 
     # ----------------------------------------------------------------- deadline
     def current_deadline(self, server_round: int) -> float | None:
-        """The deadline (clock seconds) for ``server_round``; None if unknown.
-
-        ``D = c(p)`` (times the pacer's factor), the ``p``-th percentile of
-        recent full-work durations; with partial work and ``learn_margin``,
-        ``D = c(p) / (1 - 0.02)``, so that the node at the percentile, given
-        ``D - l - 0.02 D`` (:meth:`node_deadline`), still has the whole task
-        it needs. Without
-        that division the percentile's own node lost its last step every round
-        (on 20 identical boards, 9 of 10 steps in a round as long as FedAvg's).
-        Also sets :attr:`percentile`, the one this deadline is taken at.
-        """
-        if not self.adaptive_deadline:
-            return self.deadline_s
-        recent = self.history.recent(server_round, self.deadline_window)
-        self.percentile = (
-            self.deadline_percentile
-            if self.deadline_percentile is not None
-            else two_speed_percentile(
-                recent,
-                self.fast_percentile,
-                PATIENT_PERCENTILE,
-                self.deadline_growth,
-                self.wait_ratio,
-            )
-        )
-        base = deadline_seconds(recent, self.percentile, self.deadline_growth)
-        if base is None:
-            return self.deadline_s
-        deadline = self.pacing * base
-        if self.partial_work and self.learn_margin:
-            # The percentile's node keeps its whole task: its deadline-s,
-            # D - l - 0.02 D, covers the c(p) - l it needs before what follows.
-            deadline /= 1 - LATENESS_SLACK
-        if self.partial_work:
-            least = self.history.least_seconds(
-                server_round, self.deadline_window, self.percentile
-            )
-            if least is not None:
-                late = self.node_lateness.fleet() if self.learn_margin else None
-                deadline = max(
-                    deadline,
-                    deadline_floor(
-                        deadline, least, late, self.work_fraction, self.deadline_growth
-                    ),
-                )
-        return min(deadline, self._timeout)
+        """The deadline (clock seconds) for ``server_round``; None if unknown
+        (:meth:`AdaptiveDeadline.deadline
+        <flowerbed.strategies.adaptive_deadline.AdaptiveDeadline.deadline>`)."""
+        return self.adaptive.deadline(server_round, self._timeout)
 
     def _message_ttl(self) -> float:
         if self.message_ttl_s is not None or self._deadline is None:
@@ -594,71 +514,18 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
 
     # -------------------------------------------------------------------- pacer
     def _after_round(self, server_round: int, result: Result) -> None:
-        value = self._progress_value(server_round, result)
-        if value is None or not self.adaptive_deadline or self.pacer_step == 0:
-            return
-        if not math.isfinite(value):  # an evaluate_fn's NaN says nothing of pace
-            return
-        change = self.pacer.update(
-            server_round, value, self.pacer_step, self.pacer_window, self.pacing_bounds
-        )
-        if change is None:
-            return
-        log(
-            INFO,
-            "round %d: accuracy progress %s the deadline (pacing factor %.2f)",
-            server_round,
-            change,
-            self.pacing,
-        )
-
-    def _progress_value(self, server_round: int, result: Result) -> float | None:
-        names = (self.progress_metric,) if self.progress_metric else PROGRESS_METRICS
-        for history in (
-            result.evaluate_metrics_serverapp,
-            result.evaluate_metrics_clientapp,
-        ):
-            record = history.get(server_round)
-            if record is None:
-                continue
-            for name in names:
-                value = record.get(name)
-                if isinstance(value, int | float):
-                    return float(value)
-        return None
+        self.adaptive.pace(server_round, result)
 
     # --------------------------------------------------------------- checkpoint
     def state(self) -> dict[str, Any]:
         """Strategy state plus the deadline's history and pacing."""
         state = super().state()
-        state["deadline"] = {
-            "pacing": self.pacing,
-            "durations": [[o.round, o.seconds, o.censored] for o in self.durations],
-            "progress": self.pacer.progress,
-            "least": [[r, s] for r, s in self.least],
-            "lateness": [[n, s] for n, seen in self.lateness.items() for s in seen],
-        }
+        state["deadline"] = self.adaptive.state()
         return state
 
     def load_state(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state` returned; a field out of range raises one
         CheckpointError naming it, and nothing is loaded."""
-        saved = StateReader.of(state).section("deadline")
-        pacing = saved.number("pacing", Bounds(*self.pacing_bounds))
-        durations = [
-            Observation(int(r), float(d), c)
-            for r, d, c in saved.rows("durations", ROUNDS, NON_NEGATIVE, bool)
-        ]
-        progress = saved.numbers("progress", METRIC_VALUES)
-        least = saved.rows("least", ROUNDS, NON_NEGATIVE) if "least" in saved else []
-        lateness = (
-            saved.rows("lateness", NODE_IDS, FINITE) if "lateness" in saved else []
-        )
+        load = self.adaptive.reader(StateReader.of(state).section("deadline"))
         super().load_state(state)
-        self.pacer.factor = pacing
-        self.history.durations = durations
-        self.pacer.progress = progress
-        self.history.least = [(int(r), float(s)) for r, s in least]
-        self.lateness = {}
-        for n, s in lateness:
-            self.lateness.setdefault(int(n), []).append(float(s))
+        load()
