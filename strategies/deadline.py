@@ -56,8 +56,9 @@ from .options import (
     copy_fields,
     take_options,
 )
-from .rounds import MIN_MESSAGE_TTL_S, RoundTally
+from .rounds import MIN_MESSAGE_TTL_S
 from .runtime_weighted import RuntimeWeightedFedAvg
+from .stalls import RoundTally, deadline_stall_cause
 
 __all__ = [  # the names this module held before the durations moved out
     "DEFAULT_PACER_STEP",
@@ -477,25 +478,13 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
         return arrays, metrics
 
     def _stall_cause(self, tally: RoundTally) -> str:
-        if tally.sampled and 0 < tally.usable < self.min_completion:
-            return (
-                f"only {tally.usable} usable replies, fewer than min_completion="
-                f"{self.min_completion}: lower min_completion or sample more nodes"
-            )
-        late = tally.missing + tally.unavailable
-        if tally.sampled and late and self._deadline is not None:
-            advice = (
-                f"the adaptive deadline grows by {self.deadline_growth:g}x per round "
-                f"(up to start()'s timeout={self._timeout:g} s)"
-                if self.adaptive_deadline
-                else f"raise deadline_s (now {self.deadline_s:g}) or set "
-                "adaptive_deadline=True"
-            )
-            return (
-                f"{late} of {tally.sampled} sampled nodes missed the "
-                f"{self._deadline:.3g} s deadline or their messages expired: {advice}"
-            )
-        return super()._stall_cause(tally)
+        adaptive = (
+            (self.deadline_growth, self._timeout) if self.adaptive_deadline else None
+        )
+        cause = deadline_stall_cause(
+            tally, self.min_completion, self._deadline, adaptive, self.deadline_s
+        )
+        return super()._stall_cause(tally) if cause is None else cause
 
     def _expire(self, server_round: int) -> None:
         """Forget work too old to use, and the base models nobody needs any more."""

@@ -27,9 +27,9 @@ from flwr.serverapp.strategy import Result
 from flwr.supercore import log
 
 from .options import Buffering, Staleness, WorkBalance, adopt_options
-from .rounds import STALL_ROUNDS, RoundTally
 from .runtime_weighted import RuntimeWeightedFedAvg
 from .server_momentum import ServerMomentum
+from .stalls import STALL_ROUNDS, RoundTally
 from .versions import VersionEvaluations, buffer_full
 
 CONCURRENCY_PER_SAMPLE = 2

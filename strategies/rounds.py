@@ -26,62 +26,40 @@ import io
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 from logging import ERROR, INFO, WARNING
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 from flowerbed.clock import Clock, WallClock, clock_of
-from flowerbed.replies import UNAVAILABLE_CODES
 from flowerbed.strategies.accumulation import to_arrayrecord, to_numpy
-from flowerbed.strategies.checkpoints import (
-    CheckpointError,
-    StateFieldError,
-    StateReader,
-    check_writable,
-    load_checkpoint,
-    metric_history_to_json,
-    remove_stale_temporaries,
-    save_checkpoint,
-)
+from flowerbed.strategies.checkpoints import check_writable
 from flowerbed.strategies.inflight import Arrival, InFlight, ReplyStream, Ticket
+from flowerbed.strategies.round_checkpoint import RoundCheckpoint
 from flowerbed.strategies.round_metrics import ROUND_CLOCK_S
+from flowerbed.strategies.stalls import (
+    STALL_ROUNDS,
+    RoundTally,
+    stall_cause,
+    warn_never_trained,
+    warn_stalled,
+)
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result, Strategy
 from flwr.serverapp.strategy.strategy_utils import log_strategy_start_info
 from flwr.supercore import log
 
+__all__ = [  # the names this module held before the stall tally moved out
+    "MIN_MESSAGE_TTL_S",
+    "STALL_ROUNDS",
+    "RoundLoop",
+    "RoundTally",
+    "RunScope",
+]
+
 MIN_MESSAGE_TTL_S = 1.0
 """Shortest message time-to-live the strategies set (Flower refuses TTL <= 0)."""
-STALL_ROUNDS = 3
-"""Rounds in a row without an update before the log says so prominently."""
-
-
-@dataclass
-class RoundTally:
-    """What became of one round's train messages (for the no-progress warning)."""
-
-    sampled: int
-    usable: int
-    rejected: Counter[str]
-    """Reasons of rejected replies (error replies included), with counts."""
-    unavailable: int
-    """Replies that never came: expired TTL or node gone."""
-    missing: int
-    """Messages still unanswered when the round closed."""
-
-    @classmethod
-    def of(cls, sampled: int, handed: list[Arrival], missing: int) -> RoundTally:
-        unavailable = sum(a.error_code in UNAVAILABLE_CODES for a in handed)
-        rejected = Counter(
-            a.reason
-            for a in handed
-            if not a.usable and a.error_code not in UNAVAILABLE_CODES
-        )
-        usable = sum(a.usable for a in handed)
-        return cls(sampled, usable, rejected, unavailable, missing)
 
 
 class RunScope(Protocol):
@@ -334,33 +312,10 @@ class RoundLoop(FedAvg):
 
     def _stall_cause(self, tally: RoundTally) -> str:
         """Likely cause of a round without an update, and the setting to change."""
-        if tally.sampled == 0:
-            return (
-                "no node could be sampled (all quarantined or busy, or fewer than "
-                f"min_available_nodes={self.min_available_nodes} connected)"
-            )
-        if tally.rejected:
-            reason, count = tally.rejected.most_common(1)[0]
-            return (
-                f"{sum(tally.rejected.values())} of {tally.sampled} replies were "
-                f"rejected, most often ({count}x): {reason}"
-            )
-        return (
-            f"{tally.missing + tally.unavailable} of {tally.sampled} sampled nodes "
-            f"did not reply within start()'s timeout={self._timeout:g} s or their "
-            "messages expired: raise timeout"
-        )
+        return stall_cause(tally, self.min_available_nodes, self._timeout)
 
     def _warn_stalled(self, server_round: int, rounds: int) -> None:
-        log(
-            WARNING,
-            "NO PROGRESS: no update applied for %d rounds (up to round %d); "
-            "the model is the one of round %d. Likely cause: %s",
-            rounds,
-            server_round,
-            server_round - rounds,
-            self._stall_cause(self._tally),
-        )
+        warn_stalled(server_round, rounds, self._stall_cause(self._tally))
 
     def _evaluate_wait(self) -> float:
         """Clock seconds to wait for evaluation replies."""
@@ -404,76 +359,24 @@ class RoundLoop(FedAvg):
         """Hook run after each round's evaluation (subclasses adapt here)."""
 
     def _write_checkpoint(self, server_round: int, result: Result) -> None:
-        """Save the model and state; a failed write raises one CheckpointError
-        naming the path and the OS error, and leaves the last checkpoint as it was."""
+        """Save the model and state (:meth:`RoundCheckpoint.save
+        <flowerbed.strategies.round_checkpoint.RoundCheckpoint.save>`)."""
         if self.checkpoint_path is None:
             return
-        save_checkpoint(
-            self.checkpoint_path,
-            self._global_np,
-            {
-                "strategy": type(self).__name__,
-                "round": server_round,
-                "strategy_state": self.state(),
-                "train_metrics": metric_history_to_json(result.train_metrics_clientapp),
-                "evaluate_metrics": metric_history_to_json(
-                    result.evaluate_metrics_clientapp
-                ),
-                "server_metrics": metric_history_to_json(
-                    result.evaluate_metrics_serverapp
-                ),
-            },
-        )
+        checkpoint = RoundCheckpoint(self.checkpoint_path, type(self).__name__)
+        checkpoint.save(server_round, self._global_np, self.state(), result)
 
     def _resume(self, initial_arrays: ArrayRecord, result: Result) -> int:
-        """Load the checkpoint if there is one; return the last completed round.
-
-        Every field is checked (:class:`~.checkpoints.StateReader`); a bad one
-        raises one CheckpointError naming it, and nothing is half-loaded.
-        """
+        """Load the checkpoint if there is one; return the last completed round
+        (:meth:`RoundCheckpoint.resume
+        <flowerbed.strategies.round_checkpoint.RoundCheckpoint.resume>`)."""
         if self.checkpoint_path is None:
             return 0
-        remove_stale_temporaries(self.checkpoint_path)
-        if not self.checkpoint_path.exists():
+        checkpoint = RoundCheckpoint(self.checkpoint_path, type(self).__name__)
+        resumed = checkpoint.resume(initial_arrays, result, self.state, self.load_state)
+        if resumed is None:
             return 0
-        arrays, saved = load_checkpoint(self.checkpoint_path, initial_arrays)
-        if saved.get("strategy") != type(self).__name__:
-            raise CheckpointError(
-                f"checkpoint {self.checkpoint_path} was written by "
-                f"{saved.get('strategy')!r}, not {type(self).__name__!r}"
-            )
-        before = self.state()
-        try:
-            fields = StateReader(saved)
-            last_round = fields.whole("round")
-            histories = (
-                fields.history("train_metrics"),
-                fields.history("evaluate_metrics"),
-                fields.history("server_metrics"),
-            )
-            strategy_state = dict(fields.section("strategy_state"))
-            try:
-                self.load_state(strategy_state)
-            except StateFieldError as err:
-                raise err.within("strategy_state") from None
-        except StateFieldError as err:
-            self.load_state(before)  # nothing half-loaded
-            raise CheckpointError(
-                f"checkpoint {self.checkpoint_path} has malformed state: {err}; "
-                "delete it to start afresh or point checkpoint_path elsewhere"
-            ) from None
-        except (KeyError, TypeError, ValueError, AttributeError) as err:
-            self.load_state(before)
-            raise CheckpointError(
-                f"checkpoint {self.checkpoint_path} has incomplete or malformed "
-                f"state ({err!r}); delete it to start afresh or point "
-                "checkpoint_path elsewhere"
-            ) from err
-        (
-            result.train_metrics_clientapp,
-            result.evaluate_metrics_clientapp,
-            result.evaluate_metrics_serverapp,
-        ) = histories
+        last_round, arrays = resumed
         self._set_global(to_arrayrecord(arrays))
         log(INFO, "resumed from %s after round %d", self.checkpoint_path, last_round)
         return last_round
@@ -525,13 +428,7 @@ class RoundLoop(FedAvg):
         self._running = False
         result.arrays = self._global
         if rounds_run and self._updates_applied == 0 and self.fraction_train > 0:
-            log(
-                ERROR,
-                "NO TRAINING: none of the %d rounds applied an update, so the final "
-                "model is the initial one. Likely cause: %s",
-                rounds_run,
-                self._stall_cause(self._tally),
-            )
+            warn_never_trained(rounds_run, self._stall_cause(self._tally))
         log(INFO, "")
         log(INFO, "Strategy execution finished in %.2fs", time.time() - self._wall_t0)
         if not isinstance(self._clock, WallClock):
