@@ -38,7 +38,7 @@ def to_arrayrecord(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
 
 PAD_FROM = 2
 """Fewest values the compiled fold pads to :data:`fold_kernel.MOST` (see
-``UpdateAccumulator._fold_compiled``)."""
+``_fold_compiled``)."""
 
 FOLD_CHUNK = 1 << 16
 """Elements folded per step: 256 KiB of float32, so that the chunk's difference
@@ -87,6 +87,59 @@ def _read_only(array: np.ndarray) -> np.ndarray:
     view = array.view()
     view.flags.writeable = False
     return view
+
+
+def _fold_compiled(
+    compiled: fold_kernel.Kernel,
+    name: str,
+    flat: Sequence[np.ndarray],
+    base: np.ndarray,
+    total: np.ndarray,
+    factors: Sequence[float],
+    fresh: bool,
+    source: np.ndarray | None = None,
+) -> tuple[list[float], dict[int, tuple[ReplyRejected, int]]]:
+    """:meth:`UpdateAccumulator._fold` by the compiled kernel: one call for all
+    the values (``fresh``: ``total`` is not written yet; ``source``: the sum so
+    far, which ``total``, not written yet, is to replace)."""
+    dtype = total.dtype
+    # The kernel compiles once per tuple type: the values as read-only
+    # views, in tuples of fold_kernel.MOST and one of the rest.
+    flat = [v if not v.flags.writeable else _read_only(v) for v in flat]
+    scalars = np.array(factors, dtype)  # as NumPy rounds a Python float
+    squares: list[float] = []
+    stopped: list[int] = []
+    for first in range(0, len(flat), fold_kernel.MOST):
+        count = min(fold_kernel.MOST, len(flat) - first)
+        values = flat[first : first + count]
+        factors_now = scalars[first : first + count]
+        starts = fresh and first == 0
+        if PAD_FROM <= count < fold_kernel.MOST and not starts:
+            # Padded to four with the base itself at factor 0: it adds
+            # exactly 0 and is read from cache (the same addresses as the
+            # base), so two or three values fold together too.
+            pad = fold_kernel.MOST - count
+            values = values + [_read_only(base)] * pad
+            factors_now = np.concatenate([factors_now, np.zeros(pad, dtype)])
+        found, where = compiled(
+            tuple(values),
+            base,
+            total,
+            factors_now,
+            dtype.type(0),
+            starts,
+            source if first == 0 else None,
+        )
+        squares += found[:count].tolist()
+        stopped += where[:count].tolist()
+    failed: dict[int, tuple[ReplyRejected, int]] = {}
+    for k, start in enumerate(stopped):
+        if start >= 0:
+            block = slice(start, start + fold_kernel.BLOCK)
+            failed[k] = (_rejection(name, flat[k][block] - base[block]), start)
+    if base.dtype.kind != "f":
+        squares = [0.0] * len(flat)
+    return squares, failed
 
 
 @dataclass(frozen=True)
@@ -417,7 +470,7 @@ class UpdateAccumulator:
             if fresh:  # the kernel writes it: no zeros to write first
                 sums[name] = self._new_sum(name, base.size, dtype)
             total = sums[name]
-            return self._fold_compiled(
+            return _fold_compiled(
                 compiled,
                 name,
                 flat,
@@ -455,59 +508,6 @@ class UpdateAccumulator:
                     squares[k] += chunk
                 if failed and len(failed) > len(flat) - len(live):
                     live = [k for k in live if k not in failed]
-        if base.dtype.kind != "f":
-            squares = [0.0] * len(flat)
-        return squares, failed
-
-    @staticmethod
-    def _fold_compiled(
-        compiled: fold_kernel.Kernel,
-        name: str,
-        flat: Sequence[np.ndarray],
-        base: np.ndarray,
-        total: np.ndarray,
-        factors: Sequence[float],
-        fresh: bool,
-        source: np.ndarray | None = None,
-    ) -> tuple[list[float], dict[int, tuple[ReplyRejected, int]]]:
-        """:meth:`_fold` by the compiled kernel: one call for all the values
-        (``fresh``: ``total`` is not written yet; ``source``: the sum so far,
-        which ``total``, not written yet, is to replace)."""
-        dtype = total.dtype
-        # The kernel compiles once per tuple type: the values as read-only
-        # views, in tuples of fold_kernel.MOST and one of the rest.
-        flat = [v if not v.flags.writeable else _read_only(v) for v in flat]
-        scalars = np.array(factors, dtype)  # as NumPy rounds a Python float
-        squares: list[float] = []
-        stopped: list[int] = []
-        for first in range(0, len(flat), fold_kernel.MOST):
-            count = min(fold_kernel.MOST, len(flat) - first)
-            values = flat[first : first + count]
-            factors_now = scalars[first : first + count]
-            starts = fresh and first == 0
-            if PAD_FROM <= count < fold_kernel.MOST and not starts:
-                # Padded to four with the base itself at factor 0: it adds
-                # exactly 0 and is read from cache (the same addresses as the
-                # base), so two or three values fold together too.
-                pad = fold_kernel.MOST - count
-                values = values + [_read_only(base)] * pad
-                factors_now = np.concatenate([factors_now, np.zeros(pad, dtype)])
-            found, where = compiled(
-                tuple(values),
-                base,
-                total,
-                factors_now,
-                dtype.type(0),
-                starts,
-                source if first == 0 else None,
-            )
-            squares += found[:count].tolist()
-            stopped += where[:count].tolist()
-        failed: dict[int, tuple[ReplyRejected, int]] = {}
-        for k, start in enumerate(stopped):
-            if start >= 0:
-                block = slice(start, start + fold_kernel.BLOCK)
-                failed[k] = (_rejection(name, flat[k][block] - base[block]), start)
         if base.dtype.kind != "f":
             squares = [0.0] * len(flat)
         return squares, failed
