@@ -102,6 +102,22 @@ class AdaptiveDeadline:
         self.lateness = NodeLateness()
         """What each node's replies need after its ``deadline-s``."""
 
+    def summary(self) -> None:
+        """Log the deadline's settings (a line of the strategy's summary)."""
+        options = self.options
+        log(
+            INFO,
+            "\t│\t├── Deadline: %s (adaptive %s, %s of %d rounds, growth %.2g)",
+            options.deadline_s,
+            options.adaptive_deadline,
+            f"p{self.fixed_percentile:g}"
+            if self.fixed_percentile is not None
+            else f"p{PATIENT_PERCENTILE:g} or p{float(options.fast_percentile):g} "
+            f"(wait ratio {float(options.wait_ratio):g})",
+            options.deadline_window,
+            options.deadline_growth,
+        )
+
     def deadline(self, server_round: int, timeout: float) -> float | None:
         """The deadline (clock seconds) for ``server_round``; None if unknown.
 

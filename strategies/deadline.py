@@ -49,7 +49,6 @@ from .durations import (
     two_speed_percentile,
 )
 from .options import (
-    PATIENT_PERCENTILE,
     RECOMMENDED_DEADLINES,
     Deadlines,
     Staleness,
@@ -258,18 +257,7 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
     def summary(self) -> None:
         """Log the configuration: the deadline branch, then the base strategy's."""
         log(INFO, "\t├──> Deadline:")
-        log(
-            INFO,
-            "\t│\t├── Deadline: %s (adaptive %s, %s of %d rounds, growth %.2g)",
-            self.deadline_s,
-            self.adaptive_deadline,
-            f"p{self.deadline_percentile:g}"
-            if self.deadline_percentile is not None
-            else f"p{PATIENT_PERCENTILE:g} or p{self.fast_percentile:g} "
-            f"(wait ratio {self.wait_ratio:g})",
-            self.deadline_window,
-            self.deadline_growth,
-        )
+        self.adaptive.summary()
         log(
             INFO,
             "\t│\t├── Over-selection %.2f, partial work %s, min completion %d",
@@ -424,11 +412,12 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Stragglers, durations, expiry, minimum completion, round bookkeeping."""
         assert self._inflight is not None
-        stragglers = sorted(
-            t.node_id
+        unfinished = [
+            t
             for t in self._inflight.tickets.values()
             if t.server_round == server_round and t.kind == MessageType.TRAIN
-        )
+        ]
+        stragglers = sorted(t.node_id for t in unfinished)
         self._tally = RoundTally.of(self._sent, self._handed, len(stragglers))
         if stragglers:
             log(
@@ -445,11 +434,7 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
             server_round,
             self._clock.now(),
             self._deadline,
-            (
-                t
-                for t in self._inflight.tickets.values()
-                if t.server_round == server_round and t.kind == MessageType.TRAIN
-            ),
+            unfinished,
             self.deadline_window,
         )
         self._expire(server_round)
