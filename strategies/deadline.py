@@ -52,8 +52,7 @@ from .options import (
     RECOMMENDED_DEADLINES,
     Deadlines,
     Staleness,
-    copy_fields,
-    take_options,
+    adopt_options,
 )
 from .rounds import MIN_MESSAGE_TTL_S
 from .runtime_weighted import RuntimeWeightedFedAvg
@@ -158,6 +157,10 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
     DEFAULT_DEADLINES = Deadlines()
     """The deadline settings when none are given."""
     DEFAULT_STALENESS = Staleness()
+    deadlines: Deadlines
+    """The deadline settings this strategy runs with."""
+    staleness: Staleness
+    """How late updates count."""
     OPTION_DEFAULTS: ClassVar[tuple[tuple[str, str], ...]] = (
         ("deadlines", "DEFAULT_DEADLINES"),
         ("staleness", "DEFAULT_STALENESS"),
@@ -170,20 +173,8 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
         staleness: Staleness | None = None,
         **kwargs: Any,
     ) -> None:
-        options = take_options(
-            type(self).__name__,
-            kwargs,
-            {
-                "deadlines": (deadlines, self.DEFAULT_DEADLINES),
-                "staleness": (staleness, self.DEFAULT_STALENESS),
-            },
-        )
+        adopt_options(self, kwargs, deadlines=deadlines, staleness=staleness)
         super().__init__(*args, **kwargs)
-        self.deadlines: Deadlines = options["deadlines"]
-        """The deadline settings this strategy runs with."""
-        self.staleness: Staleness = options["staleness"]
-        """How late updates count."""
-        copy_fields(self, self.deadlines, self.staleness)
         self.adaptive = AdaptiveDeadline(self.deadlines)
         """The adaptive deadline's history, pacer and learnt lateness."""
         self.deadline_percentile = self.adaptive.fixed_percentile

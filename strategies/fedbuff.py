@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from logging import DEBUG, INFO, WARNING
 from typing import Any, ClassVar
 
@@ -27,6 +27,7 @@ from flwr.serverapp.strategy import Result
 from flwr.supercore import log
 
 from .options import Buffering, Staleness, WorkBalance, adopt_options
+from .rounds import EvaluateFn
 from .runtime_weighted import RuntimeWeightedFedAvg
 from .server_momentum import ServerMomentum
 from .stalls import STALL_ROUNDS, RoundTally
@@ -413,10 +414,7 @@ class FedBuff(RuntimeWeightedFedAvg):
         return None
 
     def _central_evaluation(
-        self,
-        server_round: int,
-        result: Result,
-        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None,
+        self, server_round: int, result: Result, evaluate_fn: EvaluateFn | None
     ) -> None:
         if self.fraction_train == 0.0 or self._evaluation_due():
             super()._central_evaluation(server_round, result, evaluate_fn)

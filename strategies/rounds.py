@@ -53,6 +53,7 @@ from flwr.supercore import log
 __all__ = [  # the names this module held before the stall tally moved out
     "MIN_MESSAGE_TTL_S",
     "STALL_ROUNDS",
+    "EvaluateFn",
     "RoundLoop",
     "RoundTally",
     "RunScope",
@@ -60,6 +61,8 @@ __all__ = [  # the names this module held before the stall tally moved out
 
 MIN_MESSAGE_TTL_S = 1.0
 """Shortest message time-to-live the strategies set (Flower refuses TTL <= 0)."""
+EvaluateFn = Callable[[int, ArrayRecord], MetricRecord | None]
+"""``start()``'s ``evaluate_fn``: the round and the global model to its metrics."""
 
 
 class RunScope(Protocol):
@@ -342,10 +345,7 @@ class RoundLoop(FedAvg):
             result.evaluate_metrics_clientapp[server_round] = metrics
 
     def _central_evaluation(
-        self,
-        server_round: int,
-        result: Result,
-        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None,
+        self, server_round: int, result: Result, evaluate_fn: EvaluateFn | None
     ) -> None:
         if evaluate_fn is None:
             return
@@ -390,7 +390,7 @@ class RoundLoop(FedAvg):
         timeout: float,
         train_config: ConfigRecord | None,
         evaluate_config: ConfigRecord | None,
-        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None,
+        evaluate_fn: EvaluateFn | None,
     ) -> tuple[Result, int]:
         """The check of ``initial_arrays``, Flower's start-up lines, clocks,
         resume, the check that the checkpoint can be written (when rounds
