@@ -35,6 +35,7 @@ from flwr.app import (
     ArrayRecord,
     MetricRecord,
 )
+from flwr.serverapp.strategy import Result
 from flwr.supercore import log
 
 CHECKPOINT_FORMAT = "flowerbed-checkpoint/1"
@@ -50,6 +51,10 @@ _SHOWN_CHARS = 80
 """Longest value shown in an error message (longer ones are cut)."""
 
 T = TypeVar("T")
+Histories = tuple[
+    dict[int, MetricRecord], dict[int, MetricRecord], dict[int, MetricRecord]
+]
+"""A Result's train, federated-evaluation and server-evaluation histories."""
 
 
 class CheckpointError(RuntimeError):
@@ -262,6 +267,14 @@ class StateReader(Mapping[str, Any]):
         if (shape is not None and array.shape != shape) or not inside.all():
             raise StateFieldError(self._name(key), value, valid)
         return array
+
+    def histories(self) -> Histories:
+        """A Result's three metric histories (:func:`result_histories`)."""
+        return (
+            self.history("train_metrics"),
+            self.history("evaluate_metrics"),
+            self.history("server_metrics"),
+        )
 
     def history(self, key: str) -> dict[int, MetricRecord]:
         """``{round: MetricRecord}`` (see :func:`metric_history_to_json`)."""
@@ -532,3 +545,40 @@ def metric_history_to_json(history: Mapping[int, MetricRecord]) -> dict[str, Any
 def metric_history_from_json(data: Mapping[str, Any]) -> dict[int, MetricRecord]:
     """Inverse of :func:`metric_history_to_json`."""
     return {int(r): MetricRecord(m) for r, m in data.items()}
+
+
+def result_histories(result: Result) -> dict[str, Any]:
+    """A Result's metric histories as JSON-able data, by their checkpoint keys
+    (read back by :meth:`StateReader.histories`)."""
+    return {
+        "train_metrics": metric_history_to_json(result.train_metrics_clientapp),
+        "evaluate_metrics": metric_history_to_json(result.evaluate_metrics_clientapp),
+        "server_metrics": metric_history_to_json(result.evaluate_metrics_serverapp),
+    }
+
+
+def restore_histories(result: Result, histories: Histories) -> None:
+    """Set the metric histories :meth:`StateReader.histories` read on ``result``."""
+    (
+        result.train_metrics_clientapp,
+        result.evaluate_metrics_clientapp,
+        result.evaluate_metrics_serverapp,
+    ) = histories
+
+
+def read_checkpoint(
+    path: Path, strategy: str, reference: ArrayRecord
+) -> tuple[dict[str, np.ndarray], dict[str, Any]] | None:
+    """:func:`load_checkpoint` of ``path`` after removing stale temporaries;
+    None when there is no file. Raises CheckpointError when another strategy
+    than ``strategy`` (a class name) wrote it."""
+    remove_stale_temporaries(path)
+    if not path.exists():
+        return None
+    arrays, saved = load_checkpoint(path, reference)
+    if saved.get("strategy") != strategy:
+        raise CheckpointError(
+            f"checkpoint {path} was written by {saved.get('strategy')!r}, "
+            f"not {strategy!r}; {_ADVICE}"
+        )
+    return arrays, saved

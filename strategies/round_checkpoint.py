@@ -3,7 +3,7 @@ and the Result's metric histories, so a restarted server goes on from there.
 
 Written atomically and checksummed by
 :func:`~flowerbed.strategies.checkpoints.save_checkpoint`, read back by
-:func:`~flowerbed.strategies.checkpoints.load_checkpoint`, every field checked
+:func:`~flowerbed.strategies.checkpoints.read_checkpoint`, every field checked
 (:class:`~flowerbed.strategies.checkpoints.StateReader`). The jobs that span
 devices keep their own (:mod:`flowerbed.strategies.span_checkpoint`).
 """
@@ -22,9 +22,9 @@ from .checkpoints import (
     CheckpointError,
     StateFieldError,
     StateReader,
-    load_checkpoint,
-    metric_history_to_json,
-    remove_stale_temporaries,
+    read_checkpoint,
+    restore_histories,
+    result_histories,
     save_checkpoint,
 )
 
@@ -61,13 +61,7 @@ class RoundCheckpoint:
                 "strategy": self.strategy,
                 "round": server_round,
                 "strategy_state": state,
-                "train_metrics": metric_history_to_json(result.train_metrics_clientapp),
-                "evaluate_metrics": metric_history_to_json(
-                    result.evaluate_metrics_clientapp
-                ),
-                "server_metrics": metric_history_to_json(
-                    result.evaluate_metrics_serverapp
-                ),
+                **result_histories(result),
             },
         )
 
@@ -85,24 +79,15 @@ class RoundCheckpoint:
         it, and nothing is half-loaded: the state ``state()`` returned before
         is loaded back.
         """
-        remove_stale_temporaries(self.path)
-        if not self.path.exists():
+        found = read_checkpoint(self.path, self.strategy, initial_arrays)
+        if found is None:
             return None
-        arrays, saved = load_checkpoint(self.path, initial_arrays)
-        if saved.get("strategy") != self.strategy:
-            raise CheckpointError(
-                f"checkpoint {self.path} was written by "
-                f"{saved.get('strategy')!r}, not {self.strategy!r}"
-            )
+        arrays, saved = found
         before = state()
         try:
             fields = StateReader(saved)
             last_round = fields.whole("round")
-            histories = (
-                fields.history("train_metrics"),
-                fields.history("evaluate_metrics"),
-                fields.history("server_metrics"),
-            )
+            histories = fields.histories()
             strategy_state = dict(fields.section("strategy_state"))
             try:
                 load_state(strategy_state)
@@ -121,9 +106,5 @@ class RoundCheckpoint:
                 f"state ({err!r}); delete it to start afresh or point "
                 "checkpoint_path elsewhere"
             ) from err
-        (
-            result.train_metrics_clientapp,
-            result.evaluate_metrics_clientapp,
-            result.evaluate_metrics_serverapp,
-        ) = histories
+        restore_histories(result, histories)
         return last_round, arrays
