@@ -54,7 +54,7 @@ from .options import (
     Staleness,
     adopt_options,
 )
-from .rounds import MIN_MESSAGE_TTL_S
+from .rounds import MIN_MESSAGE_TTL_S, TrainAggregate
 from .runtime_weighted import RuntimeWeightedFedAvg
 from .stalls import RoundTally, deadline_stall_cause
 
@@ -400,7 +400,7 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
         server_round: int,
         arrays: ArrayRecord | None,
         metrics: MetricRecord | None,
-    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+    ) -> TrainAggregate:
         """Stragglers, durations, expiry, minimum completion, round bookkeeping."""
         assert self._inflight is not None
         unfinished = [

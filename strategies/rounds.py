@@ -57,10 +57,14 @@ __all__ = [  # the names this module held before the stall tally moved out
     "RoundLoop",
     "RoundTally",
     "RunScope",
+    "TrainAggregate",
 ]
 
 MIN_MESSAGE_TTL_S = 1.0
 """Shortest message time-to-live the strategies set (Flower refuses TTL <= 0)."""
+TrainAggregate = tuple[ArrayRecord | None, MetricRecord | None]
+"""What ``aggregate_train`` returns: the new model and the round's metrics (None
+when the round gives no update)."""
 EvaluateFn = Callable[[int, ArrayRecord], MetricRecord | None]
 """``start()``'s ``evaluate_fn``: the round and the global model to its metrics."""
 
@@ -161,7 +165,7 @@ class RoundLoop(FedAvg):
 
     def _aggregate_train(
         self, server_round: int, replies: Iterator[Message]
-    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+    ) -> TrainAggregate:
         """``aggregate_train`` of the driver over the replies as they arrive.
 
         A Flower wrapper (:meth:`start_wrapped`) gets a list of the replies with
@@ -260,7 +264,7 @@ class RoundLoop(FedAvg):
         server_round: int,
         arrays: ArrayRecord | None,
         metrics: MetricRecord | None,
-    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+    ) -> TrainAggregate:
         """After ``aggregate_train``: forget the round's unanswered messages."""
         assert self._inflight is not None
         missing = self._inflight.ids(lambda t: t.server_round == server_round)
