@@ -47,7 +47,7 @@ DEFAULT_QUARANTINE_ROUNDS = 5
 
 PATIENT_PERCENTILE = 80.0
 """The two-speed deadline's patient percentile (see
-:func:`flowerbed.strategies.deadline.two_speed_percentile`)."""
+:func:`flowerbed.strategies.durations.two_speed_percentile`)."""
 FAST_PERCENTILE = 30.0
 """The two-speed deadline's default fast percentile."""
 DEFAULT_WAIT_RATIO = 5.0
@@ -234,7 +234,9 @@ class Robustness:
 class Deadlines:
     """When a synchronous round closes, and what nodes do about it.
 
-    Formulas and sources in :class:`~flowerbed.strategies.DeadlineFedAvg`.
+    Formulas and sources in :class:`~flowerbed.strategies.DeadlineFedAvg` and,
+    for the adaptive deadline and its pacer,
+    :class:`~flowerbed.strategies.adaptive_deadline.AdaptiveDeadline`.
 
     Parameters
     ----------
