@@ -162,6 +162,36 @@ public abstract class DenseTrainer implements Trainer {
   }
 
   /**
+   * One {@code nn.Linear} layer, z = W x + b, with W [out, in] row-major: z_o = b_o + sum_j W_oj
+   * x_j, summed in double from j = 0 up.
+   */
+  protected static float[] linear(float[] w, float[] b, float[] x, int out, int in) {
+    float[] z = new float[out];
+    for (int o = 0; o < out; o++) {
+      double s = b[o];
+      for (int j = 0; j < in; j++) {
+        s += w[o * in + j] * x[j];
+      }
+      z[o] = (float) s;
+    }
+    return z;
+  }
+
+  /**
+   * Add the gradient of one {@link #linear} layer with output gradient {@code dz} to {@code gw} and
+   * {@code gb}: gb_o += dz_o, gw_oj += dz_o x_j.
+   */
+  protected static void addLinearGradient(
+      float[] dz, float[] x, float[] gw, float[] gb, int out, int in) {
+    for (int o = 0; o < out; o++) {
+      gb[o] += dz[o];
+      for (int j = 0; j < in; j++) {
+        gw[o * in + j] += dz[o] * x[j];
+      }
+    }
+  }
+
+  /**
    * Values drawn uniformly from [-1/sqrt(fanIn), 1/sqrt(fanIn)], the default initialisation of
    * PyTorch's {@code nn.Linear} (reset_parameters: kaiming_uniform with a = sqrt(5) for the weight,
    * the same bound for the bias).

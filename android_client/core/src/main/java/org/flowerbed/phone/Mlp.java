@@ -93,31 +93,11 @@ public final class Mlp extends DenseTrainer {
   }
 
   private float[] hiddenPre(float[] x) {
-    float[] w1 = param(W1);
-    float[] b1 = param(B1);
-    float[] h = new float[hidden];
-    for (int k = 0; k < hidden; k++) {
-      double s = b1[k];
-      for (int j = 0; j < in; j++) {
-        s += w1[k * in + j] * x[j];
-      }
-      h[k] = (float) s;
-    }
-    return h;
+    return linear(param(W1), param(B1), x, hidden, in);
   }
 
   private float[] output(float[] h) {
-    float[] w2 = param(W2);
-    float[] b2 = param(B2);
-    float[] z = new float[numClasses];
-    for (int c = 0; c < numClasses; c++) {
-      double s = b2[c];
-      for (int k = 0; k < hidden; k++) {
-        s += w2[c * hidden + k] * h[k];
-      }
-      z[c] = (float) s;
-    }
-    return z;
+    return linear(param(W2), param(B2), h, numClasses, hidden);
   }
 
   private static float[] relu(float[] pre) {
@@ -139,22 +119,19 @@ public final class Mlp extends DenseTrainer {
     float[] h = relu(pre);
     float[] dz = new float[numClasses];
     double loss = crossEntropy(output(h), label, dz);
+    addLinearGradient(dz, h, grads[iw2], grads[ib2], numClasses, hidden);
     float[] w2 = param(W2);
     float[] dh = new float[hidden];
     for (int c = 0; c < numClasses; c++) {
-      grads[ib2][c] += dz[c];
       for (int k = 0; k < hidden; k++) {
-        grads[iw2][c * hidden + k] += dz[c] * h[k];
         dh[k] += dz[c] * w2[c * hidden + k];
       }
     }
+    float[] dpre = new float[hidden];
     for (int k = 0; k < hidden; k++) {
-      float dpre = pre[k] > 0 ? dh[k] : 0f;
-      grads[ib1][k] += dpre;
-      for (int j = 0; j < in; j++) {
-        grads[iw1][k * in + j] += dpre * x[j];
-      }
+      dpre[k] = pre[k] > 0 ? dh[k] : 0f;
     }
+    addLinearGradient(dpre, x, grads[iw1], grads[ib1], hidden, in);
     return loss;
   }
 }

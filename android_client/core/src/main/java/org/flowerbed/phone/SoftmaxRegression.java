@@ -69,31 +69,14 @@ public final class SoftmaxRegression extends DenseTrainer {
 
   @Override
   protected float[] logits(float[] x) {
-    float[] w = param(WEIGHT);
-    float[] b = param(BIAS);
-    float[] z = new float[numClasses];
-    for (int c = 0; c < numClasses; c++) {
-      double s = b[c];
-      for (int j = 0; j < in; j++) {
-        s += w[c * in + j] * x[j];
-      }
-      z[c] = (float) s;
-    }
-    return z;
+    return linear(param(WEIGHT), param(BIAS), x, numClasses, in);
   }
 
   @Override
   protected double accumulateGradient(float[] x, int label, float[][] grads) {
     float[] dz = new float[numClasses];
     double loss = crossEntropy(logits(x), label, dz);
-    float[] gw = grads[iw];
-    float[] gb = grads[ib];
-    for (int c = 0; c < numClasses; c++) {
-      gb[c] += dz[c];
-      for (int j = 0; j < in; j++) {
-        gw[c * in + j] += dz[c] * x[j];
-      }
-    }
+    addLinearGradient(dz, x, grads[iw], grads[ib], numClasses, in);
     return loss;
   }
 }
