@@ -16,9 +16,7 @@ checkpoints                        ``flowerbed.strategies.checkpoints``
 
 from __future__ import annotations
 
-import importlib
-import warnings
-from typing import Any
+from flowerbed.moved import moved_names
 
 _HOMES: dict[str, str] = {
     "ArraySpec": "flowerbed.replies",
@@ -89,17 +87,7 @@ _HOMES: dict[str, str] = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _HOMES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    home = _HOMES[name]
-    warnings.warn(
-        f"flowerbed.strategies.utils.{name} moved to {home}.{name}; the alias "
-        "in flowerbed.strategies.utils goes in the next release",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return getattr(importlib.import_module(home), name)
+__getattr__ = moved_names(__name__, _HOMES)
 
 
 def __dir__() -> list[str]:
