@@ -7,23 +7,33 @@ package org.flowerbed.phone;
  */
 public interface DeviceStatus {
   /** A device that reports nothing and never refuses to train. */
-  DeviceStatus NONE =
-      new DeviceStatus() {
-        @Override
-        public Double batteryPct() {
-          return null;
-        }
+  DeviceStatus NONE = fixed(null, null, null);
 
-        @Override
-        public Double tempC() {
-          return null;
-        }
+  /**
+   * A device that always reports the same: a JVM phone's status from its command line, or a test's.
+   *
+   * @param batteryPct battery charge in percent, or null
+   * @param tempC temperature in degrees Celsius, or null
+   * @param blockReason why it must not take work, or null if it may
+   */
+  static DeviceStatus fixed(final Double batteryPct, final Double tempC, final String blockReason) {
+    return new DeviceStatus() {
+      @Override
+      public Double batteryPct() {
+        return batteryPct;
+      }
 
-        @Override
-        public String blockReason() {
-          return null;
-        }
-      };
+      @Override
+      public Double tempC() {
+        return tempC;
+      }
+
+      @Override
+      public String blockReason() {
+        return blockReason;
+      }
+    };
+  }
 
   /** Battery charge in percent, or null if unknown. */
   Double batteryPct();

@@ -108,7 +108,7 @@ public final class PhoneMain {
         new PhoneAgent(
             client,
             factory,
-            new FixedStatus(o.batteryPct, o.tempC),
+            DeviceStatus.fixed(o.batteryPct, o.tempC, null),
             Ticker.SYSTEM,
             Sleeper.SYSTEM,
             Backoff.defaults(),
@@ -253,55 +253,13 @@ public final class PhoneMain {
     }
   }
 
-  /** Device status given on the command line; never blocks training. */
-  static final class FixedStatus implements DeviceStatus {
-    private final Double batteryPct;
-    private final Double tempC;
-
-    FixedStatus(Double batteryPct, Double tempC) {
-      this.batteryPct = batteryPct;
-      this.tempC = tempC;
-    }
-
-    @Override
-    public Double batteryPct() {
-      return batteryPct;
-    }
-
-    @Override
-    public Double tempC() {
-      return tempC;
-    }
-
-    @Override
-    public String blockReason() {
-      return null;
-    }
-  }
-
   /** A trainer that sleeps before each step: a slow phone for straggler tests. */
-  static final class SlowTrainer implements Trainer {
-    private final Trainer inner;
+  static final class SlowTrainer extends ForwardingTrainer {
     private final long delayMs;
 
     SlowTrainer(Trainer inner, long delayMs) {
-      this.inner = inner;
+      super(inner);
       this.delayMs = delayMs;
-    }
-
-    @Override
-    public void setParameters(List<NamedArray> arrays) {
-      inner.setParameters(arrays);
-    }
-
-    @Override
-    public List<NamedArray> getParameters() {
-      return inner.getParameters();
-    }
-
-    @Override
-    public int numExamples() {
-      return inner.numExamples();
     }
 
     @Override
@@ -311,12 +269,7 @@ public final class PhoneMain {
       } catch (InterruptedException e) {
         Thread.currentThread().interrupt();
       }
-      return inner.step(batchSize, lr);
-    }
-
-    @Override
-    public Evaluation evaluate() {
-      return inner.evaluate();
+      return super.step(batchSize, lr);
     }
   }
 }

@@ -17,38 +17,16 @@ import java.util.LinkedHashMap;
 import java.util.List;
 import java.util.Map;
 import java.util.concurrent.atomic.AtomicReference;
-import org.junit.After;
-import org.junit.Before;
 import org.junit.Test;
 
-public class GatewayClientTest {
-  private FakeGateway gw;
-  private final List<Long> sleeps = Collections.synchronizedList(new ArrayList<Long>());
-  private final Sleeper recorder =
-      new Sleeper() {
-        @Override
-        public void sleep(long millis) {
-          sleeps.add(millis);
-        }
-      };
-
-  @Before
-  public void start() throws IOException {
-    gw = new FakeGateway();
-    gw.tokens.put("tok-a", 7L);
-  }
-
-  @After
-  public void stop() {
-    gw.close();
-  }
-
+public class GatewayClientTest extends GatewayFixture {
   /** Waits 100, 200, 400, ... ms (no jitter), at most 4 attempts per request. */
   private GatewayClient client(String url, String token) {
     return new GatewayClient(url, token, new Backoff(100, 10_000, 0, 4, 0), recorder, 2000, 5000);
   }
 
-  private GatewayClient client() {
+  @Override
+  protected GatewayClient client() {
     return client(gw.url(), "tok-a");
   }
 

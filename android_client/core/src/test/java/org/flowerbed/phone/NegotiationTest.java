@@ -4,48 +4,14 @@ import static org.junit.Assert.assertEquals;
 import static org.junit.Assert.assertTrue;
 
 import java.io.IOException;
-import java.util.ArrayList;
 import java.util.Arrays;
-import java.util.Collections;
 import java.util.HashMap;
 import java.util.List;
 import java.util.Map;
-import org.junit.After;
-import org.junit.Before;
 import org.junit.Test;
 
 /** Protocol revision negotiation and what a phone does when it needs an update. */
-public class NegotiationTest {
-  private FakeGateway gw;
-  private final List<Long> sleeps = Collections.synchronizedList(new ArrayList<Long>());
-  private final List<String> log = Collections.synchronizedList(new ArrayList<String>());
-
-  @Before
-  public void start() throws IOException {
-    gw = new FakeGateway();
-    gw.tokens.put("tok-a", 7L);
-  }
-
-  @After
-  public void stop() {
-    gw.close();
-  }
-
-  private GatewayClient client() {
-    return new GatewayClient(
-        gw.url(),
-        "tok-a",
-        new Backoff(10, 100, 0, 4, 0),
-        new Sleeper() {
-          @Override
-          public void sleep(long millis) {
-            sleeps.add(millis);
-          }
-        },
-        2000,
-        5000);
-  }
-
+public class NegotiationTest extends GatewayFixture {
   @Test
   public void helloOffersEveryRevisionAndTheVersions() throws IOException {
     Hello h = client().appVersions("0.2.0", "1.5.1").hello(new HashMap<String, Object>());
@@ -82,15 +48,8 @@ public class NegotiationTest {
   public void aPhoneTooOldWaitsForAnUpdateInsteadOfStopping() throws IOException {
     gw.fault("/v1/hello", 426, "{\"error\": \"update the flowerbed app\", \"supported\": [3]}");
     gw.fault("/v1/hello", 426, "{\"error\": \"update the flowerbed app\", \"supported\": [3]}");
-    Sleeper sleeper =
-        new Sleeper() {
-          @Override
-          public void sleep(long millis) {
-            sleeps.add(millis);
-          }
-        };
     PhoneAgent agent =
-        new PhoneAgent(
+        agent(
             client(),
             new PhoneAgent.TrainerFactory() {
               @Override
@@ -101,16 +60,8 @@ public class NegotiationTest {
             },
             DeviceStatus.NONE,
             Ticker.SYSTEM,
-            sleeper,
-            new Backoff(10, 100, 0, 4, 0),
-            new HashMap<String, Object>(),
-            new PhoneAgent.Log() {
-              @Override
-              public void line(String text) {
-                log.add(text);
-              }
-            },
-            0);
+            recorder,
+            new HashMap<String, Object>());
     gw.addTask("t1", "evaluate", new HashMap<String, Object>(), identity());
     assertEquals(1, agent.run(1)); // the third hello (gateway rolled back) works
     assertEquals(

@@ -6,37 +6,19 @@ import static org.junit.Assert.assertFalse;
 import static org.junit.Assert.assertTrue;
 import static org.junit.Assert.fail;
 
-import java.io.IOException;
-import java.util.ArrayList;
 import java.util.Arrays;
 import java.util.Collections;
 import java.util.HashMap;
 import java.util.List;
 import java.util.Map;
-import org.junit.After;
-import org.junit.Before;
 import org.junit.Test;
 
-public class PhoneAgentTest {
+public class PhoneAgentTest extends GatewayFixture {
   /** Three examples over 2 features; with W = I, b = 0 two of three are right. */
   private static final Dataset DATA =
       new Dataset(new float[][] {{2, 0}, {0, 2}, {2, 0}}, new int[] {0, 1, 1});
 
-  private FakeGateway gw;
-  private final List<String> log = Collections.synchronizedList(new ArrayList<String>());
-  private final List<Long> sleeps = Collections.synchronizedList(new ArrayList<Long>());
   private volatile String block;
-
-  @Before
-  public void start() throws IOException {
-    gw = new FakeGateway();
-    gw.tokens.put("tok-a", 7L);
-  }
-
-  @After
-  public void stop() {
-    gw.close();
-  }
 
   private PhoneAgent agent(String token) {
     return agent(
@@ -76,25 +58,9 @@ public class PhoneAgentTest {
             return block;
           }
         };
-    GatewayClient client =
-        new GatewayClient(gw.url(), token, new Backoff(10, 100, 0, 4, 0), sleeper, 2000, 5000);
     Map<String, Object> info = new HashMap<String, Object>();
     info.put("model", "test");
-    return new PhoneAgent(
-        client,
-        factory,
-        device,
-        ticker,
-        sleeper,
-        new Backoff(10, 100, 0, 4, 0),
-        info,
-        new PhoneAgent.Log() {
-          @Override
-          public void line(String text) {
-            log.add(text);
-          }
-        },
-        0);
+    return agent(client(token, sleeper), factory, device, ticker, sleeper, info);
   }
 
   private static byte[] identityModel() {
@@ -180,32 +146,11 @@ public class PhoneAgentTest {
         new PhoneAgent.TrainerFactory() {
           @Override
           public Trainer create(List<NamedArray> arrays) {
-            final Trainer inner = Models.fromArrays(arrays, DATA, 0);
-            return new Trainer() {
-              @Override
-              public void setParameters(List<NamedArray> a) {
-                inner.setParameters(a);
-              }
-
-              @Override
-              public List<NamedArray> getParameters() {
-                return inner.getParameters();
-              }
-
-              @Override
-              public int numExamples() {
-                return inner.numExamples();
-              }
-
+            return new ForwardingTrainer(Models.fromArrays(arrays, DATA, 0)) {
               @Override
               public StepResult step(int batchSize, double lr) {
                 now[0] += 1_000_000_000L;
                 return inner.step(batchSize, lr);
-              }
-
-              @Override
-              public Evaluation evaluate() {
-                return inner.evaluate();
               }
             };
           }

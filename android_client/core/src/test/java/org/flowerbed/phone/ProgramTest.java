@@ -22,7 +22,7 @@ import org.junit.Before;
 import org.junit.Test;
 
 /** Programs served by the gateway (protocol revision 2): metadata, download, cache, checks. */
-public class ProgramTest {
+public class ProgramTest extends GatewayFixture {
   /** 3,000 bytes standing in for a .pte. */
   private static final byte[] PTE = new byte[3000];
 
@@ -32,20 +32,15 @@ public class ProgramTest {
     }
   }
 
-  private FakeGateway gw;
   private File dir;
-  private final List<Long> sleeps = Collections.synchronizedList(new ArrayList<Long>());
 
   @Before
-  public void start() throws IOException {
-    gw = new FakeGateway();
-    gw.tokens.put("tok-a", 7L);
+  public void makeCacheDir() throws IOException {
     dir = Files.createTempDirectory("programs").toFile();
   }
 
   @After
-  public void stop() {
-    gw.close();
+  public void removeCacheDir() {
     for (File f : dir.listFiles()) {
       f.delete();
     }
@@ -85,21 +80,6 @@ public class ProgramTest {
     m.put("name", name);
     m.put("shape", new ArrayList<Object>(Arrays.asList((Object[]) shape)));
     return m;
-  }
-
-  private GatewayClient client() {
-    return new GatewayClient(
-        gw.url(),
-        "tok-a",
-        new Backoff(10, 100, 0, 4, 0),
-        new Sleeper() {
-          @Override
-          public void sleep(long millis) {
-            sleeps.add(millis);
-          }
-        },
-        2000,
-        5000);
   }
 
   private ProgramCache cache(final GatewayClient client) {
@@ -295,13 +275,9 @@ public class ProgramTest {
 
   // -- the agent runs program tasks ----------------------------------------------------
 
-  private final List<String> log = Collections.synchronizedList(new ArrayList<String>());
-
   private PhoneAgent agent(PhoneAgent.TrainerFactory factory) {
-    GatewayClient client = client();
-    Map<String, Object> info = new HashMap<String, Object>();
-    return new PhoneAgent(
-        client,
+    return agent(
+        client(),
         factory,
         DeviceStatus.NONE,
         Ticker.SYSTEM,
@@ -309,15 +285,7 @@ public class ProgramTest {
           @Override
           public void sleep(long millis) {}
         },
-        new Backoff(10, 100, 0, 4, 0),
-        info,
-        new PhoneAgent.Log() {
-          @Override
-          public void line(String text) {
-            log.add(text);
-          }
-        },
-        0);
+        new HashMap<String, Object>());
   }
 
   private static final Dataset DATA =
@@ -418,7 +386,7 @@ public class ProgramTest {
                   @Override
                   public void sleep(long millis) {}
                 },
-                new Backoff(10, 100, 0, 4, 0),
+                fastBackoff(),
                 new HashMap<String, Object>(),
                 new PhoneAgent.Log() {
                   @Override
@@ -451,25 +419,10 @@ public class ProgramTest {
   public void scheduledWorkEndsAsSoonAsTheDeviceBlocksIt() throws IOException {
     programTask("t1", model(2));
     PhoneAgent agent =
-        new PhoneAgent(
+        agent(
                 client(),
                 runtime,
-                new DeviceStatus() {
-                  @Override
-                  public Double batteryPct() {
-                    return null;
-                  }
-
-                  @Override
-                  public Double tempC() {
-                    return null;
-                  }
-
-                  @Override
-                  public String blockReason() {
-                    return "not charging";
-                  }
-                },
+                DeviceStatus.fixed(null, null, "not charging"),
                 Ticker.SYSTEM,
                 new Sleeper() {
                   @Override
@@ -477,15 +430,7 @@ public class ProgramTest {
                     throw new AssertionError("scheduled work must not wait in place");
                   }
                 },
-                new Backoff(10, 100, 0, 4, 0),
-                new HashMap<String, Object>(),
-                new PhoneAgent.Log() {
-                  @Override
-                  public void line(String text) {
-                    log.add(text);
-                  }
-                },
-                0)
+                new HashMap<String, Object>())
             .returnWhenIdle(60_000);
     assertEquals(0, agent.run(0));
     assertEquals("waiting reason=\"not charging\"", log.get(log.size() - 1));
