@@ -162,6 +162,25 @@ public abstract class DenseTrainer implements Trainer {
   }
 
   /**
+   * The error for {@code arrays} that do not have a model's {@code layout} over {@code data}, e.g.
+   * "softmax regression over 2 features needs fc.weight [classes, in], fc.bias [classes] with in =
+   * 2, got [...]".
+   */
+  protected static IllegalArgumentException layoutError(
+      String model, String layout, Dataset data, List<NamedArray> arrays) {
+    return new IllegalArgumentException(
+        model
+            + " over "
+            + data.numFeatures()
+            + " features needs "
+            + layout
+            + " with in = "
+            + data.numFeatures()
+            + ", got "
+            + arrays);
+  }
+
+  /**
    * One {@code nn.Linear} layer, z = W x + b, with W [out, in] row-major: z_o = b_o + sum_j W_oj
    * x_j, summed in double from j = 0 up.
    */

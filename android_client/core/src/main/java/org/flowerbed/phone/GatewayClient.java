@@ -579,7 +579,8 @@ public final class GatewayClient {
     return Json.write(body).getBytes(StandardCharsets.UTF_8);
   }
 
-  private static byte[] readAll(InputStream in) throws IOException {
+  /** Everything {@code in} holds (nothing for null), after which it is closed. */
+  static byte[] readAll(InputStream in) throws IOException {
     if (in == null) {
       return new byte[0];
     }

@@ -14,6 +14,21 @@ import java.util.Map;
  * to Boolean and null.
  */
 public final class Json {
+  /** The characters a JSON string may escape with a letter: quote, backslash, slash, b f n r t. */
+  private static final String ESCAPED = "\"\\/\b\f\n\r\t";
+
+  /** The letter after the backslash for each character of {@link #ESCAPED}. */
+  private static final String ESCAPE_LETTERS = "\"\\/bfnrt";
+
+  /**
+   * The characters this writer escapes with a letter; it writes other control characters as a
+   * {@code \\u} escape and the slash as itself.
+   */
+  private static final String WRITTEN = "\"\\\n\r\t";
+
+  /** The letter after the backslash for each character of {@link #WRITTEN}. */
+  private static final String WRITTEN_LETTERS = "\"\\nrt";
+
   private final String text;
   private int pos;
 
@@ -110,28 +125,13 @@ public final class Json {
     out.append('"');
     for (int i = 0; i < s.length(); i++) {
       char c = s.charAt(i);
-      switch (c) {
-        case '"':
-          out.append("\\\"");
-          break;
-        case '\\':
-          out.append("\\\\");
-          break;
-        case '\n':
-          out.append("\\n");
-          break;
-        case '\r':
-          out.append("\\r");
-          break;
-        case '\t':
-          out.append("\\t");
-          break;
-        default:
-          if (c < 0x20) {
-            out.append(String.format("\\u%04x", (int) c));
-          } else {
-            out.append(c);
-          }
+      int k = WRITTEN.indexOf(c);
+      if (k >= 0) {
+        out.append('\\').append(WRITTEN_LETTERS.charAt(k));
+      } else if (c < 0x20) {
+        out.append(String.format("\\u%04x", (int) c));
+      } else {
+        out.append(c);
       }
     }
     out.append('"');
@@ -241,41 +241,22 @@ public final class Json {
         throw error("unterminated escape");
       }
       char e = text.charAt(pos++);
-      switch (e) {
-        case '"':
-        case '\\':
-        case '/':
-          sb.append(e);
-          break;
-        case 'b':
-          sb.append('\b');
-          break;
-        case 'f':
-          sb.append('\f');
-          break;
-        case 'n':
-          sb.append('\n');
-          break;
-        case 'r':
-          sb.append('\r');
-          break;
-        case 't':
-          sb.append('\t');
-          break;
-        case 'u':
-          if (pos + 4 > text.length()) {
-            throw error("short \\u escape");
-          }
-          try {
-            sb.append((char) Integer.parseInt(text.substring(pos, pos + 4), 16));
-          } catch (NumberFormatException ex) {
-            throw error("bad \\u escape");
-          }
-          pos += 4;
-          break;
-        default:
-          pos--;
-          throw error("unknown escape '\\" + e + "'");
+      int k = ESCAPE_LETTERS.indexOf(e);
+      if (k >= 0) {
+        sb.append(ESCAPED.charAt(k));
+      } else if (e == 'u') {
+        if (pos + 4 > text.length()) {
+          throw error("short \\u escape");
+        }
+        try {
+          sb.append((char) Integer.parseInt(text.substring(pos, pos + 4), 16));
+        } catch (NumberFormatException ex) {
+          throw error("bad \\u escape");
+        }
+        pos += 4;
+      } else {
+        pos--;
+        throw error("unknown escape '\\" + e + "'");
       }
     }
   }

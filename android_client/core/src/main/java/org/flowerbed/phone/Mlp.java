@@ -79,15 +79,7 @@ public final class Mlp extends DenseTrainer {
             && w2[1] == w1[0]
             && Arrays.equals(b2, new int[] {w2[0]});
     if (!ok) {
-      throw new IllegalArgumentException(
-          "an MLP over "
-              + data.numFeatures()
-              + " features needs "
-              + layout()
-              + " with in = "
-              + data.numFeatures()
-              + ", got "
-              + arrays);
+      throw layoutError("an MLP", layout(), data, arrays);
     }
     return w2[0];
   }

@@ -54,15 +54,7 @@ public final class SoftmaxRegression extends DenseTrainer {
         || ws.length != 2
         || ws[1] != data.numFeatures()
         || !Arrays.equals(b.shape(), new int[] {ws[0]})) {
-      throw new IllegalArgumentException(
-          "softmax regression over "
-              + data.numFeatures()
-              + " features needs "
-              + layout()
-              + " with in = "
-              + data.numFeatures()
-              + ", got "
-              + arrays);
+      throw layoutError("softmax regression", layout(), data, arrays);
     }
     return ws[0];
   }

@@ -4,7 +4,6 @@ import com.sun.net.httpserver.HttpExchange;
 import com.sun.net.httpserver.HttpServer;
 import java.io.ByteArrayOutputStream;
 import java.io.IOException;
-import java.io.InputStream;
 import java.io.OutputStream;
 import java.net.InetSocketAddress;
 import java.nio.charset.StandardCharsets;
@@ -134,7 +133,7 @@ final class FakeGateway implements AutoCloseable {
       String path = ex.getRequestURI().getPath();
       String query = ex.getRequestURI().getRawQuery();
       String range = ex.getRequestHeaders().getFirst("Range");
-      byte[] body = readAll(ex.getRequestBody());
+      byte[] body = GatewayClient.readAll(ex.getRequestBody());
       requests.add(
           ex.getRequestMethod()
               + " "
@@ -309,15 +308,5 @@ final class FakeGateway implements AutoCloseable {
       }
     }
     return q;
-  }
-
-  private static byte[] readAll(InputStream in) throws IOException {
-    ByteArrayOutputStream out = new ByteArrayOutputStream();
-    byte[] buf = new byte[8192];
-    int n;
-    while ((n = in.read(buf)) >= 0) {
-      out.write(buf, 0, n);
-    }
-    return out.toByteArray();
   }
 }

@@ -9,9 +9,9 @@ import org.junit.After;
 import org.junit.Before;
 
 /**
- * Set-up shared by the tests that talk to a {@link FakeGateway}: a gateway started before each test
- * and closed after it, which knows token {@code tok-a} as node 7, and the waits and log lines of the
- * clients and agents built here.
+ * Set-up shared by the tests that talk to a {@link FakeGateway}: a gateway started before each
+ * test and closed after it, which knows token {@code tok-a} as node 7, and the waits and log lines
+ * of the clients and agents built here.
  */
 abstract class GatewayFixture {
   protected FakeGateway gw;

@@ -161,14 +161,22 @@ public class PhoneAgentTest extends GatewayFixture {
     assertTrue(lastTaskLine(), lastTaskLine().endsWith("deadline-hit=true"));
   }
 
+  /**
+   * The agent runs one task and task {@code t} fails with a reason starting {@code reason}; the
+   * log's last task line starts {@code line}.
+   */
+  private void assertOneTaskFails(FakeGateway.FakeTask t, String reason, String line)
+      throws Exception {
+    agent("tok-a").run(1);
+    assertTrue(t.failReason, t.failReason.startsWith(reason));
+    assertTrue(lastTaskLine(), lastTaskLine().startsWith(line));
+  }
+
   @Test
   public void malformedArraysFailTheTaskWithTheReason() throws Exception {
     byte[] bad = Arrays.copyOf(identityModel(), 20);
     FakeGateway.FakeTask t = gw.addTask("t-3", "train", config(), bad);
-    agent("tok-a").run(1);
-    assertTrue(t.failReason, t.failReason.startsWith("decode: truncated"));
-    assertTrue(
-        lastTaskLine(), lastTaskLine().startsWith("task=t-3 type=train status=failed at=decode"));
+    assertOneTaskFails(t, "decode: truncated", "task=t-3 type=train status=failed at=decode");
   }
 
   @Test
@@ -177,10 +185,10 @@ public class PhoneAgentTest extends GatewayFixture {
     char[] junk = new char[200];
     Arrays.fill(junk, 'x');
     gw.fault("/v1/task/t-9/arrays", 200, new String(junk));
-    agent("tok-a").run(1);
-    assertTrue(t.failReason, t.failReason.startsWith("download: the download is longer than the 68 bytes"));
-    assertTrue(
-        lastTaskLine(), lastTaskLine().startsWith("task=t-9 type=train status=failed at=download"));
+    assertOneTaskFails(
+        t,
+        "download: the download is longer than the 68 bytes",
+        "task=t-9 type=train status=failed at=download");
   }
 
   @Test

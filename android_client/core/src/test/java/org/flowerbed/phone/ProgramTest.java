@@ -208,10 +208,17 @@ public class ProgramTest extends GatewayFixture {
     }
   }
 
+  /** Program "tiny" (PTE, for ExecuTorch 1.5.1 or newer), which the gateway serves as {@code served}.
+   */
+  private ProgramInfo tinyServedAs(byte[] served) throws IOException {
+    ProgramInfo p = ProgramInfo.fromJson(programJson("tiny", PTE, "1.5.1"));
+    gw.programs.put(p.sha256(), served);
+    return p;
+  }
+
   @Test
   public void aProgramIsDownloadedOnceThenServedFromTheCache() throws IOException {
-    ProgramInfo p = ProgramInfo.fromJson(programJson("tiny", PTE, "1.5.1"));
-    gw.programs.put(p.sha256(), PTE);
+    ProgramInfo p = tinyServedAs(PTE);
     ProgramCache cache = cache(client());
     File first = cache.fetch(p);
     File second = cache.fetch(p);
@@ -223,8 +230,7 @@ public class ProgramTest extends GatewayFixture {
 
   @Test
   public void anInterruptedDownloadResumesWhereItStopped() throws IOException {
-    ProgramInfo p = ProgramInfo.fromJson(programJson("tiny", PTE, "1.5.1"));
-    gw.programs.put(p.sha256(), PTE);
+    ProgramInfo p = tinyServedAs(PTE);
     gw.cutDownloadAt = 1200;
     File f = cache(client()).fetch(p);
     assertArrayEquals(PTE, Files.readAllBytes(f.toPath()));
@@ -237,10 +243,9 @@ public class ProgramTest extends GatewayFixture {
 
   @Test
   public void aProgramWithTheWrongHashIsDeletedAndRefused() throws IOException {
-    ProgramInfo p = ProgramInfo.fromJson(programJson("tiny", PTE, "1.5.1"));
     byte[] other = PTE.clone();
     other[10] ^= 1;
-    gw.programs.put(p.sha256(), other);
+    ProgramInfo p = tinyServedAs(other);
     try {
       cache(client()).fetch(p);
       fail("expected a hash mismatch");
@@ -252,8 +257,7 @@ public class ProgramTest extends GatewayFixture {
 
   @Test
   public void aDamagedCachedProgramIsFetchedAgain() throws IOException {
-    ProgramInfo p = ProgramInfo.fromJson(programJson("tiny", PTE, "1.5.1"));
-    gw.programs.put(p.sha256(), PTE);
+    ProgramInfo p = tinyServedAs(PTE);
     ProgramCache cache = cache(client());
     File f = cache.fetch(p);
     Files.write(f.toPath(), new byte[] {1, 2, 3});

@@ -2,8 +2,8 @@ package org.flowerbed.phone;
 
 import static org.junit.Assert.assertArrayEquals;
 import static org.junit.Assert.assertEquals;
+import static org.junit.Assert.assertThrows;
 import static org.junit.Assert.assertTrue;
-import static org.junit.Assert.fail;
 
 import java.util.ArrayList;
 import java.util.Arrays;
@@ -12,6 +12,7 @@ import java.util.LinkedHashMap;
 import java.util.List;
 import java.util.Map;
 import org.junit.Test;
+import org.junit.function.ThrowingRunnable;
 
 /**
  * {@link ProgramTrainer}: the decisions around an ExecuTorch program, on a fake runner that
@@ -33,6 +34,16 @@ public class ProgramTrainerTest {
             + extra
             + "}";
     return ProgramInfo.fromJson(Json.parse(json));
+  }
+
+  /**
+   * {@code call} throws a {@code type} whose message contains {@code fragment} ({@code why} it
+   * should).
+   */
+  private static void assertRefused(
+      String why, Class<? extends RuntimeException> type, String fragment, ThrowingRunnable call) {
+    String message = assertThrows(why, type, call).getMessage();
+    assertTrue(message, message.contains(fragment));
   }
 
   private static final String WITH_STATE =
@@ -210,12 +221,13 @@ public class ProgramTrainerTest {
   public void aPhoneWithFewerExamplesThanTheSmallestBatchRefusesTheProgram()
       throws GatewayException {
     Dataset one = new Dataset(new float[][] {{1, 0}}, new int[] {0});
-    try {
-      new ProgramTrainer(new FakeRunner(), info(WITH_STATE), one, 1);
-      fail("one example cannot make a batch of two");
-    } catch (IllegalArgumentException e) {
-      assertTrue(e.getMessage(), e.getMessage().startsWith("program: 'tiny' trains batches of at least 2"));
-    }
+    String message =
+        assertThrows(
+                "one example cannot make a batch of two",
+                IllegalArgumentException.class,
+                () -> new ProgramTrainer(new FakeRunner(), info(WITH_STATE), one, 1))
+            .getMessage();
+    assertTrue(message, message.startsWith("program: 'tiny' trains batches of at least 2"));
   }
 
   @Test
@@ -223,12 +235,11 @@ public class ProgramTrainerTest {
     ProgramTrainer t = new ProgramTrainer(new FakeRunner(), info(WITH_STATE), data(), 1);
     List<NamedArray> a = arrays(new float[] {0, 0});
     a.remove(1);
-    try {
-      t.setParameters(a);
-      fail("the running mean is part of the model");
-    } catch (IllegalArgumentException e) {
-      assertTrue(e.getMessage(), e.getMessage().contains("missing bn.running_mean"));
-    }
+    assertRefused(
+        "the running mean is part of the model",
+        IllegalArgumentException.class,
+        "missing bn.running_mean",
+        () -> t.setParameters(a));
   }
 
   @Test
@@ -244,12 +255,11 @@ public class ProgramTrainerTest {
           }
         };
     ProgramTrainer t = new ProgramTrainer(runner, info(WITH_STATE), data(), 1);
-    try {
-      t.setParameters(arrays(new float[] {0, 0}));
-      fail("the file is not the program its metadata describes");
-    } catch (IllegalArgumentException e) {
-      assertTrue(e.getMessage(), e.getMessage().contains("fc.weight [2, 3]"));
-    }
+    assertRefused(
+        "the file is not the program its metadata describes",
+        IllegalArgumentException.class,
+        "fc.weight [2, 3]",
+        () -> t.setParameters(arrays(new float[] {0, 0})));
   }
 
   @Test
@@ -259,12 +269,11 @@ public class ProgramTrainerTest {
     List<NamedArray> a = arrays(new float[] {0, 0});
     a.remove(1);
     t.setParameters(a);
-    try {
-      t.evaluate();
-      fail("nothing to evaluate with");
-    } catch (IllegalArgumentException e) {
-      assertTrue(e.getMessage(), e.getMessage().contains("has no evaluation method"));
-    }
+    assertRefused(
+        "nothing to evaluate with",
+        IllegalArgumentException.class,
+        "has no evaluation method",
+        () -> t.evaluate());
   }
 
   @Test
@@ -274,22 +283,20 @@ public class ProgramTrainerTest {
     runner.extraOutputs = 1;
     ProgramTrainer t = new ProgramTrainer(runner, info(WITH_STATE), data(), 1);
     t.setParameters(arrays(new float[] {0, 0}));
-    try {
-      t.step(2, 0.1);
-      fail("four outputs for one state array");
-    } catch (IllegalStateException e) {
-      assertTrue(e.getMessage(), e.getMessage().contains("returned 4 outputs"));
-    }
+    assertRefused(
+        "four outputs for one state array",
+        IllegalStateException.class,
+        "returned 4 outputs",
+        () -> t.step(2, 0.1));
   }
 
   @Test
   public void samplesThatDoNotFitTheProgramsInputAreRefused() throws GatewayException {
     Dataset three = new Dataset(new float[][] {{1, 0, 0}, {0, 1, 0}}, new int[] {0, 1});
-    try {
-      new ProgramTrainer(new FakeRunner(), info(WITH_STATE), three, 1);
-      fail("3 features for a [2] sample");
-    } catch (IllegalArgumentException e) {
-      assertTrue(e.getMessage(), e.getMessage().contains("rows have 3 features"));
-    }
+    assertRefused(
+        "3 features for a [2] sample",
+        IllegalArgumentException.class,
+        "rows have 3 features",
+        () -> new ProgramTrainer(new FakeRunner(), info(WITH_STATE), three, 1));
   }
 }
