@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from logging import INFO, WARNING
 from typing import Any, ClassVar, Self
 
@@ -52,7 +52,6 @@ from .options import (
     RECOMMENDED_DEADLINES,
     Deadlines,
     Staleness,
-    adopt_options,
 )
 from .rounds import MIN_MESSAGE_TTL_S, TrainAggregate
 from .runtime_weighted import RuntimeWeightedFedAvg
@@ -154,26 +153,16 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
     max_staleness: int
     staleness_fn: StalenessFn  # resolved from a name
 
-    DEFAULT_DEADLINES = Deadlines()
-    """The deadline settings when none are given."""
-    DEFAULT_STALENESS = Staleness()
+    OPTION_DEFAULTS: ClassVar[Mapping[str, Any]] = {
+        "deadlines": Deadlines(),
+        "staleness": Staleness(),
+    }
     deadlines: Deadlines
     """The deadline settings this strategy runs with."""
     staleness: Staleness
     """How late updates count."""
-    OPTION_DEFAULTS: ClassVar[tuple[tuple[str, str], ...]] = (
-        ("deadlines", "DEFAULT_DEADLINES"),
-        ("staleness", "DEFAULT_STALENESS"),
-    )
 
-    def __init__(
-        self,
-        *args: Any,
-        deadlines: Deadlines | None = None,
-        staleness: Staleness | None = None,
-        **kwargs: Any,
-    ) -> None:
-        adopt_options(self, kwargs, deadlines=deadlines, staleness=staleness)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.adaptive = AdaptiveDeadline(self.deadlines)
         """The adaptive deadline's history, pacer and learnt lateness."""

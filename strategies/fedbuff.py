@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from logging import DEBUG, INFO, WARNING
 from typing import Any, ClassVar
 
@@ -26,7 +26,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 from flwr.supercore import log
 
-from .options import Buffering, Staleness, WorkBalance, adopt_options
+from .options import Buffering, Staleness, WorkBalance
 from .rounds import EvaluateFn
 from .runtime_weighted import RuntimeWeightedFedAvg
 from .server_momentum import ServerMomentum
@@ -106,27 +106,19 @@ class FedBuff(RuntimeWeightedFedAvg):
     max_staleness: int
     staleness_fn: StalenessFn  # resolved from a name
 
-    DEFAULT_WORK = WorkBalance(weighting="examples")
-    """FedBuff's paper weights by examples (Nguyen et al., AISTATS 2022, Alg. 1)."""
-    DEFAULT_STALENESS = Staleness(max_staleness=10)
-    DEFAULT_BUFFERING = Buffering()
+    OPTION_DEFAULTS: ClassVar[Mapping[str, Any]] = {
+        "work": WorkBalance(weighting="examples"),
+        "buffering": Buffering(),
+        "staleness": Staleness(max_staleness=10),
+    }
+    """FedBuff's paper weights by examples (Nguyen et al., AISTATS 2022, Alg. 1)
+    and uses updates up to 10 versions old."""
     buffering: Buffering
     """The asynchrony settings this strategy runs with."""
     staleness: Staleness
     """How stale updates count."""
-    OPTION_DEFAULTS: ClassVar[tuple[tuple[str, str], ...]] = (
-        ("buffering", "DEFAULT_BUFFERING"),
-        ("staleness", "DEFAULT_STALENESS"),
-    )
 
-    def __init__(
-        self,
-        *args: Any,
-        buffering: Buffering | None = None,
-        staleness: Staleness | None = None,
-        **kwargs: Any,
-    ) -> None:
-        adopt_options(self, kwargs, buffering=buffering, staleness=staleness)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.staleness_fn = resolve_staleness_fn(self.staleness.staleness_fn)
         self.server_optimiser = ServerMomentum(self.server_momentum)

@@ -37,7 +37,7 @@ partial work (the pseudo-gradient divides by the ``k`` steps asked for).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from logging import INFO
 from typing import Any, ClassVar
@@ -69,7 +69,7 @@ from flwr.serverapp.exception import AggregationError
 from flwr.supercore import log
 
 from .deadline import DeadlineFedAvg
-from .options import Deadlines, WorkBalance, adopt_options
+from .options import Deadlines, WorkBalance
 from .reply_weights import smooth
 
 ROUND_SERVER_LR = "server-lr"
@@ -150,19 +150,15 @@ class LargeBatchRounds(DeadlineFedAvg):
         The batch, the server optimiser and its schedule.
     """
 
-    DEFAULT_DEADLINES = Deadlines(late_updates=False, min_completion=None)
-    DEFAULT_WORK = WorkBalance(weighting="examples", local_steps=1)
-    DEFAULT_RECIPE = LargeBatchRecipe()
-    OPTION_DEFAULTS: ClassVar[tuple[tuple[str, str], ...]] = (
-        ("recipe", "DEFAULT_RECIPE"),
-    )
+    OPTION_DEFAULTS: ClassVar[Mapping[str, Any]] = {
+        "deadlines": Deadlines(late_updates=False, min_completion=None),
+        "work": WorkBalance(weighting="examples", local_steps=1),
+        "recipe": LargeBatchRecipe(),
+    }
     recipe: LargeBatchRecipe
     """The recipe this strategy runs with."""
 
-    def __init__(
-        self, *args: Any, recipe: LargeBatchRecipe | None = None, **kwargs: Any
-    ) -> None:
-        adopt_options(self, kwargs, copy=False, recipe=recipe)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if self.weighting != "examples":
             raise ValueError(

@@ -19,6 +19,7 @@ one release and warn with the object to use instead (:func:`take_options`).
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import sys
@@ -29,6 +30,7 @@ from typing import Any
 
 from flowerbed.replies import MAX_NUM_EXAMPLES
 from flowerbed.strategies.staleness import StalenessFn, polynomial_staleness
+from flwr.serverapp.strategy import FedAvg
 
 from .robust import AGGREGATIONS, DEFAULT_CLIP_FACTOR, DEFAULT_WEIGHT_CAP
 
@@ -55,6 +57,8 @@ DEFAULT_WAIT_RATIO = 5.0
 which the two-speed deadline still waits for the patient one."""
 DEFAULT_MIN_BATCH_SIZE = 4
 """Smallest batch a node sized to the deadline still trains on."""
+FEDAVG_PARAMETERS = tuple(inspect.signature(FedAvg).parameters)
+"""Flower ``FedAvg``'s arguments, in its order: a strategy passes them on."""
 
 
 def _check(rules: list[tuple[bool, str]], owner: str) -> None:
@@ -519,27 +523,24 @@ def copy_fields(target: object, *options: object) -> None:
 def option_defaults(strategy: type) -> dict[str, Any]:
     """Each option argument of ``strategy``'s constructors and its default object.
 
-    A class lists its own option arguments in ``OPTION_DEFAULTS``, pairs of the
-    argument and the class attribute holding its default (a subclass may set a
-    different default object under the same attribute).
+    A class declares its own option arguments in ``OPTION_DEFAULTS``, a mapping
+    of the argument to its default object; a subclass that lists an argument of
+    its base again gives it another default.
     """
     defaults: dict[str, Any] = {}
     for klass in reversed(strategy.__mro__):
-        for argument, default in vars(klass).get("OPTION_DEFAULTS", ()):
-            defaults[argument] = getattr(strategy, default)
+        defaults.update(vars(klass).get("OPTION_DEFAULTS", {}))
     return defaults
 
 
-def adopt_options(
-    strategy: object, flat: dict[str, Any], copy: bool = True, **given: Any
-) -> None:
+def adopt_options(strategy: object, flat: dict[str, Any], **given: Any) -> None:
     """Set each option object a constructor was ``given`` on ``strategy``.
 
     An argument that was not given (None) takes the class's default object
     (:func:`option_defaults`), with the fields of ``flat`` keywords applied and
     deprecated (:func:`take_options`). Each object becomes the attribute named
-    like its argument (``strategy.robustness``) and, with ``copy``, its fields
-    attributes too (:func:`copy_fields`).
+    like its argument (``strategy.robustness``), and its fields attributes too
+    (:func:`copy_fields`).
     """
     defaults = option_defaults(type(strategy))
     options = take_options(
@@ -549,8 +550,28 @@ def adopt_options(
     )
     for argument, option in options.items():
         setattr(strategy, argument, option)
-    if copy:
-        copy_fields(strategy, *options.values())
+    copy_fields(strategy, *options.values())
+
+
+def adopt_declared(strategy: object, kwargs: dict[str, Any]) -> None:
+    """Set every option object ``strategy``'s class declares, from ``kwargs``.
+
+    The one rule of the strategies' constructors: each argument of
+    :func:`option_defaults` (``robustness=``) is taken out of ``kwargs`` and
+    adopted with the flat keywords of its fields (:func:`adopt_options`). What
+    then stays in ``kwargs`` must be one of Flower ``FedAvg``'s arguments, which
+    the caller passes on; any other name is a TypeError listing the valid ones.
+    """
+    declared = option_defaults(type(strategy))
+    adopt_options(
+        strategy, kwargs, **{name: kwargs.pop(name, None) for name in declared}
+    )
+    owner = type(strategy)
+    refuse_unknown(
+        owner.__name__,
+        {k: v for k, v in kwargs.items() if k not in FEDAVG_PARAMETERS},
+        [*constructor_keywords(owner), *FEDAVG_PARAMETERS],
+    )
 
 
 def group_settings(strategy: type, settings: dict[str, Any]) -> dict[str, Any]:
@@ -567,9 +588,9 @@ def group_settings(strategy: type, settings: dict[str, Any]) -> dict[str, Any]:
 
 
 def constructor_keywords(strategy: type) -> list[str]:
-    """The keyword-only arguments of ``strategy``'s constructors (for the
-    message that refuses an unknown one)."""
-    names: list[str] = []
+    """The keyword-only and option arguments of ``strategy``'s constructors (for
+    the message that refuses an unknown one)."""
+    names = list(option_defaults(strategy))
     for klass in strategy.__mro__:
         code = getattr(klass.__dict__.get("__init__"), "__code__", None)
         if code is None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Mapping
 from logging import INFO, WARNING
 from pathlib import Path
 from typing import Any, ClassVar, Self
@@ -24,7 +24,6 @@ from flwr.app import (
     Message,
     MessageType,
     MetricRecord,
-    RecordDict,
 )
 from flwr.serverapp import Grid
 from flwr.supercore import log
@@ -42,10 +41,8 @@ from .learnt_state import LearntState
 from .options import (
     Robustness,
     WorkBalance,
-    adopt_options,
-    constructor_keywords,
+    adopt_declared,
     group_settings,
-    refuse_unknown,
 )
 from .rejections import RejectionLog, log_received
 from .reply_weights import ReplyWeights, balanced_steps, smooth
@@ -92,10 +89,10 @@ class RuntimeWeightedFedAvg(RoundLoop):
 
     Parameters
     ----------
-    fraction_train, fraction_evaluate, min_train_nodes, min_evaluate_nodes,
-    min_available_nodes, weighted_by_key, arrayrecord_key, configrecord_key,
-    train_metrics_aggr_fn, evaluate_metrics_aggr_fn
-        As in Flower's ``FedAvg`` (same defaults). ``weighted_by_key`` is ``n_i``.
+    *args, **kwargs
+        Flower ``FedAvg``'s arguments (``fraction_train``, …,
+        ``evaluate_metrics_aggr_fn``), by position or name, with Flower's
+        defaults; ``weighted_by_key`` is ``n_i``.
     work : WorkBalance, optional (default: WorkBalance())
         Weighting (default ``"fednova"``) and work balancing
         (:class:`~flowerbed.strategies.options.WorkBalance` lists its fields).
@@ -112,7 +109,8 @@ class RuntimeWeightedFedAvg(RoundLoop):
         Seeds node sampling (per round, so resumed runs sample the same nodes).
     **flat
         The option objects' fields by name (``weight_cap=3.0``), as in earlier
-        versions: deprecated, with a warning naming the object to use.
+        versions: deprecated, with a warning naming the object to use
+        (:func:`~.options.adopt_declared`).
     """
 
     # The option objects' fields, read as attributes (copied by copy_fields)
@@ -131,15 +129,13 @@ class RuntimeWeightedFedAvg(RoundLoop):
     quarantine_rounds: int
     pull_bound: bool
 
-    DEFAULT_WORK = WorkBalance()
-    """The work balance when none is given (subclasses may choose another)."""
-    DEFAULT_ROBUSTNESS = Robustness()
-    OPTION_DEFAULTS: ClassVar[tuple[tuple[str, str], ...]] = (
-        ("work", "DEFAULT_WORK"),
-        ("robustness", "DEFAULT_ROBUSTNESS"),
-    )
-    """Each option argument of this class's constructor and the class attribute
-    holding its default (:func:`~.options.option_defaults` reads them)."""
+    OPTION_DEFAULTS: ClassVar[Mapping[str, Any]] = {
+        "work": WorkBalance(),
+        "robustness": Robustness(),
+    }
+    """Each option argument of this class's constructor and its default
+    (:func:`~.options.adopt_declared` adopts them; a subclass may list another
+    default)."""
     work: WorkBalance
     """The work balance this strategy runs with."""
     robustness: Robustness
@@ -153,40 +149,14 @@ class RuntimeWeightedFedAvg(RoundLoop):
 
     def __init__(
         self,
-        fraction_train: float = 1.0,
-        fraction_evaluate: float = 1.0,
-        min_train_nodes: int = 2,
-        min_evaluate_nodes: int = 2,
-        min_available_nodes: int = 2,
-        weighted_by_key: str = keys.NUM_EXAMPLES,
-        arrayrecord_key: str = keys.ARRAYS,
-        configrecord_key: str = keys.CONFIG,
-        train_metrics_aggr_fn: Callable[[list[RecordDict], str], MetricRecord]
-        | None = None,
-        evaluate_metrics_aggr_fn: Callable[[list[RecordDict], str], MetricRecord]
-        | None = None,
-        *,
-        work: WorkBalance | None = None,
-        robustness: Robustness | None = None,
+        *args: Any,
         message_ttl_s: float | None = None,
         checkpoint_path: str | Path | None = None,
         seed: int = 0,
-        **flat: Any,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(
-            fraction_train,
-            fraction_evaluate,
-            min_train_nodes,
-            min_evaluate_nodes,
-            min_available_nodes,
-            weighted_by_key,
-            arrayrecord_key,
-            configrecord_key,
-            train_metrics_aggr_fn,
-            evaluate_metrics_aggr_fn,
-        )
-        adopt_options(self, flat, work=work, robustness=robustness)
-        refuse_unknown(type(self).__name__, flat, constructor_keywords(type(self)))
+        adopt_declared(self, kwargs)
+        super().__init__(*args, **kwargs)
         if message_ttl_s is not None and message_ttl_s <= 0:
             raise ValueError(f"message_ttl_s must be > 0, got {message_ttl_s}")
         self.message_ttl_s = message_ttl_s

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
 import pytest
 from flowerbed.strategies import (
     DeadlineFedAvg,
@@ -64,6 +68,33 @@ def test_flat_keywords_still_work_and_name_the_object_to_use() -> None:
 def test_an_object_and_one_of_its_fields_together_are_refused() -> None:
     with pytest.raises(TypeError, match="put them in the Robustness"):
         RuntimeWeightedFedAvg(robustness=Robustness(), weight_cap=3.0)
+
+
+@dataclass(frozen=True)
+class Tempo:
+    beat_s: float = 1.0
+
+
+class TempoFedAvg(DeadlineFedAvg):
+    OPTION_DEFAULTS: ClassVar[Mapping[str, Any]] = {
+        "tempo": Tempo(),
+        "staleness": Staleness(max_staleness=5),
+    }
+    tempo: Tempo
+    beat_s: float
+
+
+def test_a_subclass_declares_its_options_and_the_base_constructor_adopts_them() -> None:
+    strategy = TempoFedAvg(0.5, 0.25, 3, tempo=Tempo(beat_s=2.0))
+    assert (strategy.fraction_train, strategy.fraction_evaluate) == (0.5, 0.25)
+    assert strategy.min_train_nodes == 3  # Flower's arguments keep their places
+    assert (strategy.tempo, strategy.beat_s) == (Tempo(beat_s=2.0), 2.0)
+    assert strategy.max_staleness == 5  # the base's option, this class's default
+    assert strategy.deadlines == Deadlines()
+    with pytest.warns(DeprecationWarning, match=r"pass tempo=Tempo\(beat_s=3.0\)"):
+        assert TempoFedAvg(beat_s=3.0).tempo == Tempo(beat_s=3.0)
+    with pytest.raises(TypeError, match=r"tmepo; valid: .*tempo"):
+        TempoFedAvg(tmepo=Tempo())
 
 
 def test_an_unknown_keyword_is_refused_with_the_valid_ones() -> None:

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from logging import INFO, WARNING
-from typing import Any
+from typing import Any, ClassVar
 
 from flowerbed import keys
 from flowerbed.clock import clock_of
@@ -16,7 +15,7 @@ from flwr.serverapp.strategy.strategy_utils import log_strategy_start_info
 from flwr.supercore import log
 
 from ..fedbuff import FedBuff
-from ..options import copy_fields, refuse_unknown, take_options
+from ..options import adopt_declared
 from ..rounds import RoundLoop
 from ..wrappers import _RunsTheWrappedLoop, wrapped_loop
 from .model import Estimate, NodeModel, Observation, Workload
@@ -32,9 +31,6 @@ from .selector import (
     SelectionRecord,
     Selector,
 )
-
-FEDAVG_PARAMETERS = tuple(inspect.signature(FedAvg).parameters)
-"""Flower ``FedAvg``'s arguments, which build the wrapped strategy by default."""
 
 
 def round_loop_of(strategy: Strategy) -> RoundLoop | None:
@@ -103,34 +99,22 @@ class ClusterSelection(Strategy):
         When training re-selects (``drift_tolerance``, ``drop_after_failures``).
     """
 
+    OPTION_DEFAULTS: ClassVar[Mapping[str, Any]] = {
+        "goal": SelectionGoal(),
+        "profiling": Profiling(),
+        "certainty": Certainty(),
+        "tracking": Tracking(),
+    }
+    goal: SelectionGoal
+    profiling: Profiling
+    certainty: Certainty
+    tracking: Tracking
+
     def __init__(
-        self,
-        *args: Any,
-        strategy: Strategy | None = None,
-        goal: SelectionGoal | None = None,
-        profiling: Profiling | None = None,
-        certainty: Certainty | None = None,
-        tracking: Tracking | None = None,
-        **kwargs: Any,
+        self, *args: Any, strategy: Strategy | None = None, **kwargs: Any
     ) -> None:
-        options = take_options(
-            type(self).__name__,
-            kwargs,
-            {
-                "goal": (goal, SelectionGoal()),
-                "profiling": (profiling, Profiling()),
-                "certainty": (certainty, Certainty()),
-                "tracking": (tracking, Tracking()),
-            },
-        )
-        unknown = {k: v for k, v in kwargs.items() if k not in FEDAVG_PARAMETERS}
-        refuse_unknown("ClusterSelection", unknown, [*options, *FEDAVG_PARAMETERS])
+        adopt_declared(self, kwargs)
         self.strategy = FedAvg(*args, **kwargs) if strategy is None else strategy
-        self.goal: SelectionGoal = options["goal"]
-        self.profiling: Profiling = options["profiling"]
-        self.certainty: Certainty = options["certainty"]
-        self.tracking: Tracking = options["tracking"]
-        copy_fields(self, self.goal, self.profiling, self.certainty, self.tracking)
         self.profiler = Profiler(self.profiling, self.certainty, self.goal)
         """The profiling phase: observations, fits, rehearsals."""
         self.node_models: dict[int, NodeModel] = {}
