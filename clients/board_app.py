@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from logging import ERROR
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -68,6 +68,9 @@ from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 from flwr.supercore import log
 from torch import nn
+
+T = TypeVar("T")
+"""What a training loop returns."""
 
 # node_config keys -------------------------------------------------------------------
 DATASET_PATH = "dataset-path"
@@ -115,6 +118,19 @@ class Setup:
     batch_size: int
     lr: float
     seed: int
+
+    def train(self, loop: Callable[..., T], steps: int, **options: Any) -> T:
+        """``loop`` (:func:`train_steps` or :func:`timed_train`) on this model and
+        data with this batch size and learning rate; ``options`` go to ``loop``."""
+        return loop(
+            self.model,
+            self.data.x,
+            self.data.y,
+            steps=steps,
+            batch_size=self.batch_size,
+            lr=self.lr,
+            **options,
+        )
 
 
 def _number(
@@ -297,13 +313,9 @@ def train(message: Message, context: Context) -> Message:
     )
     if mu < 0:
         raise BoardError(f"{keys.PROXIMAL_MU} must be >= 0, got {mu}")
-    done = timed_train(
-        setup.model,
-        setup.data.x,
-        setup.data.y,
-        steps=steps,
-        batch_size=setup.batch_size,
-        lr=setup.lr,
+    done = setup.train(
+        timed_train,
+        steps,
         seed=setup.seed,
         deadline_s=deadline,
         started_at=deadline_origin(message, arrived),
@@ -374,23 +386,11 @@ def profile(message: Message, context: Context) -> Message:
     )
     if steps < 1:
         raise BoardError(f"{keys.PROFILE_STEPS} must be >= 1, got {steps}")
-    train_steps(
-        setup.model,
-        setup.data.x,
-        setup.data.y,
-        steps=1,
-        batch_size=setup.batch_size,
-        lr=setup.lr,
-        seed=setup.seed,
-    )
+    setup.train(train_steps, 1, seed=setup.seed)
     with TrainingMeter(slowdown_s=_slowdown(context)) as meter:
-        stats = train_steps(
-            setup.model,
-            setup.data.x,
-            setup.data.y,
-            steps=steps,
-            batch_size=setup.batch_size,
-            lr=setup.lr,
+        stats = setup.train(
+            train_steps,
+            steps,
             seed=setup.seed + 1,
             should_stop=meter.should_stop,
         )

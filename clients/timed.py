@@ -29,7 +29,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 
 import numpy as np
 import torch
@@ -84,12 +83,7 @@ class PowerSampler:
             self._thread.start()
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         if self._thread is not None:
             self._stop.set()
             self._thread.join()
@@ -224,14 +218,9 @@ class TrainingMeter:
         self._power.__enter__()
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self._t1 = self._clock()
-        self._power.__exit__(exc_type, exc, tb)
+        self._power.__exit__(*exc_info)
 
     def remaining_s(self) -> float:
         """Seconds left before the deadline (``inf`` without one)."""

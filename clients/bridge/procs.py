@@ -83,6 +83,21 @@ def stop_process(proc: subprocess.Popen[bytes], timeout: float = 10.0) -> None:
     stop_processes([proc], timeout)
 
 
+def start_serving(cmd: list[str], port: int, log_path: Path) -> subprocess.Popen[bytes]:
+    """Start ``cmd`` with its output in ``log_path`` and wait until it serves ``port``.
+
+    The process is stopped again if it does not listen within 60 s.
+    """
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for_port(port, 60, proc)
+    except Exception:
+        stop_process(proc)
+        raise
+    return proc
+
+
 def start_superlink(port: int, log_path: Path) -> subprocess.Popen[bytes]:
     """``flower-superlink --insecure`` serving every API on 127.0.0.1:``port``."""
     cmd = [
@@ -94,14 +109,7 @@ def start_superlink(port: int, log_path: Path) -> subprocess.Popen[bytes]:
         str(port),
         "--disable-runtime-dependency-installation",
     ]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        wait_for_port(port, 60, proc)
-    except Exception:
-        stop_process(proc)
-        raise
-    return proc
+    return start_serving(cmd, port, log_path)
 
 
 def start_gateway(
@@ -128,14 +136,7 @@ def start_gateway(
         str(port),
         *extra,
     ]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        wait_for_port(port, 60, proc)
-    except Exception:
-        stop_process(proc)
-        raise
-    return proc
+    return start_serving(cmd, port, log_path)
 
 
 def rss_bytes(pid: int) -> int:
