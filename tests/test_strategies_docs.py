@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from flowerbed import strategies
+from flowerbed.strategies.options import option_defaults
 from flwr.serverapp import ServerApp
 
 DOCS = Path(__file__).parents[1] / "docs" / "strategies"
@@ -55,7 +56,7 @@ def test_page_documents_every_parameter_with_its_default(name: str) -> None:
         p.name
         for p in inspect.signature(cls).parameters.values()
         if p.kind is inspect.Parameter.KEYWORD_ONLY
-    }
+    } | set(option_defaults(cls))
     # A page documents its own parameters and links its base's page for the rest.
     documented = set().union(
         *(
