@@ -165,10 +165,7 @@ public final class Json {
 
   private Map<String, Object> object() {
     Map<String, Object> map = new LinkedHashMap<String, Object>();
-    pos++;
-    skipSpace();
-    if (peek() == '}') {
-      pos++;
+    if (isEmpty('}')) {
       return map;
     }
     while (true) {
@@ -181,39 +178,22 @@ public final class Json {
       expect(':');
       skipSpace();
       map.put(key, value());
-      skipSpace();
-      char c = peek();
-      pos++;
-      if (c == '}') {
+      if (atEnd('}')) {
         return map;
-      }
-      if (c != ',') {
-        pos--;
-        throw error("expected ',' or '}'");
       }
     }
   }
 
   private List<Object> array() {
     List<Object> list = new ArrayList<Object>();
-    pos++;
-    skipSpace();
-    if (peek() == ']') {
-      pos++;
+    if (isEmpty(']')) {
       return list;
     }
     while (true) {
       skipSpace();
       list.add(value());
-      skipSpace();
-      char c = peek();
-      pos++;
-      if (c == ']') {
+      if (atEnd(']')) {
         return list;
-      }
-      if (c != ',') {
-        pos--;
-        throw error("expected ',' or ']'");
       }
     }
   }
@@ -259,6 +239,34 @@ public final class Json {
         throw error("unknown escape '\\" + e + "'");
       }
     }
+  }
+
+  /** Step over the opening bracket or brace; true if {@code close} follows (and read it too). */
+  private boolean isEmpty(char close) {
+    pos++;
+    skipSpace();
+    if (peek() == close) {
+      pos++;
+      return true;
+    }
+    return false;
+  }
+
+  /**
+   * Read the comma or {@code close} after an item of an object or array: true at {@code close}.
+   */
+  private boolean atEnd(char close) {
+    skipSpace();
+    char c = peek();
+    pos++;
+    if (c == close) {
+      return true;
+    }
+    if (c != ',') {
+      pos--;
+      throw error("expected ',' or '" + close + "'");
+    }
+    return false;
   }
 
   private Object number() {

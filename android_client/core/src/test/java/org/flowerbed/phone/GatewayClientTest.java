@@ -191,10 +191,13 @@ public class GatewayClientTest extends GatewayFixture {
   }
 
   /**
-   * Uploading 2,500 bytes as the result of task t-1 in chunks of 1,000 leaves them all at the
-   * gateway, sent with offsets 0, 1000 and 2000.
+   * Uploading {@code result} (2,500 bytes) as the result of task t-1, of which the gateway holds
+   * the first {@code held} bytes already, in chunks of 1,000 leaves them all at the gateway, sent
+   * with offsets 0, 1000 and 2000.
    */
-  private void assertUploadsIn1000ByteChunks(Task t, byte[] result) throws IOException {
+  private void assertUploadsIn1000ByteChunks(byte[] result, int held) throws IOException {
+    Task t = taskWithArrays("t-1", blob(4));
+    gw.tasks.get("t-1").upload.write(result, 0, held);
     client().uploadResult(t.id(), result, 1000);
     assertArrayEquals(result, gw.tasks.get("t-1").upload.toByteArray());
     assertEquals(
@@ -207,22 +210,19 @@ public class GatewayClientTest extends GatewayFixture {
 
   @Test
   public void uploadSendsChunksOfAtMostChunkBytes() throws IOException {
-    Task t = taskWithArrays("t-1", blob(4));
     byte[] result = new byte[2500];
     for (int i = 0; i < result.length; i++) {
       result[i] = (byte) i;
     }
-    assertUploadsIn1000ByteChunks(t, result);
+    assertUploadsIn1000ByteChunks(result, 0);
   }
 
   @Test
   public void uploadResumesFromTheOffsetA409Names() throws IOException {
     // An earlier attempt delivered the first 1000 bytes but its answer was lost.
-    Task t = taskWithArrays("t-1", blob(4));
     byte[] result = new byte[2500];
     Arrays.fill(result, (byte) 3);
-    gw.tasks.get("t-1").upload.write(result, 0, 1000);
-    assertUploadsIn1000ByteChunks(t, result);
+    assertUploadsIn1000ByteChunks(result, 1000);
   }
 
   @Test

@@ -78,6 +78,15 @@ public class PhoneAgentTest extends GatewayFixture {
     return m;
   }
 
+  /** A training task of the identity model with the given steps, batch size and rate. */
+  private FakeGateway.FakeTask trainTask(String id, long steps, long batchSize, double lr) {
+    return gw.addTask(
+        id,
+        "train",
+        config("local-steps", steps, "batch-size", batchSize, "lr", lr),
+        identityModel());
+  }
+
   private String lastTaskLine() {
     for (int i = log.size() - 1; i >= 0; i--) {
       if (log.get(i).startsWith("task=")) {
@@ -89,12 +98,7 @@ public class PhoneAgentTest extends GatewayFixture {
 
   @Test
   public void trainTaskUploadsTheTrainedArraysAndReportsTheWork() throws Exception {
-    FakeGateway.FakeTask t =
-        gw.addTask(
-            "t-1",
-            "train",
-            config("local-steps", 5L, "batch-size", 2L, "lr", 0.5),
-            identityModel());
+    FakeGateway.FakeTask t = trainTask("t-1", 5L, 2L, 0.5);
     assertEquals(1, agent("tok-a").run(1));
     List<NamedArray> up = TensorCodec.decode(t.upload.toByteArray());
     List<NamedArray> sent = TensorCodec.decode(identityModel());
@@ -283,12 +287,7 @@ public class PhoneAgentTest extends GatewayFixture {
 
   @Test
   public void uploadedArraysDecodeToWhatTheTrainerHolds() throws Exception {
-    FakeGateway.FakeTask t =
-        gw.addTask(
-            "t-8",
-            "train",
-            config("local-steps", 1L, "batch-size", 3L, "lr", 1.0),
-            identityModel());
+    FakeGateway.FakeTask t = trainTask("t-8", 1L, 3L, 1.0);
     agent("tok-a").run(1);
     // The same step done here by hand on a fresh trainer gives the same arrays.
     DenseTrainer expected = Models.fromArrays(TensorCodec.decode(identityModel()), DATA, 0);

@@ -46,6 +46,14 @@ public class ProgramTrainerTest {
     assertTrue(message, message.contains(fragment));
   }
 
+  /** Parameter shapes a runner reports: fc.weight {@code weight}, then fc.bias [2]. */
+  private static Map<String, long[]> shapes(long... weight) {
+    Map<String, long[]> s = new LinkedHashMap<String, long[]>();
+    s.put("fc.weight", weight);
+    s.put("fc.bias", new long[] {2});
+    return s;
+  }
+
   private static final String WITH_STATE =
       ", \"state\": [{\"name\": \"bn.running_mean\", \"shape\": [2]}],"
           + " \"evaluate_method\": \"evaluate\", \"min_batch_size\": 2";
@@ -75,10 +83,7 @@ public class ProgramTrainerTest {
 
     @Override
     public Map<String, long[]> parameterShapes() {
-      Map<String, long[]> s = new HashMap<String, long[]>();
-      s.put("fc.weight", new long[] {2, 2});
-      s.put("fc.bias", new long[] {2});
-      return s;
+      return shapes(2, 2);
     }
 
     @Override
@@ -149,13 +154,20 @@ public class ProgramTrainerTest {
     return a;
   }
 
+  /** A trainer of the program with state on {@code data}, holding {@link #arrays}. */
+  private static ProgramTrainer loaded(FakeRunner runner, Dataset data, float... runningMean)
+      throws GatewayException {
+    ProgramTrainer t = new ProgramTrainer(runner, info(WITH_STATE), data, 1);
+    t.setParameters(arrays(runningMean));
+    return t;
+  }
+
   @Test
   public void theStateOfEachStepFeedsTheNextAndGoesBackWithTheWeights() throws GatewayException {
     FakeRunner runner = new FakeRunner();
     // Three examples, batches of the largest size (3): every step sees the mean (1, 1).
     Dataset three = new Dataset(new float[][] {{1, 0}, {0, 1}, {2, 2}}, new int[] {0, 1, 0});
-    ProgramTrainer t = new ProgramTrainer(runner, info(WITH_STATE), three, 1);
-    t.setParameters(arrays(new float[] {0, 0}));
+    ProgramTrainer t = loaded(runner, three, 0, 0);
     t.step(3, 0.1);
     t.step(3, 0.1);
     // Momentum 0.1 from 0: 0.1 after the first step, which the second step receives and
@@ -176,8 +188,7 @@ public class ProgramTrainerTest {
   public void evaluationRunsTheEvaluationMethodOnTheWeightsHeldAndTheState()
       throws GatewayException {
     FakeRunner runner = new FakeRunner();
-    ProgramTrainer t = new ProgramTrainer(runner, info(WITH_STATE), data(), 1);
-    t.setParameters(arrays(new float[] {5, 6}));
+    ProgramTrainer t = loaded(runner, data(), 5, 6);
     Trainer.Evaluation e = t.evaluate();
     // Batches of the program's largest size, 3, then 1: inputs are the parameters then the
     // state, in the program's order, and no training step ran.
@@ -195,8 +206,7 @@ public class ProgramTrainerTest {
   @Test
   public void evaluationAfterTrainingUsesTheTrainedWeights() throws GatewayException {
     FakeRunner runner = new FakeRunner();
-    ProgramTrainer t = new ProgramTrainer(runner, info(WITH_STATE), data(), 1);
-    t.setParameters(arrays(new float[] {0, 0}));
+    ProgramTrainer t = loaded(runner, data(), 0, 0);
     t.step(2, 0.1);
     t.step(2, 0.1);
     t.step(2, 0.1); // the fake adds 1 to bias[0] per step: b = (3, 0)
@@ -209,8 +219,7 @@ public class ProgramTrainerTest {
   public void batchesAreRaisedToTheProgramsSmallestAndCappedAtItsLargest()
       throws GatewayException {
     FakeRunner runner = new FakeRunner();
-    ProgramTrainer t = new ProgramTrainer(runner, info(WITH_STATE), data(), 1);
-    t.setParameters(arrays(new float[] {0, 0}));
+    ProgramTrainer t = loaded(runner, data(), 0, 0);
     assertEquals(2, t.step(1, 0.1).examples);
     assertEquals(3, t.step(64, 0.1).examples);
     assertArrayEquals(new int[] {2, 2}, runner.trainBatches.get(0));
@@ -248,10 +257,7 @@ public class ProgramTrainerTest {
         new FakeRunner() {
           @Override
           public Map<String, long[]> parameterShapes() {
-            Map<String, long[]> s = new LinkedHashMap<String, long[]>();
-            s.put("fc.weight", new long[] {2, 3});
-            s.put("fc.bias", new long[] {2});
-            return s;
+            return shapes(2, 3);
           }
         };
     ProgramTrainer t = new ProgramTrainer(runner, info(WITH_STATE), data(), 1);
@@ -281,8 +287,7 @@ public class ProgramTrainerTest {
       throws GatewayException {
     FakeRunner runner = new FakeRunner();
     runner.extraOutputs = 1;
-    ProgramTrainer t = new ProgramTrainer(runner, info(WITH_STATE), data(), 1);
-    t.setParameters(arrays(new float[] {0, 0}));
+    ProgramTrainer t = loaded(runner, data(), 0, 0);
     assertRefused(
         "four outputs for one state array",
         IllegalStateException.class,

@@ -15,6 +15,12 @@ public class TrainerTest {
     return new NamedArray(name, shape, data);
   }
 
+  /** Arrays of softmax regression over 2 classes: fc.weight [2, in] and fc.bias [2]. */
+  private static List<NamedArray> fc(int in, float[] weight, float... bias) {
+    return Arrays.asList(
+        array("fc.weight", new int[] {2, in}, weight), array("fc.bias", new int[] {2}, bias));
+  }
+
   private static Dataset one(float[] x, int y) {
     return new Dataset(new float[][] {x}, new int[] {y});
   }
@@ -46,10 +52,7 @@ public class TrainerTest {
     // W = 0, b = 0, x = (1, 2), y = 0: logits 0, p = (1/2, 1/2), loss = ln 2,
     // dlogits = p - onehot = (-1/2, 1/2), dW = dlogits x^T = [[-1/2, -1], [1/2, 1]], db = dlogits.
     // With lr 0.5: W = [[1/4, 1/2], [-1/4, -1/2]], b = (1/4, -1/4).
-    List<NamedArray> zero =
-        Arrays.asList(
-            array("fc.weight", new int[] {2, 2}, 0, 0, 0, 0),
-            array("fc.bias", new int[] {2}, 0, 0));
+    List<NamedArray> zero = fc(2, new float[] {0, 0, 0, 0}, 0, 0);
     SoftmaxRegression t = new SoftmaxRegression(one(new float[] {1, 2}, 0), zero, 0);
     Trainer.StepResult r = t.step(1, 0.5);
     assertEquals(1, r.examples);
@@ -85,10 +88,7 @@ public class TrainerTest {
   public void batchGradientIsTheMeanOfTheExampleGradients() {
     // Two examples x = (1, 0) y = 0 and x = (0, 1) y = 1 at W = 0, b = 0: each dlogits is
     // -/+ 1/2; mean dW = [[-1/4, 1/4], [1/4, -1/4]], mean db = (0, 0). lr 1 flips the signs.
-    List<NamedArray> zero =
-        Arrays.asList(
-            array("fc.weight", new int[] {2, 2}, 0, 0, 0, 0),
-            array("fc.bias", new int[] {2}, 0, 0));
+    List<NamedArray> zero = fc(2, new float[] {0, 0, 0, 0}, 0, 0);
     Dataset d = new Dataset(new float[][] {{1, 0}, {0, 1}}, new int[] {0, 1});
     SoftmaxRegression t = new SoftmaxRegression(d, zero, 0);
     assertEquals(2, t.step(32, 1.0).examples);
@@ -124,10 +124,7 @@ public class TrainerTest {
   public void evaluateCountsLossAndAccuracyOverAllExamples() {
     // W = I, b = 0 over 2 features: logits = x. Examples: (2,0)->0 right, (0,2)->1 right,
     // (2,0)->1 wrong. Losses: ln(1+e^-2) twice and ln(1+e^2) once; accuracy 2/3.
-    List<NamedArray> id =
-        Arrays.asList(
-            array("fc.weight", new int[] {2, 2}, 1, 0, 0, 1),
-            array("fc.bias", new int[] {2}, 0, 0));
+    List<NamedArray> id = fc(2, new float[] {1, 0, 0, 1}, 0, 0);
     Dataset d = new Dataset(new float[][] {{2, 0}, {0, 2}, {2, 0}}, new int[] {0, 1, 1});
     Trainer.Evaluation e = new SoftmaxRegression(d, id, 0).evaluate();
     double expected = (2 * Math.log(1 + Math.exp(-2)) + Math.log(1 + Math.exp(2))) / 3;
@@ -140,10 +137,7 @@ public class TrainerTest {
   public void setParametersRefusesAnotherLayout() {
     SoftmaxRegression t = new SoftmaxRegression(separable(4, 0), 2, 0);
     try {
-      t.setParameters(
-          Arrays.asList(
-              array("fc.weight", new int[] {2, 3}, new float[6]),
-              array("fc.bias", new int[] {2}, 0, 0)));
+      t.setParameters(fc(3, new float[6], 0, 0));
       fail("expected IllegalArgumentException");
     } catch (IllegalArgumentException e) {
       assertEquals("parameter 0 should be fc.weight[2, 2], got fc.weight[2, 3]", e.getMessage());
@@ -153,10 +147,7 @@ public class TrainerTest {
   @Test
   public void setAndGetParametersRoundTripWithoutSharing() {
     SoftmaxRegression t = new SoftmaxRegression(separable(4, 0), 2, 0);
-    List<NamedArray> p =
-        Arrays.asList(
-            array("fc.weight", new int[] {2, 2}, 1, 2, 3, 4),
-            array("fc.bias", new int[] {2}, 5, 6));
+    List<NamedArray> p = fc(2, new float[] {1, 2, 3, 4}, 5, 6);
     t.setParameters(p);
     p.get(0).data()[0] = 99; // the trainer holds its own copy
     assertArrayEquals(new float[] {1, 2, 3, 4}, param(t, "fc.weight"), 0);
@@ -189,10 +180,7 @@ public class TrainerTest {
 
   @Test
   public void modelsRefuseAModelOverOtherFeatures() {
-    List<NamedArray> threeFeatures =
-        Arrays.asList(
-            array("fc.weight", new int[] {2, 3}, new float[6]),
-            array("fc.bias", new int[] {2}, 0, 0));
+    List<NamedArray> threeFeatures = fc(3, new float[6], 0, 0);
     try {
       Models.fromArrays(threeFeatures, separable(4, 0), 0);
       fail("expected IllegalArgumentException");
