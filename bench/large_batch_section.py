@@ -40,7 +40,7 @@ from collections.abc import Mapping
 from datetime import datetime, timezone
 from typing import Any
 
-from .sections import SectionRun
+from .sections import SectionRun, chosen_parts
 
 TITLE = "Large-batch synchronous training"
 PARTS = ("scaling", "sync", "rounds", "accuracy")
@@ -77,24 +77,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def check(args: argparse.Namespace) -> None:
-    for part in _parts(args):
-        if part not in PARTS:
-            raise ValueError(
-                f"unknown large-batch part {part!r}; valid choices: {', '.join(PARTS)}"
-            )
+    chosen_parts(args, "large-batch", PARTS)
 
 
 def choices() -> list[str]:
     return [f"--large-batch: {', '.join(PARTS)}"]
 
 
-def _parts(args: argparse.Namespace) -> list[str]:
-    raw = getattr(args, "large_batch", None)
-    return [p.strip() for p in raw.split(",") if p.strip()] if raw else list(PARTS)
-
-
 def run(ctx: SectionRun) -> dict[str, Any]:
-    parts = _parts(ctx.args)
+    parts = chosen_parts(ctx.args, "large-batch", PARTS)
     if ctx.quick and not getattr(ctx.args, "large_batch", None):
         parts = [p for p in parts if p not in QUICK_SKIPS]
     data: dict[str, Any] = dict(ctx.previous or {})

@@ -19,7 +19,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from .sections import SectionRun, app_root
+from .sections import SectionRun, app_root, chosen_parts
 
 TITLE = "Machinery cost"
 PARTS = ("aggregation", "throughput", "startup", "client", "gateway")
@@ -58,15 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def parts_from_args(args: argparse.Namespace) -> list[str]:
     """The parts to run; ``ValueError`` naming an unknown one."""
-    from .suite_section import split
-
-    parts = split(getattr(args, "machinery", None)) or list(PARTS)
-    for part in parts:
-        if part not in PARTS:
-            raise ValueError(
-                f"unknown machinery part {part!r}; valid choices: {', '.join(PARTS)}"
-            )
-    return parts
+    return chosen_parts(args, "machinery", PARTS)
 
 
 def check(args: argparse.Namespace) -> None:

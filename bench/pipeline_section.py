@@ -41,7 +41,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .sections import SectionRun
+from .sections import SectionRun, chosen_parts
 
 TITLE = "Pipeline training across unequal boards"
 PARTS = ("local", "failures", "deployment", "virtual")
@@ -66,17 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _parts(args: argparse.Namespace) -> list[str]:
-    raw = getattr(args, "pipeline", None)
-    return [p.strip() for p in raw.split(",") if p.strip()] if raw else list(PARTS)
-
-
 def check(args: argparse.Namespace) -> None:
-    for part in _parts(args):
-        if part not in PARTS:
-            raise ValueError(
-                f"unknown pipeline part {part!r}; valid choices: {', '.join(PARTS)}"
-            )
+    chosen_parts(args, "pipeline", PARTS)
 
 
 def choices() -> list[str]:
@@ -89,7 +80,7 @@ def run(ctx: SectionRun) -> dict[str, Any]:
     import flwr.common.logger  # noqa: F401  (sets the flwr logger's level on import)
 
     logging.getLogger("flwr").setLevel(logging.WARNING)
-    parts = _parts(ctx.args)
+    parts = chosen_parts(ctx.args, "pipeline", PARTS)
     data: dict[str, Any] = dict(ctx.previous or {})
     data.pop("error", None)
     step = ctx.tracker(len(parts))

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -76,6 +76,21 @@ def section_module(name: str) -> ModuleType:
             f"unknown section {name!r}; valid choices: {', '.join(SECTIONS)}"
         )
     return importlib.import_module(SECTIONS[name])
+
+
+def chosen_parts(
+    args: argparse.Namespace, option: str, parts: Sequence[str]
+) -> list[str]:
+    """The parts a section's comma-separated ``--<option>`` names (all ``parts``
+    when it is not given); ``ValueError`` naming an unknown one."""
+    raw = getattr(args, option.replace("-", "_"), None)
+    chosen = [p.strip() for p in raw.split(",") if p.strip()] if raw else list(parts)
+    for part in chosen:
+        if part not in parts:
+            raise ValueError(
+                f"unknown {option} part {part!r}; valid choices: {', '.join(parts)}"
+            )
+    return chosen
 
 
 @dataclass

@@ -156,37 +156,52 @@ def _small_fleet(name: str, fleet: str, description: str) -> Workload:
     )
 
 
+def _phone_population(
+    name: str,
+    description: str,
+    dataset: str,
+    model: str,
+    partition: str,
+    budget_rounds: int,
+) -> Workload:
+    """A large phone population: 1,000 ``phones-10x`` devices, a cohort of 20,
+    charged as MobileNet, under diurnal availability."""
+    return Workload(
+        name,
+        description,
+        dataset,
+        model,
+        partition,
+        fleet="phones-10x",
+        population=1000,
+        cohort=20,
+        charge_as="mobilenet-v1-0.5-160",
+        availability=True,
+        budget_rounds=budget_rounds,
+    )
+
+
 WORKLOADS: dict[str, Workload] = {
     w.name: w
     for w in (
-        Workload(
+        _phone_population(
             "mnist1d-device",
             "MNIST-1D, device-correlated labels: slow phones hold classes 0-4, "
             "the fast ones see them in 10% of their data",
             "mnist1d",
             "mlp",
             "device",
-            "phones-10x",
-            1000,
-            20,
-            "mobilenet-v1-0.5-160",
-            True,
             MNIST1D_BUDGET_ROUNDS,
         ),
-        Workload(
+        _phone_population(
             "mnist1d-iid",
             "MNIST-1D, IID",
             "mnist1d",
             "mlp",
             "iid",
-            "phones-10x",
-            1000,
-            20,
-            "mobilenet-v1-0.5-160",
-            True,
             MNIST1D_BUDGET_ROUNDS,
         ),
-        Workload(
+        _phone_population(
             "synthetic",
             "Synthetic(1, 1) of FedProx (Li et al., MLSys 2020, Sec. 5.1), 100 "
             "writers, each split over 10 devices (natural non-IID: a device holds "
@@ -197,11 +212,6 @@ WORKLOADS: dict[str, Workload] = {
             "synthetic",
             "logreg",
             "natural",
-            "phones-10x",
-            1000,
-            20,
-            "mobilenet-v1-0.5-160",
-            True,
             SYNTHETIC_BUDGET_ROUNDS,
         ),
         Workload(
