@@ -41,40 +41,53 @@ segments in ``_segment_round`` (:meth:`run_segment`) and say which evaluation
 messages to send in ``configure_evaluate``. Rendezvous
 ports rotate over ``rendezvous_port .. rendezvous_port + rendezvous_ports - 1``,
 one per segment (a gloo group cannot shrink, so each segment has a new group).
+
+The mechanics live beside it: finding and profiling members in
+:mod:`~flowerbed.strategies.span_members`, a reply's checks in
+:mod:`~flowerbed.strategies.span_replies`, sending a segment and gathering its
+replies in :mod:`~flowerbed.strategies.span_segments`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
-import math
-from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping
 from logging import INFO, WARNING
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 from flowerbed import keys
 from flowerbed.clock import Clock, clock_of
 from flowerbed.parallel.group import STORE_GRACE_S, segment_port
-from flowerbed.parallel.plan import PLAN_KEY, MemberPlan, check_address
+from flowerbed.parallel.plan import MemberPlan
 from flowerbed.parallel.setup_time import member_setup_s
 from flowerbed.replies import ReplyRejected, check_evaluate_reply
 from flowerbed.strategies.accumulation import MetricsAccumulator
-from flowerbed.strategies.inflight import InFlight, Ticket
+from flowerbed.strategies.inflight import InFlight
 from flowerbed.strategies.options import copy_fields, refuse_unknown, take_options
 from flowerbed.strategies.rounds import RoundLoop, RoundTally
-from flowerbed.strategies.sampling import WAIT_FOR_NODES_S
 from flowerbed.strategies.span_checkpoint import Resumed, SpanCheckpoint
+from flowerbed.strategies.span_members import SpanMember, discover, profile_members
 from flowerbed.strategies.span_options import SpanGroup
+from flowerbed.strategies.span_replies import (
+    SegmentOutcome,
+    SegmentReply,
+    check_segment_reply,
+)
+from flowerbed.strategies.span_segments import (
+    GONE_CODES,
+    LIVENESS_CHECK_S,
+    LOST_CONFIRM_S,
+    SegmentGather,
+    arrayrecord,
+    segment_messages,
+)
 from flowerbed.strategies.span_sizing import (
     ROUND_SETUP_S,
     ROUND_SETUP_SHARE,
     SegmentSizer,
 )
 from flwr.app import (
-    Array,
     ArrayRecord,
     ConfigRecord,
     Message,
@@ -82,156 +95,22 @@ from flwr.app import (
     MetricRecord,
     RecordDict,
 )
-from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 from flwr.supercore import log
 
-GONE_CODES = (
-    ErrorCode.MESSAGE_UNAVAILABLE,
-    ErrorCode.REPLY_MESSAGE_UNAVAILABLE,
-    ErrorCode.NODE_UNAVAILABLE,
-    ErrorCode.CLIENT_APP_CRASHED,
-)
-"""Flower error codes that mean the member's node or process is gone (lost), as
-opposed to an error its ClientApp reported (alive, plan or board problem)."""
-
-LOST_CONFIRM_S = 1.0
-"""Seconds the server still waits for members that survivors named gone, once
-everyone else has answered: a SuperNode pushes a finished ClientApp's reply
-within half a second (flwr's SuperNode loop), so a member that left just before
-it was probed is heard from in time, while a dead one costs only this."""
-LIVENESS_CHECK_S = 1.0
-"""Seconds between the server's own liveness checks of members not heard from,
-once a member reported a loss (:meth:`SpanJobStrategy.run_segment`)."""
-
-
-@dataclass
-class SpanMember:
-    """A node that can take part: its id, advertised address and profile."""
-
-    node_id: int
-    address: str
-    label: str = ""
-    metrics: dict[str, Any] = field(default_factory=dict)
-    info: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class SegmentReply:
-    """One member's checked segment reply."""
-
-    node_id: int
-    ok: bool
-    metrics: dict[str, Any]
-    arrays: dict[str, np.ndarray]
-    optimizer: dict[str, np.ndarray]
-    failure: str = ""
-    info: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class SegmentOutcome:
-    """What became of a segment's members.
-
-    ``replies``: checked replies (``ok`` or a reported lost peer); ``errors``:
-    error replies, by node (member alive, plan or board problem); ``rejected``:
-    malformed replies, by node; ``lost``: members that never answered.
-    """
-
-    replies: dict[int, SegmentReply] = field(default_factory=dict)
-    errors: dict[int, str] = field(default_factory=dict)
-    rejected: dict[int, str] = field(default_factory=dict)
-    lost: set[int] = field(default_factory=set)
-    seconds: float = 0.0
-
-    @property
-    def complete(self) -> bool:
-        """Every member finished its segment."""
-        return (
-            not self.errors
-            and not self.rejected
-            and not self.lost
-            and all(r.ok for r in self.replies.values())
-        )
-
-    @property
-    def answered(self) -> set[int]:
-        """Members heard from: a reply, an error reply or a malformed one."""
-        return set(self.replies) | set(self.errors) | set(self.rejected)
-
-    @property
-    def failed_members(self) -> set[int]:
-        """Members whose state after the segment cannot be used (lost, malformed)."""
-        return set(self.lost) | set(self.rejected)
-
-    @property
-    def port_errors(self) -> set[int]:
-        """Members that answered only that the segment's rendezvous port was in use:
-        alive and blameless (the server skips the port from then on)."""
-        return {n for n, why in self.errors.items() if _port_in_use(why) is not None}
-
-    @property
-    def dropped_members(self) -> set[int]:
-        """Members to leave out of the next attempt: lost, malformed, or refusing
-        the plan with an error other than a taken port."""
-        return self.failed_members | (set(self.errors) - self.port_errors)
-
-
-def _finite(value: object) -> bool:
-    if isinstance(value, list):
-        return all(_finite(v) for v in value)
-    return (
-        isinstance(value, int | float)
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-    )
-
-
-def check_segment_reply(reply: Message) -> SegmentReply:
-    """Validate a span reply; raise :class:`ReplyRejected` saying what is wrong.
-
-    Every metric must be a finite number (or list of them) and ``span-ok`` 0 or 1;
-    every array finite. Which arrays a reply must hold is the subclass's check.
-    """
-    content = reply.content
-    if keys.METRICS not in content.metric_records:
-        raise ReplyRejected(f"no {keys.METRICS!r} MetricRecord")
-    metrics = dict(content.metric_records[keys.METRICS])
-    for key, value in metrics.items():
-        if not _finite(value):
-            raise ReplyRejected(f"metric {key!r} is not a finite number ({value!r})")
-    ok = metrics.get(keys.SPAN_OK)
-    if ok not in (0, 1):
-        raise ReplyRejected(f"metric {keys.SPAN_OK!r} must be 0 or 1, got {ok!r}")
-    arrays: dict[str, dict[str, np.ndarray]] = {}
-    for name in (keys.ARRAYS, keys.SPAN_OPTIMIZER):
-        arrays[name] = {}
-        if name in content.array_records:
-            for key, array in content.array_records[name].items():
-                try:
-                    decoded: np.ndarray = array.numpy()
-                except Exception as err:
-                    raise ReplyRejected(
-                        f"array {key!r} cannot be decoded: {err}"
-                    ) from err
-                if decoded.dtype.kind in "fc" and not np.isfinite(decoded).all():
-                    raise ReplyRejected(f"array {key!r} contains NaN or Inf")
-                arrays[name][key] = decoded
-    info = (
-        dict(content.config_records[keys.SPAN_RECORD])
-        if keys.SPAN_RECORD in content.config_records
-        else {}
-    )
-    return SegmentReply(
-        node_id=reply.metadata.src_node_id,
-        ok=ok == 1,
-        metrics=metrics,
-        arrays=arrays[keys.ARRAYS],
-        optimizer=arrays[keys.SPAN_OPTIMIZER],
-        failure=str(info.get("failure", "")),
-        info=info,
-    )
+__all__ = [  # the names this module held before its concerns moved out
+    "GONE_CODES",
+    "LIVENESS_CHECK_S",
+    "LOST_CONFIRM_S",
+    "SegmentOutcome",
+    "SegmentReply",
+    "SpanJobStrategy",
+    "SpanMember",
+    "arrayrecord",
+    "check_initial_arrays",
+    "check_segment_reply",
+]
 
 
 def check_initial_arrays(
@@ -253,10 +132,6 @@ def check_initial_arrays(
                 f"initial array {name!r} has shape {tuple(array.shape)}, the "
                 f"model's is {reference[name]}"
             )
-
-
-def arrayrecord(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
-    return ArrayRecord({k: Array(np.asarray(v)) for k, v in arrays.items()})
 
 
 class SpanJobStrategy(RoundLoop):
@@ -542,18 +417,7 @@ class SpanJobStrategy(RoundLoop):
     # ------------------------------------------------------------------ members
     def discover(self, grid: Grid, count: int, timeout: float) -> list[int]:
         """Node ids once ``min_available_nodes`` are connected (at most ``count``)."""
-        give_up = self.clock.now() + timeout
-        nodes = sorted(grid.get_node_ids())
-        while len(nodes) < self.min_available_nodes and self.clock.now() < give_up:
-            log(
-                INFO,
-                "waiting for nodes: %d connected, %d needed",
-                len(nodes),
-                self.min_available_nodes,
-            )
-            self.clock.wait(WAIT_FOR_NODES_S)
-            nodes = sorted(grid.get_node_ids())
-        return nodes[:count]
+        return discover(self.inflight, grid, self.min_available_nodes, count, timeout)
 
     def profile_members(
         self,
@@ -562,52 +426,10 @@ class SpanJobStrategy(RoundLoop):
         request: Mapping[str, Any],
         timeout: float,
     ) -> tuple[dict[int, SpanMember], dict[int, str]]:
-        """Query ``node_ids`` with ``request`` (a span query); return members, errors.
-
-        A node whose reply is an error (no or a foreign ``address``, no data ...)
-        or malformed, or that does not answer within ``timeout``, is left out
-        and its reason logged and returned.
-        """
-        config = ConfigRecord({keys.SPAN_QUERY: json.dumps(dict(request))})
-        ids = list(node_ids)
-        messages = [
-            Message(
-                RecordDict({keys.CONFIG: config}),
-                dst_node_id=node_id,
-                message_type=MessageType.QUERY,
-                ttl=timeout,
-            )
-            for node_id in ids
-        ]
-        sent = self.inflight.push(messages, 0)
-        members: dict[int, SpanMember] = {}
-        errors: dict[int, str] = {}
-        for reply, ticket, _ in self.inflight.replies(
-            self.clock.now() + timeout, kind=MessageType.QUERY
-        ):
-            node_id = ticket.node_id
-            try:
-                if reply.has_error():
-                    raise ReplyRejected(reply.error.reason or "error reply")
-                checked = check_segment_reply(reply)
-                address = check_address(checked.info.get("address"), "reply address")
-            except (ReplyRejected, ValueError) as err:
-                errors[node_id] = str(err)
-                log(WARNING, "node %d cannot take part: %s", node_id, err)
-                continue
-            members[node_id] = SpanMember(
-                node_id=node_id,
-                address=address,
-                label=str(checked.info.get("device", "")),
-                metrics=checked.metrics,
-                info=checked.info,
-            )
-        missing = [n for n in ids if n not in members and n not in errors]
-        for node_id in missing:
-            errors[node_id] = f"no answer to the profiling query within {timeout:g} s"
-            log(WARNING, "node %d: %s", node_id, errors[node_id])
-        self.inflight.forget(sent)
-        return members, errors
+        """Query ``node_ids`` with ``request`` (a span query); return members,
+        errors (:func:`~flowerbed.strategies.span_members.profile_members`)."""
+        del grid  # the attached grid's in-flight bookkeeping sends the query
+        return profile_members(self.inflight, node_ids, request, timeout)
 
     # ------------------------------------------------------------------ segments
     def segment_messages(
@@ -619,24 +441,8 @@ class SpanJobStrategy(RoundLoop):
         ttl: float,
     ) -> list[Message]:
         """One train message per member: ``config`` plus its plan, and its arrays."""
-        messages = []
-        for node_id, plan in plans.items():
-            record = ConfigRecord(dict(config))
-            record.update(plan.to_config())
-            content = RecordDict({self.configrecord_key: record})
-            if arrays.get(node_id):
-                content[self.arrayrecord_key] = arrayrecord(arrays[node_id])
-            if optimizer.get(node_id):
-                content[keys.SPAN_OPTIMIZER] = arrayrecord(optimizer[node_id])
-            messages.append(
-                Message(
-                    content,
-                    dst_node_id=node_id,
-                    message_type=MessageType.TRAIN,
-                    ttl=ttl,
-                )
-            )
-        return messages
+        where = (self.configrecord_key, self.arrayrecord_key)
+        return segment_messages(plans, arrays, optimizer, config, ttl, where)
 
     def run_segment(
         self,
@@ -653,152 +459,13 @@ class SpanJobStrategy(RoundLoop):
         :data:`LOST_CONFIRM_S` after everyone else has answered. ``check`` may
         reject a reply (raise :class:`ReplyRejected`) on mode-specific grounds.
         """
-        start = self.clock.now()
-        messages = list(messages)
-        ranks = _ranks(messages, self.configrecord_key)
-        sent = self.inflight.push(messages, server_round)
-        members = {self.inflight.tickets[i].node_id for i in sent}
-        outcome = SegmentOutcome()
-        until = [start + timeout]  # a grace period or a naming brings it forward
-        # node -> why it is gone: named by survivors (reporter -> their failure
-        # text) or by Flower's error code (reporter 0, the SuperLink)
-        gone: dict[int, dict[int, str]] = {}
-
-        check_at = [math.inf]  # the server's next liveness check (after a loss)
-
-        def settle(now: float) -> None:
-            silent = members - outcome.answered
-            if silent and silent <= set(gone):
-                until[0] = min(until[0], now + LOST_CONFIRM_S)
-
-        def bound() -> float:
-            return min(until[0], check_at[0])
-
-        while True:
-            for reply, ticket in self._segment_replies(bound):
-                join = self._file_reply(
-                    reply, ticket.node_id, outcome, check, ranks, gone
-                )
-                now = self.clock.now()
-                if join is not None:
-                    until[0] = min(until[0], now + self._grace(join=join))
-                    check_at[0] = min(check_at[0], now + LIVENESS_CHECK_S)
-                settle(now)
-            now = self.clock.now()
-            silent = members - outcome.answered
-            if not silent or now >= until[0]:
-                break
-            self._check_liveness(silent - set(gone), gone)
-            check_at[0] = now + LIVENESS_CHECK_S
-            settle(now)
-        outcome.lost = members - outcome.answered
-        for node_id in sorted(outcome.lost):
-            rank = ranks.get(node_id, -1)
-            if node_id in gone:
-                log(
-                    WARNING,
-                    "segment: node %d (rank %d) is lost: %s found it gone (%s)",
-                    node_id,
-                    rank,
-                    ", ".join(
-                        "the SuperLink" if n == 0 else f"node {n}"
-                        for n in sorted(gone[node_id])
-                    ),
-                    next(iter(gone[node_id].values())),
-                )
-            else:
-                log(
-                    WARNING,
-                    "segment: no reply from node %d (rank %d) within the grace "
-                    "period: counted as lost",
-                    node_id,
-                    rank,
-                )
-        self.inflight.forget(sent)
-        outcome.seconds = self.clock.now() - start
-        return outcome
-
-    def _check_liveness(
-        self, silent: set[int], gone: dict[int, dict[int, str]]
-    ) -> None:
-        """The server's own liveness check of members not heard from: a node the
-        SuperLink no longer lists (it deregistered, or missed its heartbeats)
-        is gone (reporter 0, the SuperLink)."""
-        if not silent:
-            return
-        listed = set(self.inflight.grid.get_node_ids())
-        for node_id in sorted(silent - listed):
-            gone.setdefault(node_id, {})[0] = (
-                "the SuperLink no longer lists its node (it left, or missed its "
-                "heartbeats)"
-            )
-
-    def _file_reply(
-        self,
-        reply: Message,
-        node_id: int,
-        outcome: SegmentOutcome,
-        check: Callable[[SegmentReply], object] | None,
-        ranks: Mapping[int, int],
-        gone: dict[int, dict[int, str]],
-    ) -> bool | None:
-        """File one segment reply into ``outcome`` (and ``gone``); return whether
-        it starts a grace period for the others (True: a join-phase one), or None."""
-        if reply.has_error():
-            reason = reply.error.reason or f"error code {reply.error.code}"
-            if reply.error.code in GONE_CODES:
-                log(WARNING, "segment: node %d is gone: %s", node_id, reason)
-                gone.setdefault(node_id, {})[0] = reason
-                return None  # counted as lost
-            outcome.errors[node_id] = reason
-            log(WARNING, "segment: node %d answered with an error: %s", node_id, reason)
-            port = _port_in_use(reason)
-            if port is not None:
-                self.bad_ports.add(port)
-            return True
-        try:
-            checked = check_segment_reply(reply)
-            if check is not None:
-                check(checked)
-        except ReplyRejected as err:
-            outcome.rejected[node_id] = err.reason
-            log(
-                WARNING, "segment: rejected reply from node %d: %s", node_id, err.reason
-            )
-            return False
-        outcome.replies[node_id] = checked
-        if checked.ok:
-            return None
-        log(INFO, "segment: node %d lost a peer: %s", node_id, checked.failure)
-        for lost in _named_nodes(checked, ranks, node_id):
-            gone.setdefault(lost, {})[node_id] = checked.failure
-        return checked.failure.startswith("join")
-
-    def _segment_replies(
-        self, until: Callable[[], float]
-    ) -> Iterator[tuple[Message, Ticket]]:
-        """Train replies as they arrive until ``until()`` (which a grace period
-        may bring forward while this runs). Each wait is bounded by the current
-        ``until()``, so on the virtual clock a grace period ends the wait when it
-        expires instead of at the next arrival (a lost member's TTL expiry)."""
-        while True:
-            bound = until()
-            pulled = cast(
-                Generator[tuple[Message, Ticket, float], None, None],
-                self.inflight.replies(
-                    bound,
-                    kind=MessageType.TRAIN,
-                    done=lambda: self.clock.now() >= until(),
-                ),
-            )
-            # closing it hands replies pulled but not yet taken back to the backlog
-            with contextlib.closing(pulled) as replies:
-                for reply, ticket, _ in replies:
-                    yield reply, ticket
-                    if until() < bound:
-                        break  # a grace period began: wait at most until then
-                else:
-                    return
+        gather = SegmentGather(
+            self.inflight,
+            self.configrecord_key,
+            lambda join: self._grace(join=join),
+            self.bad_ports,
+        )
+        return gather.run(messages, server_round, timeout, check)
 
     def _grace(self, *, join: bool) -> float:
         bound = self.join_timeout_s + STORE_GRACE_S if join else self.timeout_s
@@ -824,49 +491,3 @@ class SpanJobStrategy(RoundLoop):
                 continue
             acc.add(metrics, float(metrics[self.weighted_by_key]))  # type: ignore[arg-type]
         return acc.result(self.evaluate_metrics_aggr_fn)
-
-
-def _ranks(messages: Iterable[Message], config_key: str) -> dict[int, int]:
-    """Node -> rank, from the plans the segment's messages carry."""
-    out: dict[int, int] = {}
-    for message in messages:
-        config = message.content.config_records.get(config_key)
-        raw = config.get(PLAN_KEY) if config is not None else None
-        if isinstance(raw, str):
-            with contextlib.suppress(ValueError, TypeError, AttributeError):
-                out[message.metadata.dst_node_id] = int(json.loads(raw)["rank"])
-    return out
-
-
-def _named_nodes(
-    reply: SegmentReply, ranks: Mapping[int, int], reporter: int
-) -> list[int]:
-    """The members a failed reply names gone (``span-lost-ranks``); ranks that are
-    not in the segment, or the reporter's own, are ignored and logged."""
-    value = reply.metrics.get(keys.SPAN_LOST_RANKS, [])
-    values = value if isinstance(value, list) else [value]
-    by_rank = {rank: node for node, rank in ranks.items()}
-    out = []
-    for rank in values:
-        node = by_rank.get(int(rank)) if float(rank).is_integer() else None
-        if node is None or node == reporter:
-            log(
-                WARNING,
-                "segment: node %d names rank %r gone, which is not a peer of its "
-                "segment (ranks %s): ignored",
-                reporter,
-                rank,
-                sorted(by_rank),
-            )
-            continue
-        out.append(node)
-    return out
-
-
-def _port_in_use(reason: str) -> int | None:
-    marker = "rendezvous port "
-    if marker in reason and "in use" in reason:
-        tail = reason.split(marker, 1)[1].split()[0]
-        if tail.isdigit():
-            return int(tail)
-    return None
