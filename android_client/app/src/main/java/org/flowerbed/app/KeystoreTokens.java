@@ -40,13 +40,13 @@ final class KeystoreTokens {
 
   /** Keep an enrolment: the token sealed, the rest in plain preferences. */
   static void save(Context context, EnrolmentUri e) throws GeneralSecurityException, IOException {
-    String sealed = new TokenSealer(key()).seal(e.token(), e.phone());
+    String sealed = new TokenSealer(key()).seal(e.token, e.phone);
     context
         .getSharedPreferences(PREFS, Context.MODE_PRIVATE)
         .edit()
-        .putString("gateway", e.gateway())
-        .putString("phone", e.phone())
-        .putString("pin", e.pin())
+        .putString("gateway", e.gateway)
+        .putString("phone", e.phone)
+        .putString("pin", e.pin)
         .putString("sealed_token", sealed)
         .apply();
   }

@@ -98,7 +98,7 @@ public final class SettingsActivity extends Activity {
       // limits cleartext to the hosts it lists); release builds need HTTPS.
       EnrolmentUri e = EnrolmentUri.parse(text, BuildConfig.DEBUG);
       KeystoreTokens.save(this, e);
-      status.setText("Enrolled as " + e.phone() + " at " + e.gateway() + ". Start when ready.");
+      status.setText("Enrolled as " + e.phone + " at " + e.gateway + ". Start when ready.");
       uri.setText("");
     } catch (Exception ex) {
       status.setText("Not enrolled: " + ex.getMessage());

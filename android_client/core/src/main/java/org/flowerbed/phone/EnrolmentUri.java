@@ -20,10 +20,16 @@ public final class EnrolmentUri {
   private static final Pattern NAME = Pattern.compile("[A-Za-z0-9._-]{1,64}");
   private static final Pattern TOKEN = Pattern.compile("[A-Za-z0-9._~+/=-]{16,512}");
 
-  private final String gateway;
-  private final String phone;
-  private final String token;
-  private final String pin;
+  /** Gateway root URL, e.g. {@code https://gateway.lan:8470}. */
+  public final String gateway;
+
+  public final String phone;
+
+  /** The bearer token: store it in Keystore-backed storage, never in plain preferences. */
+  public final String token;
+
+  /** The gateway certificate's public-key pin ({@code sha256/<base64>}), or null. */
+  public final String pin;
 
   private EnrolmentUri(String gateway, String phone, String token, String pin) {
     this.gateway = gateway;
@@ -119,24 +125,5 @@ public final class EnrolmentUri {
       throw new IllegalArgumentException("enrolment URI has no " + key);
     }
     return v;
-  }
-
-  /** Gateway root URL, e.g. {@code https://gateway.lan:8470}. */
-  public String gateway() {
-    return gateway;
-  }
-
-  public String phone() {
-    return phone;
-  }
-
-  /** The bearer token: store it in Keystore-backed storage, never in plain preferences. */
-  public String token() {
-    return token;
-  }
-
-  /** The gateway certificate's public-key pin ({@code sha256/<base64>}), or null. */
-  public String pin() {
-    return pin;
   }
 }

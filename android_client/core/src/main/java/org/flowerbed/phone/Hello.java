@@ -5,12 +5,24 @@ import java.util.Map;
 
 /** The gateway's answer to {@code POST /v1/hello}: who this phone is and the limits to keep. */
 public final class Hello {
-  private final long nodeId;
-  private final String phone;
-  private final int pollS;
-  private final long maxUploadBytes;
-  private final int chunkBytes;
-  private final int protocol;
+  /**
+   * The Flower node id this phone is, the same after every reconnect with the same token. Node ids
+   * are uint64: this is their bit pattern (negative above 2^63-1); print {@link #nodeIdText()}.
+   */
+  public final long nodeId;
+
+  public final String phone;
+
+  /** Suggested seconds between polls when the gateway has no work. */
+  public final int pollS;
+
+  public final long maxUploadBytes;
+
+  /** Largest upload chunk the gateway accepts. */
+  public final int chunkBytes;
+
+  /** The protocol revision agreed with the gateway. */
+  public final int protocol;
 
   public Hello(long nodeId, String phone, int pollS, long maxUploadBytes, int chunkBytes) {
     this(nodeId, phone, pollS, maxUploadBytes, chunkBytes, 1);
@@ -83,39 +95,8 @@ public final class Hello {
     return (String) v;
   }
 
-  /**
-   * The Flower node id this phone is, the same after every reconnect with the same token. Node ids
-   * are uint64: this is their bit pattern (negative above 2^63-1); print {@link #nodeIdText()}.
-   */
-  public long nodeId() {
-    return nodeId;
-  }
-
   /** The node id in decimal, as Flower prints it. */
   public String nodeIdText() {
     return Long.toUnsignedString(nodeId);
-  }
-
-  public String phone() {
-    return phone;
-  }
-
-  /** Suggested seconds between polls when the gateway has no work. */
-  public int pollS() {
-    return pollS;
-  }
-
-  public long maxUploadBytes() {
-    return maxUploadBytes;
-  }
-
-  /** Largest upload chunk the gateway accepts. */
-  public int chunkBytes() {
-    return chunkBytes;
-  }
-
-  /** The protocol revision agreed with the gateway. */
-  public int protocol() {
-    return protocol;
   }
 }

@@ -175,9 +175,9 @@ public final class PhoneAgent {
                 "hello node_id="
                     + hello.nodeIdText()
                     + " phone="
-                    + hello.phone()
+                    + hello.phone
                     + " chunk_bytes="
-                    + hello.chunkBytes());
+                    + hello.chunkBytes);
           }
           String block = device.blockReason();
           if (block != null) {
@@ -188,7 +188,7 @@ public final class PhoneAgent {
             if (idleLimitNanos > 0) {
               break; // scheduled work: the scheduler runs it again when allowed
             }
-            sleeper.sleep(1000L * Math.max(1, hello.pollS()));
+            sleeper.sleep(1000L * Math.max(1, hello.pollS));
             continue;
           }
           lastBlock = null;
@@ -295,7 +295,7 @@ public final class PhoneAgent {
         TrainingLoop.Report report = TrainingLoop.train(trainer, settings, ticker, gate());
         step = "upload";
         client.uploadResult(
-            task.id(), TensorCodec.encode(trainer.getParameters()), hello.chunkBytes());
+            task.id(), TensorCodec.encode(trainer.getParameters()), hello.chunkBytes);
         metrics = report.metrics(device);
         if (!report.deadlineHit) {
           device.trained();
@@ -365,7 +365,7 @@ public final class PhoneAgent {
    * OOPSLA 2014), so no two phones draw the same minibatches.
    */
   long taskSeed(long n) {
-    long z = (hello == null ? 0 : hello.nodeId()) + (n + 1) * 0x9E3779B97F4A7C15L;
+    long z = (hello == null ? 0 : hello.nodeId) + (n + 1) * 0x9E3779B97F4A7C15L;
     z = (z ^ (z >>> 30)) * 0xBF58476D1CE4E5B9L;
     z = (z ^ (z >>> 27)) * 0x94D049BB133111EBL;
     return z ^ (z >>> 31);

@@ -191,9 +191,9 @@ public final class PhoneMain {
         } else if (flag.equals("--enrol")) {
           // A test tool on a lab machine: a plain-HTTP gateway is allowed here.
           EnrolmentUri e = EnrolmentUri.parse(v, true);
-          o.gateway = e.gateway();
-          o.token = e.token();
-          o.pin = e.pin();
+          o.gateway = e.gateway;
+          o.token = e.token;
+          o.pin = e.pin;
         } else if (flag.equals("--pin")) {
           o.pin = v;
         } else if (flag.equals("--data")) {

@@ -51,17 +51,17 @@ public class EnrolmentTest {
   @Test
   public void theUriGivesGatewayPhoneTokenAndPin() {
     EnrolmentUri e = EnrolmentUri.parse(URI, false);
-    assertEquals("https://10.0.0.5:8470", e.gateway());
-    assertEquals("pixel-7", e.phone());
-    assertEquals("FY_2ibcLdbKLLz3qEJk3Yw7euYXYMWERLdtiJj0ebTE", e.token());
-    assertEquals(PIN_A, e.pin());
+    assertEquals("https://10.0.0.5:8470", e.gateway);
+    assertEquals("pixel-7", e.phone);
+    assertEquals("FY_2ibcLdbKLLz3qEJk3Yw7euYXYMWERLdtiJj0ebTE", e.token);
+    assertEquals(PIN_A, e.pin);
   }
 
   @Test
   public void aUriWithoutPinHasNone() {
     String plain = "flowerbed://enroll?v=1&gateway=http%3A%2F%2F192.168.1.5%3A8470&phone=a"
         + "&token=0123456789abcdefXYZ";
-    assertNull(EnrolmentUri.parse(plain, true).pin());
+    assertNull(EnrolmentUri.parse(plain, true).pin);
   }
 
   @Test

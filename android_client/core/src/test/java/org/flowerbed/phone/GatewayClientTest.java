@@ -61,9 +61,9 @@ public class GatewayClientTest extends GatewayFixture {
     Map<String, Object> device = new LinkedHashMap<String, Object>();
     device.put("model", "Pixel 7");
     Hello h = client().hello(device);
-    assertEquals(7, h.nodeId());
-    assertEquals("phone-7", h.phone());
-    assertEquals(1 << 20, h.chunkBytes());
+    assertEquals(7, h.nodeId);
+    assertEquals("phone-7", h.phone);
+    assertEquals(1 << 20, h.chunkBytes);
     assertEquals(2L, gw.hellos.get(0).get("protocol"));
     assertEquals(device, gw.hellos.get(0).get("device"));
   }
@@ -89,9 +89,9 @@ public class GatewayClientTest extends GatewayFixture {
   @Test
   public void helloAfterALostConnectionReturnsTheSameNode() throws IOException {
     GatewayClient c = client();
-    long first = c.hello(new HashMap<String, Object>()).nodeId();
+    long first = c.hello(new HashMap<String, Object>()).nodeId;
     gw.fault("/v1/hello", 0, null); // the phone slept, its Wi-Fi dropped mid-request
-    long again = c.hello(new HashMap<String, Object>()).nodeId();
+    long again = c.hello(new HashMap<String, Object>()).nodeId;
     assertEquals(first, again);
     assertEquals(3, requestsStartingWith("POST /v1/hello").size());
   }

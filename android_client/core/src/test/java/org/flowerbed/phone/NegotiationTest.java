@@ -22,13 +22,13 @@ public class NegotiationTest extends GatewayFixture {
     app.put("version", "0.2.0");
     app.put("runtime", "1.5.1");
     assertEquals(app, sent.get("app"));
-    assertEquals(2, h.protocol());
+    assertEquals(2, h.protocol);
   }
 
   @Test
   public void aRevisionOneGatewayIsSpokenToInRevisionOne() throws IOException {
     gw.protocol = 0; // answers without "protocol", as revision-1 gateways do
-    assertEquals(1, client().hello(new HashMap<String, Object>()).protocol());
+    assertEquals(1, client().hello(new HashMap<String, Object>()).protocol);
   }
 
   @Test
