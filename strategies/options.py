@@ -574,6 +574,50 @@ def adopt_declared(strategy: object, kwargs: dict[str, Any]) -> None:
     )
 
 
+def _passes_everything_on(init: Any) -> bool:
+    """True for ``__init__(self, *args, <keyword-only>..., **kwargs)``."""
+    kinds = [p.kind for p in inspect.signature(init).parameters.values()][1:]
+    return (
+        inspect.Parameter.VAR_POSITIONAL in kinds
+        and inspect.Parameter.VAR_KEYWORD in kinds
+        and inspect.Parameter.POSITIONAL_OR_KEYWORD not in kinds
+    )
+
+
+def declared_signature(strategy: type) -> inspect.Signature | None:
+    """What ``strategy(...)`` takes, for ``help()`` and ``inspect.signature``.
+
+    The constructors of the strategies that adopt their options with
+    :func:`adopt_declared` take ``(*args, **kwargs)``; their signature is Flower
+    ``FedAvg``'s arguments, then the keyword-only arguments of their own
+    constructors and each option argument with its default object. None (so
+    that ``inspect`` reads the constructor itself) for a subclass with a
+    constructor of its own that names its arguments.
+    """
+    init = vars(strategy).get("__init__")
+    if init is not None and not _passes_everything_on(init):
+        return None
+    params = list(inspect.signature(FedAvg).parameters.values())
+    seen = {p.name for p in params}
+    for klass in strategy.__mro__:
+        own = vars(klass).get("__init__")
+        if own is None:
+            continue
+        if not _passes_everything_on(own):
+            break
+        for p in inspect.signature(own).parameters.values():
+            if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name not in seen:
+                params.append(p)
+                seen.add(p.name)
+    for name, default in option_defaults(strategy).items():
+        if name not in seen:
+            params.append(
+                inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default)
+            )
+            seen.add(name)
+    return inspect.Signature(params)
+
+
 def group_settings(strategy: type, settings: dict[str, Any]) -> dict[str, Any]:
     """``settings`` with the fields of ``strategy``'s option objects grouped.
 

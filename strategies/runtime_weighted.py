@@ -42,6 +42,7 @@ from .options import (
     Robustness,
     WorkBalance,
     adopt_declared,
+    declared_signature,
     group_settings,
 )
 from .rejections import RejectionLog, log_received
@@ -146,6 +147,12 @@ class RuntimeWeightedFedAvg(RoundLoop):
     """Norms of recent accepted updates (the clipping's reference)."""
     speeds: dict[int, float]
     """Smoothed speed of each node, in optimiser steps per second."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # help() and inspect.signature show FedAvg's arguments and the options
+        # (None for a subclass whose constructor names its own arguments).
+        cls.__signature__ = declared_signature(cls)  # type: ignore[attr-defined]
 
     def __init__(
         self,
@@ -463,3 +470,8 @@ class RuntimeWeightedFedAvg(RoundLoop):
         self.quarantine.until = saved.quarantine.until
         self.recent_weights, self.recent_norms = saved.weights, saved.norms
         self.reply_weights.recent_steps = saved.steps
+
+
+RuntimeWeightedFedAvg.__signature__ = declared_signature(  # type: ignore[attr-defined]
+    RuntimeWeightedFedAvg
+)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -21,6 +22,7 @@ from flowerbed.strategies.options import (
     Staleness,
     WorkBalance,
 )
+from flwr.serverapp.strategy import FedAvg
 
 
 def test_option_objects_set_what_the_strategy_reads() -> None:
@@ -95,6 +97,30 @@ def test_a_subclass_declares_its_options_and_the_base_constructor_adopts_them() 
         assert TempoFedAvg(beat_s=3.0).tempo == Tempo(beat_s=3.0)
     with pytest.raises(TypeError, match=r"tmepo; valid: .*tempo"):
         TempoFedAvg(tmepo=Tempo())
+
+
+def test_the_signature_shows_flower_s_arguments_then_the_options() -> None:
+    # The constructors take (*args, **kwargs); help() and inspect still show
+    # what they accept: FedAvg's ten arguments in Flower's order, the keyword-only
+    # arguments of the constructors, and each option with its default object.
+    flower = list(inspect.signature(FedAvg).parameters)
+    for strategy in (RuntimeWeightedFedAvg, DeadlineFedAvg, FedBuff, TempoFedAvg):
+        params = inspect.signature(strategy).parameters
+        assert list(params)[: len(flower)] == flower
+        assert params["seed"].kind is inspect.Parameter.KEYWORD_ONLY
+        assert params["robustness"].default == Robustness()
+    assert inspect.signature(DeadlineFedAvg).parameters["deadlines"].default == (
+        Deadlines()
+    )
+    assert "deadlines" not in inspect.signature(FedBuff).parameters
+    assert inspect.signature(TempoFedAvg).parameters["tempo"].default == Tempo()
+
+    class Named(DeadlineFedAvg):  # a user's constructor that names its arguments
+        def __init__(self, cohort: int, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self.cohort = cohort
+
+    assert list(inspect.signature(Named).parameters) == ["cohort", "kwargs"]
 
 
 def test_an_unknown_keyword_is_refused_with_the_valid_ones() -> None:
