@@ -73,7 +73,6 @@ def legacy_train(message: Message, context: Context) -> Message:
     :func:`flowerbed.arrays.encode_array`).
     """
     from flowerbed import keys
-    from flowerbed.clients.training import train_steps
     from flowerbed.models import build_model
     from flowerbed.sims.config import Scenario
     from flowerbed.sims.node import (
@@ -102,16 +101,7 @@ def legacy_train(message: Message, context: Context) -> Message:
     model.load_state_dict(
         message.content.array_records[keys.ARRAYS].to_torch_state_dict()
     )
-    stats = train_steps(
-        model,
-        plan.node.x_train,
-        plan.node.y_train,
-        steps=plan.steps,
-        batch_size=plan.batch,
-        lr=plan.lr,
-        seed=plan.seed,
-        proximal_mu=plan.proximal_mu,
-    )
+    stats = plan.train(model)
     return train_reply(message, plan, stats, ArrayRecord(model.state_dict()))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Iterable
 from typing import Any
 
 from flowerbed.sims.config import ConfigError, Scenario
@@ -48,69 +49,39 @@ def register(subparsers: Any) -> None:
     )
     d = Scenario()
 
-    def rng(key: str) -> str:
-        return LIMITS[key].describe()
+    def ranged(option: str, what: str, default: object) -> str:
+        limits = LIMITS[OPTION_KEYS[option]].describe()
+        return f"{what}, {limits} (default {default})"
 
-    p.add_argument(
-        "--fleet", help=f"fleet mix: {', '.join(FLEETS)} (default {d.fleet})"
-    )
-    p.add_argument(
-        "--nodes",
-        type=int,
-        help=f"number of nodes, {rng('num-nodes')} (default {d.num_nodes})",
-    )
-    p.add_argument(
-        "--rounds",
-        type=int,
-        help=f"rounds, {rng('num-rounds')} (default {d.num_rounds})",
-    )
-    p.add_argument(
-        "--strategy",
-        help=f"strategy: {', '.join(STRATEGY_NAMES)} (default {d.strategy})",
-    )
-    p.add_argument(
-        "--model", help=f"model: {', '.join(MODEL_NAMES)} (default {d.model})"
-    )
-    p.add_argument(
-        "--dataset", help=f"dataset: {', '.join(DATASETS)} (default {d.dataset})"
-    )
-    p.add_argument("--data-dir", help="folder holding the mnist or cifar10 files")
-    p.add_argument(
-        "--partition",
-        help=f"data partition: {', '.join(PARTITIONS)} (default {d.partition})",
-    )
-    p.add_argument(
-        "--alpha",
-        type=float,
-        help=f"Dirichlet alpha, {rng('alpha')} (default {d.alpha})",
-    )
-    p.add_argument(
-        "--seed", type=int, help=f"random seed, {rng('seed')} (default {d.seed})"
-    )
-    p.add_argument(
-        "--target",
-        type=float,
-        help=f"target accuracy, {rng('target-accuracy')} (default {d.target_accuracy})",
-    )
-    p.add_argument(
-        "--local-steps",
-        type=int,
-        help=f"local steps per task, {rng('local-steps')} (default {d.local_steps})",
-    )
-    p.add_argument(
-        "--dropout",
-        type=float,
-        help="per-task dropout probability for every node, <= 1; negative: the "
-        "device profiles' own rates (default)",
-    )
-    p.add_argument(
-        "--deadline",
-        type=float,
-        help=f"deadline-s sent to nodes, {rng('deadline-s')} (default 0)",
-    )
-    p.add_argument(
-        "--out", help=f"output folder, created if missing (default {d.output_dir})"
-    )
+    def named(what: str, names: Iterable[str], default: object) -> str:
+        return f"{what}: {', '.join(names)} (default {default})"
+
+    helps: dict[str, tuple[type, str]] = {
+        "fleet": (str, named("fleet mix", FLEETS, d.fleet)),
+        "nodes": (int, ranged("nodes", "number of nodes", d.num_nodes)),
+        "rounds": (int, ranged("rounds", "rounds", d.num_rounds)),
+        "strategy": (str, named("strategy", STRATEGY_NAMES, d.strategy)),
+        "model": (str, named("model", MODEL_NAMES, d.model)),
+        "dataset": (str, named("dataset", DATASETS, d.dataset)),
+        "data_dir": (str, "folder holding the mnist or cifar10 files"),
+        "partition": (str, named("data partition", PARTITIONS, d.partition)),
+        "alpha": (float, ranged("alpha", "Dirichlet alpha", d.alpha)),
+        "seed": (int, ranged("seed", "random seed", d.seed)),
+        "target": (float, ranged("target", "target accuracy", d.target_accuracy)),
+        "local_steps": (
+            int,
+            ranged("local_steps", "local steps per task", d.local_steps),
+        ),
+        "dropout": (
+            float,
+            "per-task dropout probability for every node, <= 1; negative: the "
+            "device profiles' own rates (default)",
+        ),
+        "deadline": (float, ranged("deadline", "deadline-s sent to nodes", 0)),
+        "out": (str, f"output folder, created if missing (default {d.output_dir})"),
+    }
+    for option, (kind, text) in helps.items():
+        p.add_argument(f"--{option.replace('_', '-')}", type=kind, help=text)
     p.add_argument(
         "-c",
         "--run-config",

@@ -250,6 +250,19 @@ class TrainPlan:
     step_s: float
     comm_s: float
 
+    def train(self, model: nn.Module) -> TrainStats:
+        """Run the plan's SGD steps on the node's data, training ``model`` in place."""
+        return train_steps(
+            model,
+            self.node.x_train,
+            self.node.y_train,
+            steps=self.steps,
+            batch_size=self.batch,
+            lr=self.lr,
+            seed=self.seed,
+            proximal_mu=self.proximal_mu,
+        )
+
 
 def plan_train(message: Message, context: Context) -> TrainPlan:
     """Read a train message's config; raise ``NodeDropout`` if the device drops.
@@ -352,16 +365,7 @@ def _train_alone(
     model trains again)."""
     model = _model_of(plan.scenario)
     model.load_state_dict(weights)
-    stats = train_steps(
-        model,
-        plan.node.x_train,
-        plan.node.y_train,
-        steps=plan.steps,
-        batch_size=plan.batch,
-        lr=plan.lr,
-        seed=plan.seed,
-        proximal_mu=plan.proximal_mu,
-    )
+    stats = plan.train(model)
     return {name: t.numpy() for name, t in model.state_dict().items()}, stats
 
 

@@ -369,7 +369,9 @@ class TiledMember:
             trace = lay.traces[g][r]
             if g > 0:
                 t0 = time.perf_counter()
-                current, moved = self._halo_forward(g, fwd.outputs[-1].detach(), n)
+                current, moved = self._halo(
+                    g, fwd.outputs[-1].detach(), n, forward=True
+                )
                 fwd.sent_bytes += moved
                 fwd.link_s += time.perf_counter() - t0
                 current.requires_grad_(True)
@@ -430,7 +432,7 @@ class TiledMember:
                 t0 = time.perf_counter()
                 region_grad = fwd.inputs[g].grad
                 assert region_grad is not None
-                grad, moved = self._halo_backward(g, region_grad, n)
+                grad, moved = self._halo(g, region_grad, n, forward=False)
                 fwd.sent_bytes += moved
                 fwd.link_s += time.perf_counter() - t0
         t0 = time.perf_counter()
@@ -469,36 +471,34 @@ class TiledMember:
             borrowed,
         )
 
-    def _halo_forward(
-        self, g: int, previous: torch.Tensor, n: int
+    def _halo(
+        self, g: int, source: torch.Tensor, n: int, *, forward: bool
     ) -> tuple[torch.Tensor, float]:
-        """Group ``g``'s input region from this rank's previous tile and peers'."""
-        mine, region, c, lent, borrowed = self._boundary(g)
-        sends = [(dst, _cut(previous, piece, mine)) for dst, piece in lent]
-        got = swap(sends, [(src, (n, c, p.height, p.width)) for src, p in borrowed])
-        self._link(self.layout.busiest_bytes(g, n * c * 4))
-        x = torch.empty((n, c, region.height, region.width))
-        own = region.intersect(mine)
-        _cut(x, own, region).copy_(_cut(previous, own, mine))
-        for (_, piece), tensor in zip(borrowed, got, strict=True):
-            _cut(x, piece, region).copy_(tensor)
-        return x, float(sum(t.numel() * 4 for _, t in sends))
+        """One halo exchange at group ``g``'s boundary.
 
-    def _halo_backward(
-        self, g: int, region_grad: torch.Tensor, n: int
-    ) -> tuple[torch.Tensor, float]:
-        """The gradient of this rank's tile of group ``g - 1``: its own part of
-        its region's gradient plus the parts peers computed (scatter-add)."""
+        Forward, ``source`` is this rank's tile of group ``g - 1``: it lends the
+        pieces peers need and gathers its input region of group ``g`` from its own
+        tile and the pieces it borrows. Backward, ``source`` is that region's
+        gradient: the borrowed pieces' gradients go back to their owners and this
+        rank's tile gradient is its own part plus what peers send (scatter-add).
+        """
         mine, region, c, lent, borrowed = self._boundary(g)
-        sends = [(src, _cut(region_grad, piece, region)) for src, piece in borrowed]
-        got = swap(sends, [(dst, (n, c, p.height, p.width)) for dst, p in lent])
+        give, take = (lent, borrowed) if forward else (borrowed, lent)
+        src, dst = (mine, region) if forward else (region, mine)
+        sends = [(peer, _cut(source, piece, src)) for peer, piece in give]
+        got = swap(sends, [(peer, (n, c, p.height, p.width)) for peer, p in take])
         self._link(self.layout.busiest_bytes(g, n * c * 4))
-        grad = torch.zeros((n, c, mine.height, mine.width))
+        shape = (n, c, dst.height, dst.width)
+        out = torch.empty(shape) if forward else torch.zeros(shape)
         own = region.intersect(mine)
-        _cut(grad, own, mine).add_(_cut(region_grad, own, region))
-        for (_, piece), tensor in zip(lent, got, strict=True):
-            _cut(grad, piece, mine).add_(tensor)
-        return grad, float(sum(t.numel() * 4 for _, t in sends))
+        parts = [(own, _cut(source, own, src))]
+        parts += [(piece, t) for (_, piece), t in zip(take, got, strict=True)]
+        for piece, tensor in parts:
+            if forward:
+                _cut(out, piece, dst).copy_(tensor)
+            else:
+                _cut(out, piece, dst).add_(tensor)
+        return out, float(sum(t.numel() * 4 for _, t in sends))
 
     def _head(
         self, tile: torch.Tensor, y: torch.Tensor, step: int
