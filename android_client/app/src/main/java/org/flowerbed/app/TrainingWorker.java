@@ -94,7 +94,7 @@ public final class TrainingWorker extends Worker {
                   new PhoneAgent.TaskListener() {
                     @Override
                     public void taskStarted(Task task) {
-                      lock.acquire(TrainingPolicy.wakeLockTimeoutMs(task.expiresInS()));
+                      lock.acquire(TrainingPolicy.wakeLockTimeoutMs(task.expiresInS));
                     }
 
                     @Override

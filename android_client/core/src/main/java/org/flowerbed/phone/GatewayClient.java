@@ -181,12 +181,12 @@ public final class GatewayClient {
    *     differs from the task's {@code arrays_bytes}
    */
   public byte[] downloadArrays(Task task) throws IOException {
-    long total = task.arraysBytes();
+    long total = task.arraysBytes;
     if (total > Integer.MAX_VALUE - 8) {
       throw new GatewayException(
           GatewayException.PROTOCOL_VIOLATION, "arrays of " + total + " bytes exceed 2 GiB");
     }
-    String path = "/task/" + segment(task.id()) + "/arrays";
+    String path = "/task/" + segment(task.id) + "/arrays";
     ByteArrayOutputStream got = new ByteArrayOutputStream((int) Math.min(total, 1 << 20));
     int failures = 0;
     while (true) {

@@ -267,35 +267,35 @@ public final class PhoneAgent {
    */
   private String handle(Task task) throws IOException {
     long received = ticker.nanoTime();
-    String head = "task=" + task.id() + " type=" + task.type();
+    String head = "task=" + task.id + " type=" + task.type;
     String step = "download";
     try {
       File program = null;
-      if (task.program() != null) {
+      if (task.program != null) {
         step = "program";
-        program = fetchProgram(task.program());
+        program = fetchProgram(task.program);
       }
       step = "download";
       byte[] blob = client.downloadArrays(task);
       double downloadS = (ticker.nanoTime() - received) / 1e9;
       step = "decode";
       List<NamedArray> arrays = TensorCodec.decode(blob);
-      if (task.program() != null) {
-        task.program().checkArrays(arrays);
+      if (task.program != null) {
+        task.program.checkArrays(arrays);
       }
       step = "build";
-      Trainer trainer = factory.create(arrays, task.program(), program, taskSeed(tasksSeen++));
+      Trainer trainer = factory.create(arrays, task.program, program, taskSeed(tasksSeen++));
       Map<String, Object> metrics;
       String detail;
       if (task.isTrain()) {
         step = "train";
         TrainSettings settings =
-            TrainSettings.fromConfig(task.config(), trainer.numExamples())
+            TrainSettings.fromConfig(task.config, trainer.numExamples())
                 .capDeadline(trainingBudgetS(task, received, downloadS));
         TrainingLoop.Report report = TrainingLoop.train(trainer, settings, ticker, gate());
         step = "upload";
         client.uploadResult(
-            task.id(), TensorCodec.encode(trainer.getParameters()), hello.chunkBytes);
+            task.id, TensorCodec.encode(trainer.getParameters()), hello.chunkBytes);
         metrics = report.metrics(device);
         if (!report.deadlineHit) {
           device.trained();
@@ -327,7 +327,7 @@ public final class PhoneAgent {
                 e.accuracy);
       }
       step = "complete";
-      client.complete(task.id(), metrics);
+      client.complete(task.id, metrics);
       return head + " status=accepted" + detail;
     } catch (GatewayException e) {
       if (isRefusal(e)) {
@@ -380,13 +380,13 @@ public final class PhoneAgent {
    */
   private double trainingBudgetS(Task task, long receivedNanos, double downloadS) {
     double sinceReceived = (ticker.nanoTime() - receivedNanos) / 1e9;
-    return task.expiresInS() - sinceReceived - downloadS - UPLOAD_SLACK_S;
+    return task.expiresInS - sinceReceived - downloadS - UPLOAD_SLACK_S;
   }
 
   /** Tell the gateway the task is given up; returns a note for the log if that failed too. */
   private String giveUp(Task task, String step, Exception cause) throws GatewayException {
     try {
-      client.fail(task.id(), step + ": " + cause.getMessage());
+      client.fail(task.id, step + ": " + cause.getMessage());
       return "";
     } catch (GatewayException e) {
       if (isRefusal(e)) {

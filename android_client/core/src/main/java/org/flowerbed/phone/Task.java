@@ -10,12 +10,19 @@ public final class Task {
 
   public static final String EVALUATE = "evaluate";
 
-  private final String id;
-  private final String type;
-  private final Map<String, Object> config;
-  private final long arraysBytes;
-  private final double expiresInS;
-  private final ProgramInfo program;
+  public final String id;
+
+  /** {@link #TRAIN} or {@link #EVALUATE}. */
+  public final String type;
+
+  /** The Flower ConfigRecord, keys as on the wire ({@code local-steps}, {@code lr}, ...). */
+  public final Map<String, Object> config;
+
+  public final long arraysBytes;
+  public final double expiresInS;
+
+  /** The training program the task must run with (protocol revision 2), or null. */
+  public final ProgramInfo program;
 
   public Task(
       String id, String type, Map<String, Object> config, long arraysBytes, double expiresInS) {
@@ -79,34 +86,8 @@ public final class Task {
         GatewayException.PROTOCOL_VIOLATION, "bad task from gateway: " + what + ": " + json);
   }
 
-  public String id() {
-    return id;
-  }
-
-  public String type() {
-    return type;
-  }
-
   public boolean isTrain() {
     return TRAIN.equals(type);
-  }
-
-  /** The Flower ConfigRecord, keys as on the wire ({@code local-steps}, {@code lr}, ...). */
-  public Map<String, Object> config() {
-    return config;
-  }
-
-  public long arraysBytes() {
-    return arraysBytes;
-  }
-
-  public double expiresInS() {
-    return expiresInS;
-  }
-
-  /** The training program the task must run with (protocol revision 2), or null. */
-  public ProgramInfo program() {
-    return program;
   }
 
   @Override

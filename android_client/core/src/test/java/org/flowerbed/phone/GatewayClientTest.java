@@ -130,10 +130,10 @@ public class GatewayClientTest extends GatewayFixture {
     config.put("local-steps", 5L);
     gw.addTask("t-1", "evaluate", config, blob(3));
     Task t = c.pollTask(3);
-    assertEquals("t-1", t.id());
-    assertEquals("evaluate", t.type());
-    assertEquals(5L, t.config().get("local-steps"));
-    assertEquals(blob(3).length, t.arraysBytes());
+    assertEquals("t-1", t.id);
+    assertEquals("evaluate", t.type);
+    assertEquals(5L, t.config.get("local-steps"));
+    assertEquals(blob(3).length, t.arraysBytes);
     assertEquals(2, requestsStartingWith("GET /v1/task?wait=3").size());
   }
 
@@ -198,7 +198,7 @@ public class GatewayClientTest extends GatewayFixture {
   private void assertUploadsIn1000ByteChunks(byte[] result, int held) throws IOException {
     Task t = taskWithArrays("t-1", blob(4));
     gw.tasks.get("t-1").upload.write(result, 0, held);
-    client().uploadResult(t.id(), result, 1000);
+    client().uploadResult(t.id, result, 1000);
     assertArrayEquals(result, gw.tasks.get("t-1").upload.toByteArray());
     assertEquals(
         Arrays.asList(
@@ -231,7 +231,7 @@ public class GatewayClientTest extends GatewayFixture {
     byte[] result = new byte[1500];
     Arrays.fill(result, (byte) 9);
     gw.fault("/v1/task/t-1/result", 0, null);
-    client().uploadResult(t.id(), result, 1000);
+    client().uploadResult(t.id, result, 1000);
     assertArrayEquals(result, gw.tasks.get("t-1").upload.toByteArray());
     assertEquals(Arrays.asList(100L), sleeps);
   }
@@ -241,7 +241,7 @@ public class GatewayClientTest extends GatewayFixture {
     Task t = taskWithArrays("t-1", blob(4));
     gw.fault("/v1/task/t-1/result", 409, "{\"received\": 0}");
     try {
-      client().uploadResult(t.id(), new byte[10], 1000);
+      client().uploadResult(t.id, new byte[10], 1000);
       fail("expected GatewayException");
     } catch (GatewayException e) {
       assertEquals(GatewayException.PROTOCOL_VIOLATION, e.status());
@@ -253,7 +253,7 @@ public class GatewayClientTest extends GatewayFixture {
     Task t = taskWithArrays("t-1", blob(4));
     gw.maxUploadBytes = 100;
     try {
-      client().uploadResult(t.id(), new byte[2500], 1000);
+      client().uploadResult(t.id, new byte[2500], 1000);
       fail("expected GatewayException");
     } catch (GatewayException e) {
       assertEquals(413, e.status());

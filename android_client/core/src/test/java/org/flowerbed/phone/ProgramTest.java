@@ -404,12 +404,12 @@ public class ProgramTest extends GatewayFixture {
                 new PhoneAgent.TaskListener() {
                   @Override
                   public void taskStarted(Task task) {
-                    events.add("start " + task.id());
+                    events.add("start " + task.id);
                   }
 
                   @Override
                   public void taskEnded(Task task) {
-                    events.add("end " + task.id());
+                    events.add("end " + task.id);
                   }
                 })
             .returnWhenIdle(30_000);
