@@ -15,6 +15,7 @@ from flowerbed.sims.span_sim import SegmentRunner, node_config, simulate, span_g
 from flowerbed.strategies import LargeBatchSync
 from flowerbed.strategies.large_batch_options import AllReduceRecipe, MemberProfiling
 from flwr.app import Array
+from plans import member_plan
 from test_large_batch_ddp import SHARES, initial, one_large_batch, plan_of
 
 ARGS = {"hidden": 16, "depth": 2}
@@ -142,15 +143,10 @@ def test_a_segment_of_two_members_costs_their_step_compute_plus_the_ring(
 def test_simulated_training_is_one_large_batch() -> None:
     """Two unequal members for 3 steps = one process taking all 24 samples."""
     run = simulate(strategy(), [1.0, 0.5], 1)
-    whole = MemberPlan(
-        mode="allreduce",
-        job="one",
-        segment=1,
-        rank=0,
-        world_size=1,
-        host="127.0.0.1",
+    whole = member_plan(
+        "allreduce",
+        "one",
         port=1,
-        start_step=0,
         steps=3,
         batch_size=24,
         seed=0,

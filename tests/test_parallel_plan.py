@@ -15,16 +15,16 @@ from flowerbed.parallel.plan import (
     stage_sizes,
 )
 from flwr.app import ConfigRecord
+from plans import member_plan
 
 
 def plan(**changes: object) -> MemberPlan:
-    base = MemberPlan(
-        mode="pipeline",
-        job="job-1",
+    base = member_plan(
+        "pipeline",
+        "job-1",
         segment=3,
         rank=1,
         world_size=3,
-        host="127.0.0.1",
         port=29501,
         start_step=20,
         steps=10,

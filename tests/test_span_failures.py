@@ -12,7 +12,6 @@ from collections.abc import Iterable
 
 import pytest
 from flowerbed import keys
-from flowerbed.parallel.plan import MemberPlan
 from flowerbed.strategies.span import (
     LIVENESS_CHECK_S,
     LOST_CONFIRM_S,
@@ -21,6 +20,7 @@ from flowerbed.strategies.span import (
 )
 from flowerbed.strategies.span_options import SpanGroup
 from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
+from plans import member_plan
 from test_strategies_fakes import FakeGrid
 
 GRACE_S = 13.0
@@ -45,18 +45,7 @@ def run(grid: FakeGrid) -> SegmentOutcome:
     s = SpanJobStrategy(group=SpanGroup(timeout_s=10, reply_margin_s=3))
     s.attach(grid)
     plans = {
-        node: MemberPlan(
-            mode="probe",
-            job="t",
-            segment=1,
-            rank=rank,
-            world_size=2,
-            host="127.0.0.1",
-            port=29500,
-            start_step=0,
-            steps=0,
-            batch_size=1,
-        )
+        node: member_plan("probe", "t", rank=rank, world_size=2)
         for rank, node in enumerate((1, 2))
     }
     messages = s.segment_messages(plans, {}, {}, ConfigRecord(), 600)

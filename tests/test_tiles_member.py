@@ -19,6 +19,7 @@ from flowerbed.parallel.member import (
 from flowerbed.parallel.plan import MemberPlan, PlanError
 from flowerbed.parallel.tiles.exact_step import TileSettings, settings_of
 from flowerbed.parallel.tiles.runner import JobData, evaluate
+from plans import member_plan
 from torch import nn
 
 SETTINGS = TileSettings(
@@ -27,20 +28,9 @@ SETTINGS = TileSettings(
 
 
 def plan(**options: Any) -> MemberPlan:
-    merged = SETTINGS.options()
-    merged.update(options)
-    return MemberPlan(
-        mode="tiles",
-        job="member",
-        segment=1,
-        rank=0,
-        world_size=2,
-        host="127.0.0.1",
-        port=29999,
-        start_step=0,
-        steps=1,
-        batch_size=2,
-        options=merged,
+    opts = {**SETTINGS.options(), **options}
+    return member_plan(
+        "tiles", "member", world_size=2, port=29999, steps=1, batch_size=2, options=opts
     )
 
 
