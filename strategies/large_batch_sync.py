@@ -332,7 +332,6 @@ class LargeBatchSync(SpanJobStrategy):
     def plans(self, cohort: list[int], steps: int) -> dict[int, MemberPlan]:
         """One plan per member: rank, rendezvous (rank 0's address), batch share,
         the recipe (pure: the tests check it)."""
-        segment, port = self.next_segment()
         shares = batch_shares(self.batch_size, [self.speeds[n] for n in cohort])
         options: dict[str, Any] = {
             "optimizer": self.recipe.optimizer,
@@ -342,34 +341,18 @@ class LargeBatchSync(SpanJobStrategy):
             "schedule": self.schedule.to_config(),
             **self.training.to_options(),
         }
-        return {
-            node: MemberPlan(
-                mode=self.mode,
-                job=self.job or "large-batch",
-                segment=segment,
-                rank=rank,
-                world_size=len(cohort),
-                host=self.addresses[cohort[0]],
-                port=port,
-                start_step=self.step,
-                steps=steps,
-                batch_size=self.batch_size,
-                seed=self.seed,
-                join_timeout_s=self.join_timeout_s,
-                timeout_s=self.timeout_s,
-                model=self.model,
-                model_args=self.model_args,
-                dataset=self.dataset,
-                lr=self.schedule.lr(self.step),
-                momentum=self.recipe.momentum,
-                weight_decay=self.recipe.weight_decay,
-                batch_share=bounds,
-                options=options,
-            )
-            for rank, (node, bounds) in enumerate(
-                zip(cohort, share_bounds(shares), strict=True)
-            )
-        }
+        bounds = share_bounds(shares)
+        return self.segment_plans(
+            cohort,
+            self.addresses[cohort[0]],
+            steps,
+            lambda rank: {"batch_share": bounds[rank]},
+            job=self.job or "large-batch",
+            lr=self.schedule.lr(self.step),
+            momentum=self.recipe.momentum,
+            weight_decay=self.recipe.weight_decay,
+            options=options,
+        )
 
     # ------------------------------------------------------------------ Flower API
     def configure_train(

@@ -50,7 +50,7 @@ replies in :mod:`~flowerbed.strategies.span_segments`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from logging import INFO, WARNING
 from pathlib import Path
 from typing import Any
@@ -163,6 +163,13 @@ class SpanJobStrategy(RoundLoop):
     """The plan mode this strategy's members run (a key of parallel.modes)."""
     sizer: SegmentSizer
     """How many steps a segment takes (set by the subclasses that size them)."""
+    # The job every plan carries, set by the subclasses (:meth:`segment_plans`).
+    job: str
+    model: str
+    model_args: dict[str, Any]
+    dataset: str
+    batch_size: int
+    seed: int
 
     def _measure_setup(
         self,
@@ -277,6 +284,42 @@ class SpanJobStrategy(RoundLoop):
             f"{self.rendezvous_port + self.rendezvous_ports - 1} was reported in use; "
             "free some or choose another range (rendezvous_port)"
         )
+
+    def segment_plans(
+        self,
+        nodes: Sequence[int],
+        host: str,
+        steps: int,
+        per_rank: Callable[[int], Mapping[str, Any]],
+        **fields: Any,
+    ) -> dict[int, MemberPlan]:
+        """One plan per node of a new segment (:meth:`next_segment`), ``nodes``
+        in rank order meeting at ``host``: the job (model, data, batch, seed, the
+        group's timeouts, ``steps`` from the current step), ``fields`` (which may
+        replace any of those) and ``per_rank(rank)``, a member's own share."""
+        segment, port = self.next_segment()
+        job: dict[str, Any] = {
+            "mode": self.mode,
+            "job": self.job,
+            "segment": segment,
+            "world_size": len(nodes),
+            "host": host,
+            "port": port,
+            "start_step": self.step,
+            "steps": steps,
+            "batch_size": self.batch_size,
+            "seed": self.seed,
+            "join_timeout_s": self.join_timeout_s,
+            "timeout_s": self.timeout_s,
+            "model": self.model,
+            "model_args": self.model_args,
+            "dataset": self.dataset,
+            **fields,
+        }
+        return {
+            node: MemberPlan(rank=rank, **job, **per_rank(rank))
+            for rank, node in enumerate(nodes)
+        }
 
     # ------------------------------------------------------------------ the rounds
     def start_wrapped(self, wrapper: Strategy, *args: Any, **kwargs: Any) -> Result:

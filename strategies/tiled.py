@@ -383,39 +383,21 @@ class TiledTraining(SpanJobStrategy):
 
     def member_plans(self, segment: SegmentPlan) -> dict[int, MemberPlan]:
         """One plan per board of ``segment``: its rank, its tile, the job."""
-        number, port = self.next_segment()
         tp = segment.tile_plan
         options = tile_options(
             tp, self.input_shape, self.num_classes, self.planning.norm, self.links
         )
         lay = layout(self.geometry(), tp.bounds, tp.weights, tp.bands)
-        host = segment.boards[0].address
-        plans = {}
-        for rank, board in enumerate(segment.boards):
-            plans[board.node_id] = MemberPlan(
-                mode=MODE,
-                job=self.job,
-                segment=number,
-                rank=rank,
-                world_size=len(segment.boards),
-                host=host,
-                port=port,
-                start_step=self.step,
-                steps=self.steps_per_round,
-                batch_size=self.batch_size,
-                seed=self.seed,
-                join_timeout_s=self.join_timeout_s,
-                timeout_s=self.timeout_s,
-                model=self.model,
-                model_args=self.model_args,
-                dataset=self.dataset,
-                lr=self.lr,
-                momentum=self.momentum,
-                weight_decay=self.weight_decay,
-                tile=lay.tiles[-1][rank].as_tuple(),
-                options={**options, **self.training.to_options()},
-            )
-        return plans
+        return self.segment_plans(
+            [board.node_id for board in segment.boards],
+            segment.boards[0].address,
+            self.steps_per_round,
+            lambda rank: {"tile": lay.tiles[-1][rank].as_tuple()},
+            lr=self.lr,
+            momentum=self.momentum,
+            weight_decay=self.weight_decay,
+            options={**options, **self.training.to_options()},
+        )
 
     # ------------------------------------------------------------------ rounds
     def configure_train(
