@@ -289,17 +289,9 @@ class LargeBatchSync(SpanJobStrategy):
 
     def admit(self, grid: Grid, node_ids: Iterable[int]) -> list[int]:
         """Profile nodes not yet known; keep the ones that answer with a speed."""
-        ids = [
-            n
-            for n in node_ids
-            if n not in self.speeds and n not in self.lost and n not in self.refused
-        ]
-        if not ids:
-            return []
-        found, errors = self.profile_members(
-            grid, ids, self._request(), self.profiling.query_timeout_s
+        found = self.profile_newcomers(
+            grid, node_ids, self.speeds, self._request(), self.profiling.query_timeout_s
         )
-        self.refused.update(errors)
         admitted = []
         for node_id, member in found.items():
             speed = member.metrics.get(keys.SAMPLES_PER_S)

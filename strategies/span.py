@@ -50,7 +50,7 @@ replies in :mod:`~flowerbed.strategies.span_segments`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from logging import INFO, WARNING
 from pathlib import Path
 from typing import Any
@@ -473,6 +473,28 @@ class SpanJobStrategy(RoundLoop):
         errors (:func:`~flowerbed.strategies.span_members.profile_members`)."""
         del grid  # the attached grid's in-flight bookkeeping sends the query
         return profile_members(self.inflight, node_ids, request, timeout)
+
+    def profile_newcomers(
+        self,
+        grid: Grid,
+        node_ids: Iterable[int],
+        known: Container[int],
+        request: Mapping[str, Any],
+        timeout: float,
+    ) -> dict[int, SpanMember]:
+        """Profile the nodes of ``node_ids`` neither ``known`` nor lost nor
+        refused (:meth:`profile_members`); the ones that cannot take part are
+        added to :attr:`refused`."""
+        ids = [
+            n
+            for n in node_ids
+            if n not in known and n not in self.lost and n not in self.refused
+        ]
+        if not ids:
+            return {}
+        found, errors = self.profile_members(grid, ids, request, timeout)
+        self.refused.update(errors)
+        return found
 
     # ------------------------------------------------------------------ segments
     def segment_messages(
