@@ -58,36 +58,59 @@ def test_bad_settings_are_named() -> None:
         LargeBatchRounds(client_lr=0.0)
 
 
-@pytest.mark.slow
-def test_138_simulated_phones_train_with_one_large_batch(tmp_path) -> None:
-    """Requirement 4's configuration on the in-process engine: 138 Galaxy S10+
-    phones on one switch, 4 digits each per round (B = 552), LAMB on the server."""
-    config = {
+def lamb_rounds(
+    train: int, available: int, batch: int, **options: Any
+) -> LargeBatchRounds:
+    """LargeBatchRounds training a batch of ``batch`` on ``train`` of at least
+    ``available`` nodes with LAMB on the server at 0.02 for that batch, no
+    evaluation round."""
+    return LargeBatchRounds(
+        fraction_evaluate=0.0,
+        min_train_nodes=train,
+        min_available_nodes=available,
+        batch_size=batch,
+        optimizer="lamb",
+        base_lr=0.02,
+        base_batch=batch,
+        **options,
+    )
+
+
+def digits_lenet(nodes: int, rounds: int) -> dict[str, Any]:
+    """The run config of ``rounds`` rounds of LeNet on digits over ``nodes``
+    nodes, no dropout, seed 1."""
+    return {
         "dataset": "digits",
         "model": "lenet",
-        "num-nodes": 138,
-        "num-rounds": 12,
+        "num-nodes": nodes,
+        "num-rounds": rounds,
         "dropout": 0.0,
         "seed": 1,
-        "output-dir": str(tmp_path),
     }
-    grid = build_fleet_grid(config, ["galaxy-s10plus"] * 138)
+
+
+def run_on_one_switch(
+    config: dict[str, Any], devices: list[str], strategy: LargeBatchRounds
+) -> Any:
+    """The outcome of ``strategy`` on the in-process engine: ``config`` on a fleet
+    of ``devices`` joined by one switched Ethernet."""
+    grid = build_fleet_grid(config, devices)
     grid.network = SwitchedEthernet()
-    strategy = LargeBatchRounds(
-        fraction_evaluate=0.0,
-        min_train_nodes=138,
-        min_available_nodes=138,
-        batch_size=552,
-        base_lr=0.02,
-        base_batch=552,
-        optimizer="lamb",
-    )
     try:
-        outcome = run_server(
+        return run_server(
             grid, Scenario.from_run_config(config), strategy=strategy, write=False
         )
     finally:
         grid.close()
+
+
+@pytest.mark.slow
+def test_138_simulated_phones_train_with_one_large_batch(tmp_path) -> None:
+    """Requirement 4's configuration on the in-process engine: 138 Galaxy S10+
+    phones on one switch, 4 digits each per round (B = 552), LAMB on the server."""
+    config = {**digits_lenet(138, 12), "output-dir": str(tmp_path)}
+    strategy = lamb_rounds(138, 138, 552)
+    outcome = run_on_one_switch(config, ["galaxy-s10plus"] * 138, strategy)
     records = outcome.records
     assert len(records) == 12
     assert all(len(r.participants) == 138 for r in records)
@@ -99,33 +122,8 @@ def six_phones(rounds: int, **options: Any) -> tuple[Any, LargeBatchRounds]:
     """Four Galaxy S10+ and two low-end phones (8x slower) on one switch, a large
     batch of 96; the run's outcome and the strategy."""
     devices = ["galaxy-s10plus"] * 4 + ["low-end-phone"] * 2
-    config = {
-        "dataset": "digits",
-        "model": "lenet",
-        "num-nodes": 6,
-        "num-rounds": rounds,
-        "dropout": 0.0,
-        "seed": 1,
-    }
-    grid = build_fleet_grid(config, devices)
-    grid.network = SwitchedEthernet()
-    strategy = LargeBatchRounds(
-        fraction_evaluate=0.0,
-        min_train_nodes=4,
-        min_available_nodes=6,
-        batch_size=96,
-        optimizer="lamb",
-        base_lr=0.02,
-        base_batch=96,
-        **options,
-    )
-    try:
-        outcome = run_server(
-            grid, Scenario.from_run_config(config), strategy=strategy, write=False
-        )
-    finally:
-        grid.close()
-    return outcome, strategy
+    strategy = lamb_rounds(4, 6, 96, **options)
+    return run_on_one_switch(digits_lenet(6, rounds), devices, strategy), strategy
 
 
 def test_over_selection_keeps_the_first_replies_so_a_slow_phone_does_not_stall() -> (
@@ -180,15 +178,7 @@ def test_board_clientapps_train_their_shares(tmp_path) -> None:
         np.savez(path, x=x, y=data.y_train[idx])
         paths.append(path)
     configs = [{"dataset-path": str(p)} for p in paths]
-    strategy = LargeBatchRounds(
-        fraction_evaluate=0.0,
-        min_train_nodes=3,
-        min_available_nodes=3,
-        batch_size=48,
-        optimizer="lamb",
-        base_lr=0.02,
-        base_batch=48,
-    )
+    strategy = lamb_rounds(3, 3, 48)
     start = ArrayRecord(build_model("lenet", 1, 8, 10).state_dict())
     with ProcessGrid(
         "flowerbed.clients.board_app:app", configs, {"model": "lenet"}
