@@ -115,6 +115,28 @@ def lost_ranks_metric(lost_ranks: tuple[int, ...]) -> dict[str, MetricValue]:
     return {keys.SPAN_LOST_RANKS: list(lost_ranks)} if lost_ranks else {}
 
 
+def segment_result(
+    metrics: dict[str, MetricValue],
+    failure: str,
+    lost_ranks: tuple[int, ...],
+    setup: Mapping[str, float],
+    module: nn.Module | None,
+    optimizer: torch.optim.Optimizer | None,
+) -> MemberResult:
+    """A segment member's reply: ok when ``failure`` is empty; ``metrics`` gain the
+    peers it found gone (:func:`lost_ranks_metric`) and its set-up times
+    (``setup``: :meth:`~flowerbed.parallel.setup_time.SetupClock.metrics`). An ok
+    member that returns weights (``module`` given) sends them with its optimiser
+    state."""
+    ok = not failure
+    result = MemberResult(ok=ok, metrics=metrics, failure=failure)
+    if ok and module is not None:
+        result.arrays, result.optimizer = result_arrays(module_state(module, optimizer))
+    result.metrics.update(lost_ranks_metric(lost_ranks))
+    result.metrics.update(setup)
+    return result
+
+
 def plan_training(plan: MemberPlan) -> tuple[Training, LossFn]:
     """The plan's training settings and its loss, imported now: a loss or an
     optimiser factory that does not import is a :class:`PlanError`."""

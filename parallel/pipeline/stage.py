@@ -58,12 +58,11 @@ from ..member import (
     MemberResult,
     MetricValue,
     load_module_state,
-    lost_ranks_metric,
     module_state,
     plan_optimizer,
     plan_training,
     recv_state,
-    result_arrays,
+    segment_result,
     send_state,
 )
 from ..plan import SOURCE_CENTRAL, SOURCE_PEER, SOURCE_SELF, MemberPlan, PlanError
@@ -386,10 +385,8 @@ def run_segment(
             seg.step,
             failure,
         )
-    result = _result(plan, seg, timed, stage, optimizer, store, failure, arrived)
-    result.metrics.update(lost_ranks_metric(lost))
-    result.metrics.update(clock.metrics())
-    return result
+    metrics = _metrics(plan, seg, timed, store, failure, arrived)
+    return segment_result(metrics, failure, lost, clock.metrics(), stage, optimizer)
 
 
 def _broadcast_labels(
@@ -472,16 +469,14 @@ def _maybe_replicate(
     log(INFO, "pipeline %s: rank %d replicated at step %d", plan.job, plan.rank, done)
 
 
-def _result(
+def _metrics(
     plan: MemberPlan,
     seg: _Segment,
     timed: TimedModule,
-    stage: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
     store: LayerStore,
     failure: str,
     arrived: float,
-) -> MemberResult:
+) -> dict[str, MetricValue]:
     ok = not failure
     # The first step includes one-off costs (allocations, stage set-up).
     steady = seg.step_s[1:] if len(seg.step_s) > 1 else seg.step_s
@@ -510,7 +505,4 @@ def _result(
         )
     if seg.losses:
         metrics[keys.TRAIN_LOSS] = float(np.mean(seg.losses))
-    result = MemberResult(ok=ok, metrics=metrics, failure=failure)
-    if ok:
-        result.arrays, result.optimizer = result_arrays(module_state(stage, optimizer))
-    return result
+    return metrics

@@ -37,11 +37,9 @@ from ..member import (
     MemberResult,
     MetricValue,
     load_module_state,
-    lost_ranks_metric,
-    module_state,
     plan_optimizer,
     plan_training,
-    result_arrays,
+    segment_result,
 )
 from ..plan import MemberPlan, PlanError
 from ..setup_time import SetupClock
@@ -180,26 +178,23 @@ def run(
     except PeerFailure as err:
         failure = f"{err.phase}: {err}"
         lost = err.lost_ranks
-    result = result_of(plan, member, optimizer, done, step, failure, arrived, setup)
-    result.metrics.update(lost_ranks_metric(lost))
-    result.metrics.update(clock.metrics())
-    return result
+    metrics = metrics_of(plan, member, done, step, failure, arrived, setup)
+    weights = member.modules() if member.rank == 0 else None
+    return segment_result(metrics, failure, lost, clock.metrics(), weights, optimizer)
 
 
-def result_of(
+def metrics_of(
     plan: MemberPlan,
     member: TiledMember,
-    optimizer: torch.optim.Optimizer,
     done: int,
     step: int,
     failure: str,
     arrived: float,
     setup: float,
-) -> MemberResult:
+) -> dict[str, MetricValue]:
     ok = not failure
     s = member.stats
     steady = slice(1, None) if len(s.step_s) > 1 else slice(None)
-    r = member.rank
     metrics: dict[str, MetricValue] = {
         keys.SPAN_OK: int(ok),
         keys.NUM_STEPS: done,
@@ -218,12 +213,7 @@ def result_of(
     }
     if s.losses:
         metrics[keys.TRAIN_LOSS] = float(np.mean(s.losses))
-    result = MemberResult(ok=ok, metrics=metrics, failure=failure)
-    if ok and r == 0:
-        result.arrays, result.optimizer = result_arrays(
-            module_state(member.modules(), optimizer)
-        )
-    return result
+    return metrics
 
 
 def profile(query: Mapping[str, Any], context: MemberContext) -> MemberResult:
