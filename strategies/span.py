@@ -529,8 +529,9 @@ class SpanJobStrategy(RoundLoop):
             self.configrecord_key,
             lambda join: self._grace(join=join),
             self.bad_ports,
+            check,
         )
-        return gather.run(messages, server_round, timeout, check)
+        return gather.run(messages, server_round, timeout)
 
     def _grace(self, *, join: bool) -> float:
         bound = self.join_timeout_s + STORE_GRACE_S if join else self.timeout_s

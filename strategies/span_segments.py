@@ -97,6 +97,8 @@ class SegmentGather:
         a loss or erred (``join``: while joining).
     bad_ports : set of int
         Rendezvous ports reported in use; a port an error reply names is added.
+    check : callable, optional
+        Rejects a reply (raises :class:`ReplyRejected`) on mode-specific grounds.
     """
 
     def __init__(
@@ -105,17 +107,14 @@ class SegmentGather:
         config_key: str,
         grace: Callable[[bool], float],
         bad_ports: set[int],
+        check: Callable[[SegmentReply], object] | None,
     ) -> None:
         self.inflight, self.config_key = inflight, config_key
-        self.grace, self.bad_ports = grace, bad_ports
+        self.grace, self.bad_ports, self.check = grace, bad_ports, check
         self.clock = inflight.clock
 
     def run(
-        self,
-        messages: Iterable[Message],
-        server_round: int,
-        timeout: float,
-        check: Callable[[SegmentReply], object] | None = None,
+        self, messages: Iterable[Message], server_round: int, timeout: float
     ) -> SegmentOutcome:
         """Push ``messages`` and gather what becomes of every member (see
         :meth:`flowerbed.strategies.span.SpanJobStrategy.run_segment`)."""
@@ -142,9 +141,7 @@ class SegmentGather:
 
         while True:
             for reply, ticket in self._replies(bound):
-                join = self._file_reply(
-                    reply, ticket.node_id, outcome, check, ranks, gone
-                )
+                join = self._file_reply(reply, ticket.node_id, outcome, ranks, gone)
                 now = self.clock.now()
                 if join is not None:
                     until[0] = min(until[0], now + self.grace(join))
@@ -184,7 +181,6 @@ class SegmentGather:
         reply: Message,
         node_id: int,
         outcome: SegmentOutcome,
-        check: Callable[[SegmentReply], object] | None,
         ranks: Mapping[int, int],
         gone: dict[int, dict[int, str]],
     ) -> bool | None:
@@ -204,8 +200,8 @@ class SegmentGather:
             return True
         try:
             checked = check_segment_reply(reply)
-            if check is not None:
-                check(checked)
+            if self.check is not None:
+                self.check(checked)
         except ReplyRejected as err:
             outcome.rejected[node_id] = err.reason
             log(
