@@ -19,7 +19,7 @@ from flowerbed.parallel import (
     build_module,
     single_device,
 )
-from flowerbed.parallel.large_batch.allreduce import run_group
+from flowerbed.parallel.large_batch.allreduce import GroupRun, run_group
 from flowerbed.parallel.member import MemberContext, load_module_state, module_state
 from flowerbed.strategies import LargeBatchSync, PipelineTraining, TiledTraining
 from flowerbed.strategies.large_batch_options import AllReduceRecipe
@@ -195,6 +195,28 @@ def test_the_public_reference_is_the_tests_own_yardstick() -> None:
         np.testing.assert_array_equal(got[name], value, err_msg=name)
 
 
+def two_segments(
+    strategy: LargeBatchSync, initial: dict[str, np.ndarray]
+) -> tuple[dict[str, np.ndarray], list[GroupRun]]:
+    """Two segments of ``strategy``'s plans for nodes 1 and 2 (10 and 20
+    samples/s) run in process from ``initial``, the optimiser state passing
+    through the server between them as it does in a run: the last weights and
+    state, and each segment's run."""
+    strategy.speeds = {1: 10.0, 2: 20.0}
+    strategy.addresses = {1: "127.0.0.1", 2: "127.0.0.1"}
+    context = MemberContext(address="127.0.0.1", store_root=Path("/nonexistent"))
+    arrays: dict[str, np.ndarray] = dict(initial)
+    runs = []
+    for _ in range(2):
+        plans = strategy.plans([1, 2], strategy.steps_per_round)
+        run = run_group(list(plans.values()), context, arrays)
+        runs.append(run)
+        state = {"momentum:" + k: v for k, v in run.optimizer.items()}
+        arrays = {**run.arrays, **state}
+        strategy.step += strategy.steps_per_round
+    return arrays, runs
+
+
 def test_large_batch_in_process_with_a_user_model_loss_and_adam_equals_one_device() -> (
     None
 ):
@@ -208,24 +230,16 @@ def test_large_batch_in_process_with_a_user_model_loss_and_adam_equals_one_devic
         fraction_evaluate=0.0,
         recipe=AllReduceRecipe(base_lr=0.01, base_batch=24),
     )
-    strategy.speeds = {1: 10.0, 2: 20.0}
-    strategy.addresses = {1: "127.0.0.1", 2: "127.0.0.1"}
     initial = {
         k: v.numpy()
         for k, v in build_module("span_user_code:two_branch", seed=0)
         .state_dict()
         .items()
     }
-    context = MemberContext(address="127.0.0.1", store_root=Path("/nonexistent"))
-    arrays: dict[str, np.ndarray] = dict(initial)
-    for _ in range(2):
-        plans = strategy.plans([1, 2], strategy.steps_per_round)
-        run = run_group(list(plans.values()), context, arrays)
+    arrays, runs = two_segments(strategy, initial)
+    for run in runs:
         assert run.steps == 3
         assert any("@exp_avg" in k for k in run.optimizer)
-        state = {"momentum:" + k: v for k, v in run.optimizer.items()}
-        arrays = {**run.arrays, **state}
-        strategy.step += strategy.steps_per_round
     want = single_device(strategy.reference_job(), initial, steps=6)
     for name, value in want.items():
         np.testing.assert_allclose(arrays[name], value, rtol=1e-5, atol=2e-6)
@@ -262,22 +276,13 @@ def test_the_reference_of_the_default_large_batch_recipe_matches_the_group(
             warmup_steps=3,
         ),
     )
-    strategy.speeds = {1: 10.0, 2: 20.0}
-    strategy.addresses = {1: "127.0.0.1", 2: "127.0.0.1"}
     initial = {
         k: v.numpy()
         for k, v in build_module("deep-mlp", strategy.model_args, seed=0)
         .state_dict()
         .items()
     }
-    context = MemberContext(address="127.0.0.1", store_root=Path("/nonexistent"))
-    arrays: dict[str, np.ndarray] = dict(initial)
-    for _ in range(2):
-        plans = strategy.plans([1, 2], strategy.steps_per_round)
-        run = run_group(list(plans.values()), context, arrays)
-        state = {"momentum:" + k: v for k, v in run.optimizer.items()}
-        arrays = {**run.arrays, **state}
-        strategy.step += strategy.steps_per_round
+    arrays, _ = two_segments(strategy, initial)
     want = single_device(strategy.reference_job(), initial, steps=4)
     for name, value in want.items():
         np.testing.assert_allclose(arrays[name], value, rtol=1e-5, atol=2e-6)
