@@ -15,15 +15,12 @@ replies and updates the model.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 from flowerbed.sims.scenario import run_scenario
 from flowerbed.strategies import DeadlineFedAvg
 from flowerbed.strategies.round_metrics import ROUND_LATE_UPDATES, ROUND_PARTICIPANTS
-from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
-from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result
 
 ROUNDS = 20
@@ -38,25 +35,9 @@ class Recorded(DeadlineFedAvg):
 
     result = Result()
 
-    def start(  # type: ignore[override]
-        self,
-        grid: Grid,
-        initial_arrays: ArrayRecord,
-        num_rounds: int = 3,
-        timeout: float = 3600,
-        train_config: ConfigRecord | None = None,
-        evaluate_config: ConfigRecord | None = None,
-        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
-    ) -> Result:
-        self.result = super().start(
-            grid,
-            initial_arrays,
-            num_rounds,
-            timeout,
-            train_config,
-            evaluate_config,
-            evaluate_fn,
-        )
+    def start(self, *args: Any, **kwargs: Any) -> Result:
+        """DeadlineFedAvg's ``start`` with the same arguments; keeps its Result."""
+        self.result = super().start(*args, **kwargs)
         return self.result
 
 
