@@ -278,11 +278,9 @@ class LargeBatchSync(SpanJobStrategy):
 
     # ------------------------------------------------------------------ members
     def _request(self) -> dict[str, Any]:
+        """The profiling query: the job (:meth:`evaluation_query`), how to time it."""
         return {
-            "mode": self.mode,
-            "model": self.model,
-            "model_args": self.model_args,
-            "dataset": self.dataset,
+            **self.evaluation_query(),
             "batch": self.profiling.profile_batch,
             "repeats": self.profiling.profile_repeats,
         }
@@ -422,6 +420,7 @@ class LargeBatchSync(SpanJobStrategy):
         return arrayrecord(first.arrays), round_figures(checked, diff)
 
     def evaluation_query(self) -> dict[str, Any]:
+        """The job members build and read: mode, model and dataset."""
         return {
             "mode": self.mode,
             "model": self.model,
