@@ -175,26 +175,7 @@ def _load_digits() -> Dataset:
     except importlib.metadata.PackageNotFoundError:
         version = "unknown"
     cached = cache_dir() / f"digits-split-sklearn-{version}.npz"
-    try:
-        with np.load(cached) as f:
-            return Dataset("digits", f["x_tr"], f["y_tr"], f["x_te"], f["y_te"])
-    except (OSError, KeyError, ValueError):
-        pass
-    data = _split_digits()
-    try:
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cached.with_name(f".{cached.name}.{os.getpid()}.tmp.npz")
-        np.savez(
-            tmp,
-            x_tr=data.x_train,
-            y_tr=data.y_train,
-            x_te=data.x_test,
-            y_te=data.y_test,
-        )
-        os.replace(tmp, cached)
-    except OSError:
-        pass
-    return data
+    return _kept(cached, "digits", _split_digits)
 
 
 def _split_digits() -> Dataset:
@@ -221,11 +202,17 @@ def _cached(key: str, make: Callable[[], Dataset]) -> Dataset:
     folder = os.environ.get(CACHE_ENV, str(Path.home() / ".cache" / "flowerbed"))
     if not folder:
         return make()
-    path = Path(folder) / f"{key}-v1.npz"
+    return _kept(Path(folder) / f"{key}-v1.npz", key, make)
+
+
+def _kept(path: Path, name: str, make: Callable[[], Dataset]) -> Dataset:
+    """The dataset ``name`` read from the .npz at ``path``, or ``make()`` written
+    there first. A corrupt file is remade; one that cannot be written is skipped
+    (a read-only home only costs the regeneration)."""
     fields_ = ("x_train", "y_train", "x_test", "y_test")
     try:
         with np.load(path) as npz:
-            return Dataset(key, *(np.array(npz[f]) for f in fields_))
+            return Dataset(name, *(np.array(npz[f]) for f in fields_))
     except (OSError, KeyError, ValueError):
         pass
     data = make()
@@ -235,7 +222,7 @@ def _cached(key: str, make: Callable[[], Dataset]) -> Dataset:
         np.savez(tmp, **{f: getattr(data, f) for f in fields_})
         os.replace(tmp, path)
     except OSError:
-        pass  # a read-only home only costs the regeneration
+        pass
     return data
 
 
