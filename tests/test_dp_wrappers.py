@@ -21,7 +21,7 @@ from flwr.app import Message
 from flwr.serverapp.strategy import (
     DifferentialPrivacyServerSideFixedClipping as FlowerFixedClipping,
 )
-from flwr.serverapp.strategy import Result
+from flwr.serverapp.strategy import Result, Strategy
 from test_strategies_fakes import FakeGrid, node, silent, weights
 
 
@@ -64,6 +64,30 @@ def deadline() -> DeadlineFedAvg:
     )
 
 
+def clipped(
+    wrapper: type, clipping_norm: float = 10.0, inner: Strategy | None = None
+) -> Strategy:
+    """Flower's fixed-clipping DP ``wrapper`` without noise, 5 sampled nodes,
+    around ``inner`` (``deadline()`` when not given)."""
+    return wrapper(
+        inner or deadline(),
+        noise_multiplier=0.0,
+        clipping_norm=clipping_norm,
+        num_sampled_clients=5,
+    )
+
+
+def logged_run(
+    wrapper: type, rounds: int, level: int, caplog: pytest.LogCaptureFixture
+) -> tuple[FlowerGrid, Result, list[str]]:
+    """``clipped(wrapper)`` run ``rounds`` rounds on ``fleet()`` while Flower's log
+    is captured at ``level``: the grid, the Result and the logged messages."""
+    grid, strategy = fleet(), clipped(wrapper)
+    with caplog.at_level(level, logger="flwr"):
+        result = strategy.start(grid, weights(), num_rounds=rounds, timeout=100.0)
+    return grid, result, [r.getMessage() for r in caplog.records]
+
+
 def w(result: Result) -> float:
     return float(result.arrays["w"].numpy()[0])
 
@@ -71,16 +95,11 @@ def w(result: Result) -> float:
 def test_flowerbeds_wrapper_keeps_the_deadline_and_adds_the_noise(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    grid = fleet()
-    strategy = DifferentialPrivacyServerSideFixedClipping(
-        deadline(), noise_multiplier=0.0, clipping_norm=10.0, num_sampled_clients=5
-    )
-    with caplog.at_level(logging.INFO, logger="flwr"):
-        result = strategy.start(grid, weights(), num_rounds=3, timeout=100.0)
+    wrapper = DifferentialPrivacyServerSideFixedClipping
+    grid, result, lines = logged_run(wrapper, 3, logging.INFO, caplog)
     # three rounds closed at the 5 s deadline, each moving the model by +1
     assert grid.clock.now() == pytest.approx(15.0)
     assert w(result) == pytest.approx(3.0)
-    lines = [r.getMessage() for r in caplog.records]
     assert sum("parameters are clipped by value" in m for m in lines) >= 9
     assert sum("central DP noise" in m for m in lines) == 3
     assert not any("is being run by another strategy's start()" in m for m in lines)
@@ -88,9 +107,7 @@ def test_flowerbeds_wrapper_keeps_the_deadline_and_adds_the_noise(
 
 def test_the_wrapper_clips_each_update_to_its_norm() -> None:
     # clipping_norm 0.5: each +1 update counts as +0.5 (no noise)
-    strategy = DifferentialPrivacyServerSideFixedClipping(
-        deadline(), noise_multiplier=0.0, clipping_norm=0.5, num_sampled_clients=5
-    )
+    strategy = clipped(DifferentialPrivacyServerSideFixedClipping, clipping_norm=0.5)
     result = strategy.start(fleet(), weights(), num_rounds=2, timeout=100.0)
     assert w(result) == pytest.approx(1.0)
 
@@ -98,16 +115,10 @@ def test_the_wrapper_clips_each_update_to_its_norm() -> None:
 def test_flowers_own_wrapper_waits_for_everyone_and_says_so(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    grid = fleet()
-    strategy = FlowerFixedClipping(
-        deadline(), noise_multiplier=0.0, clipping_norm=10.0, num_sampled_clients=5
-    )
-    with caplog.at_level(logging.WARNING, logger="flwr"):
-        strategy.start(grid, weights(), num_rounds=1, timeout=100.0)
+    grid, _, lines = logged_run(FlowerFixedClipping, 1, logging.WARNING, caplog)
     # Flower's loop waited past the 5 s deadline, until the slow node's and the
     # silent node's messages expired (the TTL DeadlineFedAvg gives them)
     assert grid.clock.now() > 5.0
-    lines = [r.getMessage() for r in caplog.records]
     loud = [m for m in lines if "is being run by another strategy's start()" in m]
     assert len(loud) == 1
     assert "DeadlineFedAvg" in loud[0] and "flowerbed.strategies" in loud[0]
@@ -133,9 +144,7 @@ def test_the_other_wrappers_run_the_wrapped_loop_too(wrapper: type) -> None:
 def test_fedbuff_keeps_its_asynchrony_inside_the_wrapper() -> None:
     grid = fleet(shifts=(1.0, 2.0, 3.0))
     inner = FedBuff(buffer_size=2, fraction_evaluate=0.0)
-    strategy = DifferentialPrivacyServerSideFixedClipping(
-        inner, noise_multiplier=0.0, clipping_norm=10.0, num_sampled_clients=5
-    )
+    strategy = clipped(DifferentialPrivacyServerSideFixedClipping, inner=inner)
     result = strategy.start(grid, weights(), num_rounds=4, timeout=100.0)
     # four versions from the fast nodes, long before the 50 s node answers
     assert len(result.train_metrics_clientapp) == 4
