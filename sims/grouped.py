@@ -18,7 +18,7 @@ from __future__ import annotations
 import weakref
 
 import torch
-from flowerbed.sims.layers import Grouped, Traced, Unsupported, trace
+from flowerbed.sims.layers import Grouped, Traced, Unsupported, built_once, trace
 from torch import nn
 
 
@@ -118,12 +118,7 @@ _GROUPED: weakref.WeakKeyDictionary[nn.Module, GroupedForward | None] = (
 def grouped_forward(model: nn.Module) -> GroupedForward | None:
     """The model's :class:`GroupedForward`, or None if the library does not
     run it (cached)."""
-    if model not in _GROUPED:
-        try:
-            _GROUPED[model] = GroupedForward(model)
-        except Unsupported:
-            _GROUPED[model] = None
-    return _GROUPED[model]
+    return built_once(_GROUPED, model, GroupedForward)
 
 
 def evaluation_logits(model: nn.Module, x: torch.Tensor) -> torch.Tensor | None:

@@ -62,6 +62,7 @@ from flowerbed.sims.layers import (
     ReLU,
     Unsupported,
     Weighted,
+    built_once,
     layer_of,
     pool_before_relu,
 )
@@ -278,9 +279,4 @@ def grouped_sgd(grouped: GroupedForward | None) -> GroupedSGD | None:
     (cached)."""
     if grouped is None:
         return None
-    if grouped not in _STEPS:
-        try:
-            _STEPS[grouped] = GroupedSGD(grouped)
-        except Unsupported:
-            _STEPS[grouped] = None
-    return _STEPS[grouped]
+    return built_once(_STEPS, grouped, GroupedSGD)

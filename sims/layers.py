@@ -61,8 +61,9 @@ from __future__ import annotations
 
 import operator
 import weakref
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, TypeVar
 
 import torch
 from flowerbed.clients.training import is_max_pool_2x2, max_pool_2x2
@@ -76,6 +77,23 @@ channels, *spatial)``, ``False`` for flat ``(nodes, batch, features)``."""
 
 class Unsupported(Exception):
     """A model or layer the library does not run (train it per node)."""
+
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+def built_once(
+    cache: MutableMapping[K, V | None], key: K, build: Callable[[K], V]
+) -> V | None:
+    """``build(key)``, kept in ``cache``; None (kept too) when ``build`` raises
+    :class:`Unsupported`."""
+    if key not in cache:
+        try:
+            cache[key] = build(key)
+        except Unsupported:
+            cache[key] = None
+    return cache[key]
 
 
 @dataclass(frozen=True)
