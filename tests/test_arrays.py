@@ -21,16 +21,21 @@ from flwr.supercore.inflatable.inflatable_object import (
     get_object_type_from_object_content,
 )
 
+KINDS = [
+    np.zeros((), np.float32),
+    np.arange(6, dtype=np.int64).reshape(2, 3),
+    np.ones((0, 4), np.float16),
+    np.array([True, False]),
+    np.arange(12, dtype=np.float64).reshape(3, 4).T,  # Fortran order
+]
+"""Arrays of several dtypes and shapes (a scalar, an empty one, a transposed one)."""
+
 
 @pytest.mark.parametrize(
     "value",
     [
-        np.zeros((), np.float32),
-        np.arange(6, dtype=np.int64).reshape(2, 3),
-        np.ones((0, 4), np.float16),
-        np.array([True, False]),
+        *KINDS,
         np.linspace(0, 1, 2400, dtype=np.float32).reshape(16, 6, 5, 5),
-        np.arange(12, dtype=np.float64).reshape(3, 4).T,  # Fortran order
         np.arange(20, dtype=np.float32)[::2],  # not contiguous
         np.arange(4, dtype=">f4"),  # big-endian: its bytes as they are
     ],
@@ -110,17 +115,7 @@ def test_encode_records_makes_each_rows_record_as_encode_record() -> None:
             assert np.array_equal(record[name].numpy(), value)
 
 
-@pytest.mark.parametrize(
-    "value",
-    [
-        np.zeros((), np.float32),
-        np.arange(6, dtype=np.int64).reshape(2, 3),
-        np.ones((0, 4), np.float16),
-        np.array([True, False]),
-        np.arange(12, dtype=np.float64).reshape(3, 4).T,  # Fortran order
-        np.arange(5, dtype=">i4"),  # big-endian
-    ],
-)
+@pytest.mark.parametrize("value", [*KINDS, np.arange(5, dtype=">i4")])  # big-endian
 def test_decode_array_reads_flowers_arrays_as_numpy_does(
     value: np.ndarray, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -122,26 +122,6 @@ def test_rebuild_rewrites_the_page_from_the_results_and_runs_nothing(
     )
 
 
-@pytest.mark.parametrize(
-    ("argv", "message"),
-    [
-        (["--quick"], "--rebuild runs nothing; drop --quick and --sections"),
-        ([], "--rebuild found no results in"),
-    ],
-)
-def test_rebuild_refuses_what_it_cannot_do(
-    calls: list[str],
-    tmp_path: Path,
-    capsys: pytest.CaptureFixture[str],
-    argv: list[str],
-    message: str,
-) -> None:
-    assert main(["bench", "--rebuild", "--out", str(tmp_path), *argv]) == 2
-    assert message in capsys.readouterr().err
-    assert calls == []
-    assert not (tmp_path / "BENCHMARKS.md").exists()
-
-
 def test_a_missing_section_is_listed_as_not_run(
     calls: list[str], tmp_path: Path
 ) -> None:
@@ -183,10 +163,20 @@ def test_publish_outside_a_checkout_is_refused_before_anything_runs(
 
 
 @pytest.mark.parametrize(
-    ("argv", "message"),
+    ("argv", "message", "unwritten"),
     [
-        (["--a-size", "0"], "--a-size must be >= 1"),
-        (["--sections", "a,c"], "unknown section 'c'; valid choices: a, b"),
+        (
+            ["--rebuild", "--quick"],
+            "--rebuild runs nothing; drop --quick and --sections",
+            "BENCHMARKS.md",
+        ),
+        (["--rebuild"], "--rebuild found no results in", "BENCHMARKS.md"),
+        (["--a-size", "0"], "--a-size must be >= 1", "benchmarks/results.json"),
+        (
+            ["--sections", "a,c"],
+            "unknown section 'c'; valid choices: a, b",
+            "benchmarks/results.json",
+        ),
     ],
 )
 def test_bad_options_stop_before_any_section_runs(
@@ -195,11 +185,14 @@ def test_bad_options_stop_before_any_section_runs(
     capsys: pytest.CaptureFixture[str],
     argv: list[str],
     message: str,
+    unwritten: str,
 ) -> None:
+    """Options that cannot work, ``--rebuild`` with nothing to rebuild among
+    them: a named error, no section run, no file written."""
     assert main(["bench", "--out", str(tmp_path), *argv]) == 2
     assert message in capsys.readouterr().err
     assert calls == []
-    assert not (tmp_path / "benchmarks" / "results.json").exists()
+    assert not (tmp_path / unwritten).exists()
 
 
 def test_an_output_folder_that_cannot_be_written_is_refused_up_front(
