@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -53,11 +54,18 @@ class _Clock:
         return self.now
 
 
-def test_token_file_changes_apply_without_restart(tmp_path, caplog):
-    path = tmp_path / "tokens.txt"
-    path.write_text("AAAAAAAAAAAAAAAA pixel-7\nBBBBBBBBBBBBBBBB a52\n")
+def watched_tokens(root: Path, text: str) -> tuple[Path, _Clock, TokenTable]:
+    """A token file ``root/tokens.txt`` holding ``text`` and its TokenTable, which
+    rereads it at most once a second of the returned clock."""
+    path = root / "tokens.txt"
+    path.write_text(text)
     clock = _Clock()
     table = TokenTable(load_tokens(path), path, check_interval_s=1.0, clock=clock)
+    return path, clock, table
+
+
+def test_token_file_changes_apply_without_restart(tmp_path, caplog):
+    path, clock, table = watched_tokens(tmp_path, "AAAAAAAAAAAAAAAA pixel-7\nBBBBBBBBBBBBBBBB a52\n")
     # a52 revoked, pixel-7 given a new token, s23 added.
     path.write_text("CCCCCCCCCCCCCCCC pixel-7\nDDDDDDDDDDDDDDDD s23\n")
     clock.now = 0.5  # within the check interval: the old table still answers
@@ -72,10 +80,7 @@ def test_token_file_changes_apply_without_restart(tmp_path, caplog):
 
 
 def test_an_invalid_token_file_change_keeps_the_previous_tokens(tmp_path, caplog):
-    path = tmp_path / "tokens.txt"
-    path.write_text("AAAAAAAAAAAAAAAA pixel-7\n")
-    clock = _Clock()
-    table = TokenTable(load_tokens(path), path, check_interval_s=1.0, clock=clock)
+    path, clock, table = watched_tokens(tmp_path, "AAAAAAAAAAAAAAAA pixel-7\n")
     path.write_text("short pixel-7\n")
     with caplog.at_level(logging.ERROR, logger="flowerbed.bridge"):
         for t in (2.0, 3.0, 4.0):

@@ -19,6 +19,14 @@ def put(root: Path, relative: str, text: str) -> None:
     path.write_text(text)
 
 
+def put_rail(hwmon: Path, channel: int, label: str, mv: str, ma: str) -> None:
+    """An INA3221 channel under ``hwmon``: its label, bus millivolts and
+    milliamps, as the hwmon driver lays them out."""
+    put(hwmon, f"in{channel}_label", label)
+    put(hwmon, f"in{channel}_input", mv)
+    put(hwmon, f"curr{channel}_input", ma)
+
+
 RPI4_CPUINFO = """processor\t: 0
 BogoMIPS\t: 108.00
 CPU part\t: 0xd08
@@ -151,12 +159,8 @@ def test_jetson_nano_ina3221x_input_rail_is_board_power(tmp_path: Path) -> None:
 
 def test_jetson_hwmon_layout_power_is_volts_times_amps(tmp_path: Path) -> None:
     hwmon = "sys/bus/i2c/drivers/ina3221/1-0040/hwmon/hwmon3"
-    put(tmp_path, f"{hwmon}/in1_label", "VDD_IN")
-    put(tmp_path, f"{hwmon}/in1_input", "5000")  # mV
-    put(tmp_path, f"{hwmon}/curr1_input", "1200")  # mA
-    put(tmp_path, f"{hwmon}/in2_label", "VDD_CPU_GPU_CV")
-    put(tmp_path, f"{hwmon}/in2_input", "4800")
-    put(tmp_path, f"{hwmon}/curr2_input", "500")
+    put_rail(tmp_path / hwmon, 1, "VDD_IN", "5000", "1200")
+    put_rail(tmp_path / hwmon, 2, "VDD_CPU_GPU_CV", "4800", "500")
     # in4..in7 are shunt voltages; curr4 is the sum channel: never a rail.
     put(tmp_path, f"{hwmon}/in4_input", "40")
     put(tmp_path, f"{hwmon}/curr4_input", "1700")
@@ -169,12 +173,8 @@ def test_jetson_hwmon_layout_power_is_volts_times_amps(tmp_path: Path) -> None:
 
 def test_rails_without_an_input_rail_are_summed(tmp_path: Path) -> None:
     hwmon = "sys/bus/i2c/drivers/ina3221/1-0040/hwmon/hwmon0"
-    put(tmp_path, f"{hwmon}/in1_label", "VDD_GPU_SOC")
-    put(tmp_path, f"{hwmon}/in1_input", "5000")
-    put(tmp_path, f"{hwmon}/curr1_input", "400")
-    put(tmp_path, f"{hwmon}/in2_label", "VDD_CPU_CV")
-    put(tmp_path, f"{hwmon}/in2_input", "5000")
-    put(tmp_path, f"{hwmon}/curr2_input", "600")
+    put_rail(tmp_path / hwmon, 1, "VDD_GPU_SOC", "5000", "400")
+    put_rail(tmp_path / hwmon, 2, "VDD_CPU_CV", "5000", "600")
     assert t.read_power(tmp_path) == {
         t.POWER_W: pytest.approx(5.0),  # 2 W + 3 W
         t.POWER_SOURCE: "ina3221:sum",
