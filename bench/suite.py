@@ -135,9 +135,11 @@ class Workload:
         return min(1.0, self.cohort / eligible)
 
 
-def _small_fleet(name: str, fleet: str, description: str) -> Workload:
-    """A small fleet sampled whole: :data:`SMALL_FLEET` devices of ``fleet``,
-    digits IID, LeNet-5 charged as itself, always available, as ``digits`` runs."""
+def _small_fleet(
+    name: str, fleet: str, description: str, size: int = SMALL_FLEET
+) -> Workload:
+    """A small fleet sampled whole: ``size`` devices of ``fleet``, digits IID,
+    LeNet-5 charged as itself, always available."""
     return Workload(
         name,
         description,
@@ -145,8 +147,8 @@ def _small_fleet(name: str, fleet: str, description: str) -> Workload:
         "lenet",
         "iid",
         fleet,
-        SMALL_FLEET,
-        SMALL_FLEET,
+        size,
+        size,
         "",
         False,
         15,
@@ -214,22 +216,12 @@ WORKLOADS: dict[str, Workload] = {
             "natural",
             SYNTHETIC_BUDGET_ROUNDS,
         ),
-        Workload(
+        _small_fleet(
             "digits",
+            "phones-10x",
             "scikit-learn digits, IID, 50 phones all sampled, LeNet-5 charged as "
             "itself, always available (the previous benchmark's setting)",
-            "digits",
-            "lenet",
-            "iid",
-            "phones-10x",
-            50,
-            50,
-            "",
-            False,
-            15,
-            learning_rate=0.05,
-            local_steps=10,
-            batch_size=16,
+            size=50,
         ),
         _small_fleet(
             "boards",
