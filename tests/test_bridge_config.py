@@ -65,7 +65,8 @@ def watched_tokens(root: Path, text: str) -> tuple[Path, _Clock, TokenTable]:
 
 
 def test_token_file_changes_apply_without_restart(tmp_path, caplog):
-    path, clock, table = watched_tokens(tmp_path, "AAAAAAAAAAAAAAAA pixel-7\nBBBBBBBBBBBBBBBB a52\n")
+    tokens = "AAAAAAAAAAAAAAAA pixel-7\nBBBBBBBBBBBBBBBB a52\n"
+    path, clock, table = watched_tokens(tmp_path, tokens)
     # a52 revoked, pixel-7 given a new token, s23 added.
     path.write_text("CCCCCCCCCCCCCCCC pixel-7\nDDDDDDDDDDDDDDDD s23\n")
     clock.now = 0.5  # within the check interval: the old table still answers
