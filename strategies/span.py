@@ -61,12 +61,11 @@ from flowerbed.clock import Clock, clock_of
 from flowerbed.parallel.group import STORE_GRACE_S, segment_port
 from flowerbed.parallel.plan import MemberPlan
 from flowerbed.parallel.setup_time import member_setup_s
-from flowerbed.replies import ReplyRejected, check_evaluate_reply
-from flowerbed.strategies.accumulation import MetricsAccumulator
 from flowerbed.strategies.inflight import InFlight
 from flowerbed.strategies.options import copy_fields, refuse_unknown, take_options
 from flowerbed.strategies.rounds import RoundLoop, RoundTally
 from flowerbed.strategies.span_checkpoint import Resumed, SpanCheckpoint
+from flowerbed.strategies.span_evaluation import average_evaluations, gather_evaluations
 from flowerbed.strategies.span_members import SpanMember, discover, profile_members
 from flowerbed.strategies.span_options import SpanGroup
 from flowerbed.strategies.span_replies import (
@@ -91,7 +90,6 @@ from flwr.app import (
     ArrayRecord,
     ConfigRecord,
     Message,
-    MessageType,
     MetricRecord,
     RecordDict,
 )
@@ -396,13 +394,7 @@ class SpanJobStrategy(RoundLoop):
         messages = list(messages)
         if not messages:
             return None
-        sent = self.inflight.push(messages, server_round)
-        until = self.clock.now() + wait
-        replies = [
-            reply
-            for reply, _, _ in self.inflight.replies(until, kind=MessageType.EVALUATE)
-        ]
-        self.inflight.forget(sent)
+        replies = gather_evaluations(self.inflight, server_round, messages, wait)
         return self.aggregate_evaluate(server_round, replies)
 
     def _evaluate_stage(
@@ -541,19 +533,8 @@ class SpanJobStrategy(RoundLoop):
     def aggregate_evaluate(
         self, server_round: int, replies: Iterable[Message]
     ) -> MetricRecord | None:
-        """Average evaluation metrics, rejecting bad replies (logged)."""
-        acc = MetricsAccumulator(self.weighted_by_key)
-        for reply in replies:
-            try:
-                metrics = check_evaluate_reply(reply, self.weighted_by_key)
-            except ReplyRejected as err:
-                log(
-                    WARNING,
-                    "round %d: rejected evaluate reply from node %d: %s",
-                    server_round,
-                    reply.metadata.src_node_id,
-                    err.reason,
-                )
-                continue
-            acc.add(metrics, float(metrics[self.weighted_by_key]))  # type: ignore[arg-type]
-        return acc.result(self.evaluate_metrics_aggr_fn)
+        """Average evaluation metrics, rejecting bad replies (logged;
+        :func:`~flowerbed.strategies.span_evaluation.average_evaluations`)."""
+        return average_evaluations(
+            server_round, replies, self.weighted_by_key, self.evaluate_metrics_aggr_fn
+        )
