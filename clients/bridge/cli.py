@@ -56,6 +56,49 @@ positive = _number(float, 0.0, inclusive=False)
 non_negative = _number(float, 0.0, inclusive=True)
 positive_int = _number(int, 1, inclusive=True)
 
+SAME_NAMED: tuple[tuple[str, Callable[[str], float], str], ...] = (
+    (
+        "offline_after_s",
+        positive,
+        "deactivate a silent phone's node after this long (default %(default)g)",
+    ),
+    (
+        "deadline_slack_s",
+        non_negative,
+        "task expiry after a config's deadline-s (default %(default)g)",
+    ),
+    (
+        "pull_interval_s",
+        positive,
+        "idle node's pull interval (default %(default)g, as a SuperNode)",
+    ),
+    ("max_poll_s", positive, "cap on a phone's long poll (default %(default)g)"),
+    (
+        "max_connections",
+        positive_int,
+        "open phone connections at most (default %(default)d)",
+    ),
+    (
+        "workers",
+        positive_int,
+        "threads for blocking work: registration, decoding (default %(default)d)",
+    ),
+    (
+        "idle_timeout_s",
+        positive,
+        "close a connection that sends no whole request head for this long "
+        "(default %(default)g)",
+    ),
+    (
+        "read_timeout_s",
+        positive,
+        "close a connection whose body or answer stalls this long "
+        "(default %(default)g)",
+    ),
+)
+"""(GatewaySettings field, argparse type, help) of the options named after their
+field: ``--offline-after-s`` sets ``offline_after_s``."""
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Add the ``bridge`` subcommand."""
@@ -121,56 +164,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         default=d.chunk_bytes // 1024,
         help="largest upload chunk, KiB (default %(default)d)",
     )
-    p.add_argument(
-        "--offline-after-s",
-        type=positive,
-        default=d.offline_after_s,
-        help="deactivate a silent phone's node after this long (default %(default)g)",
-    )
-    p.add_argument(
-        "--deadline-slack-s",
-        type=non_negative,
-        default=d.deadline_slack_s,
-        help="task expiry after a config's deadline-s (default %(default)g)",
-    )
-    p.add_argument(
-        "--pull-interval-s",
-        type=positive,
-        default=d.pull_interval_s,
-        help="idle node's pull interval (default %(default)g, as a SuperNode)",
-    )
-    p.add_argument(
-        "--max-poll-s",
-        type=positive,
-        default=d.max_poll_s,
-        help="cap on a phone's long poll (default %(default)g)",
-    )
-    p.add_argument(
-        "--max-connections",
-        type=positive_int,
-        default=d.max_connections,
-        help="open phone connections at most (default %(default)d)",
-    )
-    p.add_argument(
-        "--workers",
-        type=positive_int,
-        default=d.workers,
-        help="threads for blocking work: registration, decoding (default %(default)d)",
-    )
-    p.add_argument(
-        "--idle-timeout-s",
-        type=positive,
-        default=d.idle_timeout_s,
-        help="close a connection that sends no whole request head for this long "
-        "(default %(default)g)",
-    )
-    p.add_argument(
-        "--read-timeout-s",
-        type=positive,
-        default=d.read_timeout_s,
-        help="close a connection whose body or answer stalls this long "
-        "(default %(default)g)",
-    )
+    for name, kind, what in SAME_NAMED:
+        p.add_argument(
+            f"--{name.replace('_', '-')}",
+            type=kind,
+            default=getattr(d, name),
+            help=what,
+        )
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     p.set_defaults(func=run)
     _register_enrolment(p)
@@ -181,14 +181,7 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
     return GatewaySettings(
         max_upload_bytes=int(args.max_upload_mb * 2**20),
         chunk_bytes=args.chunk_kb * 1024,
-        max_poll_s=args.max_poll_s,
-        offline_after_s=args.offline_after_s,
-        deadline_slack_s=args.deadline_slack_s,
-        pull_interval_s=args.pull_interval_s,
-        max_connections=args.max_connections,
-        workers=args.workers,
-        idle_timeout_s=args.idle_timeout_s,
-        read_timeout_s=args.read_timeout_s,
+        **{name: getattr(args, name) for name, _, _ in SAME_NAMED},
     )
 
 
