@@ -80,6 +80,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from flowerbed.models import build_sequential
 from flowerbed.strategies import PipelineTraining
+from flowerbed.strategies.pipeline_options import Pipelining
 from flowerbed.strategies.span_options import SpanGroup
 
 app = ServerApp()
@@ -99,8 +100,7 @@ def main(grid: Grid, context: Context) -> None:
         dataset="digits",
         steps_per_round=int(cfg["steps"]) or None,  # 0: sized by the strategy
         batch_size=16,
-        micro_batches=4,
-        replicate_every=int(cfg["replicate-every"]),
+        pipelining=Pipelining(replicate_every=int(cfg["replicate-every"])),
         lr=0.1,
         group=SpanGroup(
             rendezvous_port=int(cfg["port"]),

@@ -139,6 +139,7 @@ def run_local(
     from flowerbed.parallel.group import free_port
     from flowerbed.parallel.user_code import build_layers
     from flowerbed.strategies import PipelineTraining
+    from flowerbed.strategies.options import group_settings
     from flowerbed.strategies.span_options import SpanGroup
     from flwr.app import ArrayRecord
 
@@ -157,6 +158,7 @@ def run_local(
         ),
     }
     settings.update(strategy_kwargs)
+    settings = group_settings(PipelineTraining, settings)  # pipelining=, planning=
     with our_settings():  # Flower's notice of the fraction_evaluate chosen above
         strategy = PipelineTraining(**settings)
     model = build_layers(strategy.model, strategy.model_args, seed=strategy.seed)

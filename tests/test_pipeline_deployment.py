@@ -54,6 +54,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from flowerbed.models import build_sequential
 from flowerbed.strategies import PipelineTraining
+from flowerbed.strategies.pipeline_options import Pipelining
 from flowerbed.strategies.span_options import SpanGroup
 
 app = ServerApp()
@@ -73,8 +74,7 @@ def main(grid: Grid, context: Context) -> None:
         dataset="digits",
         steps_per_round=int(cfg["steps"]),
         batch_size=int(cfg["batch"]),
-        micro_batches=4,
-        replicate_every=int(cfg["replicate-every"]),
+        pipelining=Pipelining(replicate_every=int(cfg["replicate-every"])),
         lr=float(cfg["lr"]),
         group=SpanGroup(
             rendezvous_port=int(cfg["port"]),

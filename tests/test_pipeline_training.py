@@ -26,7 +26,9 @@ from flowerbed.models import ModelCutError, build_sequential
 from flowerbed.parallel.group import free_port
 from flowerbed.parallel.plan import PlanError
 from flowerbed.sims.process_grid import ProcessGrid
+from flowerbed.strategies.options import group_settings
 from flowerbed.strategies.pipeline import PipelineTraining
+from flowerbed.strategies.pipeline_options import PipelinePlanning, Pipelining
 from flowerbed.strategies.span_options import SpanGroup
 from flwr.app import ArrayRecord
 
@@ -61,6 +63,7 @@ def strategy(**changes: object) -> PipelineTraining:
         if name in group:
             group[name] = changes.pop(name)
     settings.update(changes)
+    settings = group_settings(PipelineTraining, settings)  # pipelining=, planning=
     return PipelineTraining(group=SpanGroup(**group), **settings)
 
 
@@ -326,3 +329,26 @@ def test_the_group_s_old_keywords_still_work_and_warn() -> None:
         PipelineTraining(
             model=MODEL, input_shape=(1, 8, 8), group=SpanGroup(), timeout_s=7
         )
+
+
+def test_the_pipeline_options_old_keywords_still_work_and_warn() -> None:
+    with pytest.warns(DeprecationWarning, match=r"pipelining=Pipelining\(micro_"):
+        s = PipelineTraining(
+            model=MODEL, input_shape=(1, 8, 8), micro_batches=8, max_attempts=2
+        )
+    assert s.pipelining == Pipelining(micro_batches=8) and s.micro_batches == 8
+    assert s.planning == PipelinePlanning(max_attempts=2) and s.max_attempts == 2
+    with pytest.raises(TypeError, match="put them in the Pipelining"):
+        PipelineTraining(
+            model=MODEL,
+            input_shape=(1, 8, 8),
+            pipelining=Pipelining(),
+            schedule="gpipe",
+        )
+
+
+def test_a_pipeline_option_out_of_range_names_the_field_and_the_choices() -> None:
+    with pytest.raises(ValueError, match="schedule must be one of 1f1b, gpipe"):
+        Pipelining(schedule="zigzag")
+    with pytest.raises(ValueError, match=r"repartition_threshold must be in \[0, 1\)"):
+        PipelinePlanning(repartition_threshold=1.0)

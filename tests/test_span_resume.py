@@ -19,6 +19,7 @@ from flowerbed.parallel.user_code import build_module
 from flowerbed.strategies import LargeBatchSync, PipelineTraining
 from flowerbed.strategies.checkpoints import CheckpointError
 from flowerbed.strategies.large_batch_options import AllReduceRecipe
+from flowerbed.strategies.pipeline_options import PipelinePlanning
 from flowerbed.strategies.span_checkpoint import SpanCheckpoint
 from flwr.app import ArrayRecord
 from flwr.serverapp.strategy import Result
@@ -91,7 +92,7 @@ def test_pipeline_training_resumes_after_its_last_round_exactly(tmp_path: Path) 
             batch_size=PIPE_BATCH,
             steps_per_round=PIPE_STEPS,
             lr=PIPE_LR,
-            stage_sizes=(2, 2),
+            planning=PipelinePlanning(stage_sizes=(2, 2)),
             checkpoint_path=path,
             **_span_settings(),
         )

@@ -26,6 +26,7 @@ from flowerbed.parallel.tiles import runner
 from flowerbed.parallel.user_code import build_module
 from flowerbed.strategies import LargeBatchSync
 from flowerbed.strategies.large_batch_options import AllReduceRecipe
+from flowerbed.strategies.pipeline_options import PipelinePlanning
 from flowerbed.strategies.span_options import SpanGroup
 from ranks import run_ranks
 from test_tiles_exact import plan_of, settings
@@ -279,7 +280,7 @@ def test_pipeline_training_on_span_clientapps_cuts_a_module_at_its_cut_points() 
         batch_size=PIPE_BATCH,
         steps_per_round=PIPE_STEPS,
         lr=PIPE_LR,
-        stage_sizes=(2, 2),
+        planning=PipelinePlanning(stage_sizes=(2, 2)),
         **_span_settings(),
     )
     initial = ArrayRecord(build_layers(PIPE_MODEL, PIPE_ARGS, seed=0).state_dict())
