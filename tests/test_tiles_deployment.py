@@ -16,7 +16,6 @@ same batches.
 from __future__ import annotations
 
 import json
-import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,7 @@ import torch.nn.functional as F
 from flowerbed.models import build_sequential
 from flowerbed.parallel.group import free_port
 from flowerbed.parallel.tiles.runner import JobData
-from procs import Federation
+from procs import Federation, UserValue, write_app
 
 pytestmark = pytest.mark.slow
 
@@ -98,52 +97,21 @@ def main(grid: Grid, context: Context) -> None:
         json.dump({"rounds": rounds, "boards": len(strategy.boards)}, fh)
 '''
 
-PYPROJECT = """
-[build-system]
-requires = ["hatchling"]
-build-backend = "hatchling.build"
-
-[project]
-name = "fbtilestest"
-version = "1.0.0"
-description = "flowerbed fused-tile deployment test app"
-license = "Apache-2.0"
-dependencies = []
-
-[tool.hatch.build.targets.wheel]
-packages = ["."]
-
-[tool.flwr.app]
-publisher = "flowerbed"
-
-[tool.flwr.app.components]
-serverapp = "fbtilestest.server:app"
-clientapp = "flowerbed.clients.span_app:app"
-
-[tool.flwr.app.config]
-image-size = 64
-width = 4
-classes = 10
-norm = "none"
-seed = 0
-batch-size = 2
-steps = 2
-rounds = 2
-lr = 0.05
-momentum = 0.9
-port = 29500
-out-file = ""
-"""
-
-
-def write_app(root: Path) -> Path:
-    app_dir = root / "app"
-    package = app_dir / "fbtilestest"
-    package.mkdir(parents=True)
-    (app_dir / "pyproject.toml").write_text(textwrap.dedent(PYPROJECT))
-    (package / "__init__.py").write_text("")
-    (package / "server.py").write_text(SERVER_APP)
-    return app_dir
+DEFAULTS: dict[str, UserValue] = {
+    "image-size": 64,
+    "width": 4,
+    "classes": 10,
+    "norm": "none",
+    "seed": 0,
+    "batch-size": 2,
+    "steps": 2,
+    "rounds": 2,
+    "lr": 0.05,
+    "momentum": 0.9,
+    "port": 29500,
+    "out-file": "",
+}
+"""The run config's defaults of the test app."""
 
 
 def single_device() -> dict[str, np.ndarray]:
@@ -162,7 +130,7 @@ def single_device() -> dict[str, np.ndarray]:
 def test_tiled_training_on_supernodes_equals_single_device_training(
     tmp_path: Path,
 ) -> None:
-    app_dir = write_app(tmp_path)
+    app_dir = write_app(tmp_path, "fbtilestest", SERVER_APP, DEFAULTS)
     out = tmp_path / "result"
     with Federation(tmp_path / "fed") as fed:
         fed.start_superlink()
