@@ -347,6 +347,10 @@ class ConvShape:
     def wo(self) -> int:
         return self.wi + 2 * self.pw - self.kw + 1
 
+    def weights(self, n: int) -> tuple[int, ...]:
+        """The weights' layout on ``n`` nodes."""
+        return (n, self.o, self.kh, self.kw, self.c)
+
     def defines(self) -> dict[str, int]:
         nb = self.batch // LANES
         cb2 = _divisor_up_to(self.c, 8)
@@ -397,19 +401,19 @@ class ConvKernels:
     ) -> torch.Tensor:
         s = self.shape
         n = x.shape[0]
-        _check(x, (n, s.hi, s.wi, s.c, s.batch), "input")
-        _check(w, (n, s.o, s.kh, s.kw, s.c), "weights")
+        _check(x, _inputs(s, n), "input")
+        _check(w, s.weights(n), "weights")
         _check(bias, (n, s.o), "bias")
-        out = x.new_empty((n, s.ho, s.wo, s.o, s.batch))
+        out = x.new_empty(_outputs(s, n))
         self._fwd(x.data_ptr(), w.data_ptr(), bias.data_ptr(), out.data_ptr(), n)
         return out
 
     def input_grad(self, g: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         s = self.shape
         n = g.shape[0]
-        _check(g, (n, s.ho, s.wo, s.o, s.batch), "gradient")
-        _check(w, (n, s.o, s.kh, s.kw, s.c), "weights")
-        out = g.new_empty((n, s.hi, s.wi, s.c, s.batch))
+        _check(g, _outputs(s, n), "gradient")
+        _check(w, s.weights(n), "weights")
+        out = g.new_empty(_inputs(s, n))
         self._in_grad(g.data_ptr(), w.data_ptr(), out.data_ptr(), n)
         return out
 
@@ -425,9 +429,9 @@ class ConvKernels:
         place."""
         s = self.shape
         n = g.shape[0]
-        _check(g, (n, s.ho, s.wo, s.o, s.batch), "gradient")
-        _check(x, (n, s.hi, s.wi, s.c, s.batch), "input")
-        _check(w, (n, s.o, s.kh, s.kw, s.c), "weights")
+        _check(g, _outputs(s, n), "gradient")
+        _check(x, _inputs(s, n), "input")
+        _check(w, s.weights(n), "weights")
         if bias is not None:
             _check(bias, (n, s.o), "bias")
         self._w_update(
@@ -457,6 +461,11 @@ class PoolShape:
     @property
     def wo(self) -> int:
         return self.wi // self.kw
+
+    @property
+    def o(self) -> int:
+        """Output channels: the input's."""
+        return self.c
 
     def defines(self) -> dict[str, int]:
         return {
@@ -491,8 +500,8 @@ class PoolKernels:
         """The pooled values and each one's place in its window."""
         s = self.shape
         n = x.shape[0]
-        _check(x, (n, s.hi, s.wi, s.c, s.batch), "input")
-        out = x.new_empty((n, s.ho, s.wo, s.c, s.batch))
+        _check(x, _inputs(s, n), "input")
+        out = x.new_empty(_outputs(s, n))
         places = torch.empty_like(out)
         self._fwd(x.data_ptr(), out.data_ptr(), places.data_ptr(), n)
         return out, places
@@ -500,11 +509,21 @@ class PoolKernels:
     def backward(self, g: torch.Tensor, places: torch.Tensor) -> torch.Tensor:
         s = self.shape
         n = g.shape[0]
-        _check(g, (n, s.ho, s.wo, s.c, s.batch), "gradient")
-        _check(places, (n, s.ho, s.wo, s.c, s.batch), "places")
-        out = g.new_empty((n, s.hi, s.wi, s.c, s.batch))
+        _check(g, _outputs(s, n), "gradient")
+        _check(places, _outputs(s, n), "places")
+        out = g.new_empty(_inputs(s, n))
         self._bwd(g.data_ptr(), places.data_ptr(), out.data_ptr(), n)
         return out
+
+
+def _inputs(s: ConvShape | PoolShape, n: int) -> tuple[int, ...]:
+    """A kernel's input layout on ``n`` nodes."""
+    return (n, s.hi, s.wi, s.c, s.batch)
+
+
+def _outputs(s: ConvShape | PoolShape, n: int) -> tuple[int, ...]:
+    """A kernel's output layout on ``n`` nodes."""
+    return (n, s.ho, s.wo, s.o, s.batch)
 
 
 def _check(t: torch.Tensor, shape: tuple[int, ...], what: str) -> None:
