@@ -354,11 +354,7 @@ def main(argv: list[str] | None = None) -> int:
             out["group"] = group
         out["gbps"] = args.nodes * args.floats * 4 / out["seconds"] / 1e9
         out["of_limit"] = out["gbps"] / out["limit_gbps"]
-    out.update(
-        method=args.method,
-        nodes=args.nodes,
-        floats=args.floats,
-    )
+    out.update(vars(args))  # the measurement names its arguments
     print(json.dumps(out))
     return 0
 

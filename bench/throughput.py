@@ -178,12 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     if not 1 <= args.cohort <= args.population or args.rounds < 1:
         parser.error("need 1 <= cohort <= population and rounds >= 1")
     out = measure(args.mode, args.population, args.cohort, args.rounds)
-    out.update(
-        mode=args.mode,
-        population=args.population,
-        cohort=args.cohort,
-        rounds=args.rounds,
-    )
+    out.update(vars(args))  # the measurement names its arguments
     print(json.dumps(out))
     return 0
 

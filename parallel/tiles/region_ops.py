@@ -136,13 +136,11 @@ def op_of(name: str, module: nn.Module, in_channels: int, norm: str) -> Op:
                 padding = (total[0] // 2, total[1] // 2)
         else:
             padding = _pair(module.padding)
+        geometry = (kernel, stride, padding, dilation)
         return Op(
             label,
             WINDOW,
-            kernel,
-            stride,
-            padding,
-            dilation,
+            *geometry,
             out_channels=module.out_channels,
             macs_per_pixel=module.out_channels
             * (module.in_channels // module.groups)
@@ -165,13 +163,11 @@ def op_of(name: str, module: nn.Module, in_channels: int, norm: str) -> Op:
         kernel = _pair(module.kernel_size)
         stride = _pair(module.stride if module.stride is not None else kernel)
         dilation = _pair(getattr(module, "dilation", 1))
+        geometry = (kernel, stride, padding, dilation)
         return Op(
             label,
             WINDOW,
-            kernel,
-            stride,
-            padding,
-            dilation,
+            *geometry,
             pad_value=NEG_INF if isinstance(module, nn.MaxPool2d) else ZERO,
         )
     if isinstance(module, nn.BatchNorm2d):
