@@ -419,15 +419,6 @@ class LargeBatchSync(SpanJobStrategy):
         self.central_optimizer = dict(first.optimizer)
         return arrayrecord(first.arrays), round_figures(checked, diff)
 
-    def evaluation_query(self) -> dict[str, Any]:
-        """The job members build and read: mode, model and dataset."""
-        return {
-            "mode": self.mode,
-            "model": self.model,
-            "model_args": self.model_args,
-            "dataset": self.dataset,
-        }
-
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:

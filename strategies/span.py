@@ -319,6 +319,15 @@ class SpanJobStrategy(RoundLoop):
             for rank, node in enumerate(nodes)
         }
 
+    def evaluation_query(self) -> dict[str, Any]:
+        """The job members build and read to evaluate: mode, model and dataset."""
+        return {
+            "mode": self.mode,
+            "model": self.model,
+            "model_args": self.model_args,
+            "dataset": self.dataset,
+        }
+
     # ------------------------------------------------------------------ the rounds
     def start_wrapped(self, wrapper: Strategy, *args: Any, **kwargs: Any) -> Result:
         """Refused: a span job trains one model across its members, so there are
