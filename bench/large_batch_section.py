@@ -40,7 +40,7 @@ from collections.abc import Mapping
 from datetime import datetime, timezone
 from typing import Any
 
-from .sections import SectionRun, chosen_parts
+from .sections import SectionRun, add_parts_option, chosen_parts, parts_choices
 
 TITLE = "Large-batch synchronous training"
 PARTS = ("scaling", "sync", "rounds", "accuracy")
@@ -69,11 +69,7 @@ S1_REFERENCE = (
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("large-batch section")
-    g.add_argument(
-        "--large-batch",
-        help=f"comma-separated subset of: {', '.join(PARTS)} (default all)",
-    )
+    add_parts_option(p, "large-batch", PARTS)
 
 
 def check(args: argparse.Namespace) -> None:
@@ -81,7 +77,7 @@ def check(args: argparse.Namespace) -> None:
 
 
 def choices() -> list[str]:
-    return [f"--large-batch: {', '.join(PARTS)}"]
+    return parts_choices("large-batch", PARTS)
 
 
 def run(ctx: SectionRun) -> dict[str, Any]:

@@ -19,7 +19,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from .sections import SectionRun, app_root, chosen_parts
+from .sections import (
+    SectionRun,
+    add_parts_option,
+    app_root,
+    chosen_parts,
+    parts_choices,
+)
 
 TITLE = "Machinery cost"
 PARTS = ("aggregation", "throughput", "startup", "client", "gateway")
@@ -44,16 +50,12 @@ GATEWAY_PHONES = 100
 
 def choices() -> list[str]:
     """What ``--machinery`` takes (``flowerbed bench --list``)."""
-    return [f"--machinery: {', '.join(PARTS)}"]
+    return parts_choices("machinery", PARTS)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("machinery section")
-    g.add_argument(
-        "--machinery",
-        help=f"comma-separated subset of: {', '.join(PARTS)} (default all); the "
-        "other parts keep their previous figures",
-    )
+    note = "; the other parts keep their previous figures"
+    add_parts_option(p, "machinery", PARTS, note)
 
 
 def parts_from_args(args: argparse.Namespace) -> list[str]:

@@ -41,7 +41,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .sections import SectionRun, chosen_parts
+from .sections import SectionRun, add_parts_option, chosen_parts, parts_choices
 
 TITLE = "Pipeline training across unequal boards"
 PARTS = ("local", "failures", "deployment", "virtual")
@@ -59,11 +59,7 @@ TARGET_MODEL_ERROR = 0.15
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("pipeline section")
-    g.add_argument(
-        "--pipeline",
-        help=f"comma-separated subset of: {', '.join(PARTS)} (default all)",
-    )
+    add_parts_option(p, "pipeline", PARTS)
 
 
 def check(args: argparse.Namespace) -> None:
@@ -71,7 +67,7 @@ def check(args: argparse.Namespace) -> None:
 
 
 def choices() -> list[str]:
-    return [f"--pipeline: {', '.join(PARTS)}"]
+    return parts_choices("pipeline", PARTS)
 
 
 def run(ctx: SectionRun) -> dict[str, Any]:

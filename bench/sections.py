@@ -78,6 +78,23 @@ def section_module(name: str) -> ModuleType:
     return importlib.import_module(SECTIONS[name])
 
 
+def add_parts_option(
+    p: argparse.ArgumentParser, option: str, parts: Sequence[str], note: str = ""
+) -> None:
+    """A section's ``--<option>``: a comma-separated subset of ``parts`` (its
+    argument group is ``"<option> section"``; ``note`` ends the help)."""
+    g = p.add_argument_group(f"{option} section")
+    g.add_argument(
+        f"--{option}",
+        help=f"comma-separated subset of: {', '.join(parts)} (default all){note}",
+    )
+
+
+def parts_choices(option: str, parts: Sequence[str]) -> list[str]:
+    """What ``--<option>`` takes (``flowerbed bench --list``)."""
+    return [f"--{option}: {', '.join(parts)}"]
+
+
 def chosen_parts(
     args: argparse.Namespace, option: str, parts: Sequence[str]
 ) -> list[str]:
