@@ -9,8 +9,6 @@ from __future__ import annotations
 import copy
 import importlib.util
 import math
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,6 +33,7 @@ from flowerbed.clients.export_android import (
     run_evaluation,
 )
 from flowerbed.data import load_dataset
+from fresh import python_prints
 from torch import nn
 from torch.nn import functional as F
 
@@ -796,7 +795,4 @@ def test_importing_flowerbed_and_its_cli_does_not_import_executorch() -> None:
         "import sys, flowerbed.cli; flowerbed.cli.build_parser(); "
         "print('executorch' in sys.modules)"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True
-    )
-    assert result.stdout.strip() == "False"
+    assert python_prints(code).strip() == "False"

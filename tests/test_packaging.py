@@ -5,6 +5,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+from fresh import python_prints
+
 ROOT = Path(__file__).parents[1]
 
 
@@ -42,14 +44,7 @@ def test_wheel_holds_only_the_flowerbed_namespace(tmp_path: Path) -> None:
 def test_generic_names_do_not_import_outside_the_source_tree(tmp_path: Path) -> None:
     names = ("strategies", "sims", "clients", "bench", "core", "parallel")
     code = f"import importlib.util as u; print([m for m in {names} if u.find_spec(m)])"
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    assert done.stdout.strip() == "[]"
+    assert python_prints(code, cwd=tmp_path).strip() == "[]"
 
 
 def test_console_entry_point_is_flowerbed() -> None:

@@ -8,11 +8,11 @@ names of the three former modules that are packages now resolve from them.
 from __future__ import annotations
 
 import importlib
-import subprocess
 import sys
 
 import pytest
 from flowerbed.parallel import MOVED_MODULES
+from fresh import python_prints
 
 
 @pytest.mark.parametrize("old", sorted(MOVED_MODULES))
@@ -84,7 +84,4 @@ def test_the_planning_modules_import_no_torch() -> None:
         "import flowerbed.parallel.tiles.grouping, flowerbed.parallel.tiles.layout\n"
         "print('torch' in sys.modules)\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True
-    )
-    assert done.stdout.strip() == "False"
+    assert python_prints(code).strip() == "False"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import time
 
@@ -15,6 +14,7 @@ from flowerbed.parallel.setup_time import (
     member_setup_s,
     process_age_s,
 )
+from fresh import python_prints
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -27,11 +27,8 @@ def test_process_age_counts_from_the_process_start_not_from_the_call() -> None:
         "print(process_age_s())"
     )
     began = time.monotonic()
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True
-    )
+    age = float(python_prints(code).strip())
     wall = time.monotonic() - began
-    age = float(out.stdout.strip())
     assert 0.5 - 0.02 <= age <= wall + 0.02
 
 

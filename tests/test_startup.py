@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from flowerbed.cli import SUBCOMMANDS
+from fresh import python_prints
 
 HEAVY = ("torch", "flwr", "grpc", "sklearn", "matplotlib", "scipy", "ray", "executorch")
 """Packages that take a second or more to import on a small machine."""
@@ -23,15 +22,7 @@ HEAVY = ("torch", "flwr", "grpc", "sklearn", "matplotlib", "scipy", "ray", "exec
 
 def imported_after(code: str, env: dict[str, str] | None = None) -> dict[str, object]:
     """Run ``code`` in a fresh interpreter; return what it printed as JSON."""
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        check=True,
-        env=env,
-        timeout=120,
-    )
-    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+    return dict(json.loads(python_prints(code, env=env).strip().splitlines()[-1]))
 
 
 HELP = """

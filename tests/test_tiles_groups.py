@@ -32,6 +32,7 @@ from flowerbed.parallel.plan import PlanError
 from flowerbed.parallel.tiles.grouping import Cluster, evaluate, group_cost, plan_tiles
 from flowerbed.parallel.tiles.layout import FrontGeometry, exchange_pieces, layout
 from flowerbed.parallel.tiles.regions import WINDOW, Op, Rect, TileError
+from fresh import python_prints
 
 CONV = Op("conv1x3", WINDOW, (1, 3), (1, 1), (0, 1), macs_per_pixel=3, params=4)
 
@@ -155,15 +156,10 @@ def test_the_layout_lists_who_sends_what_at_each_boundary() -> None:
 
 
 def test_the_planner_imports_no_torch() -> None:
-    import subprocess
-    import sys
 
     code = (
         "import sys\n"
         "import flowerbed.parallel.tiles.grouping, flowerbed.parallel.tiles.layout\n"
         "print('torch' in sys.modules)\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True
-    )
-    assert out.stdout.strip() == "False"
+    assert python_prints(code).strip() == "False"
