@@ -82,8 +82,6 @@ from flowerbed.strategies.span_segments import (
     segment_messages,
 )
 from flowerbed.strategies.span_sizing import (
-    ROUND_SETUP_S,
-    ROUND_SETUP_SHARE,
     SegmentSizer,
 )
 from flwr.app import (
@@ -181,18 +179,8 @@ class SpanJobStrategy(RoundLoop):
         went; return the round's set-up metrics (``members``: the members'
         reply metrics, each with its own time to its first step)."""
         setup = self.sizer.measured(wall_s, steps, step_s)
-        log(
-            INFO,
-            "%s: round %d set-up %.1f s of the segment's %.1f s (%.0f%%; slowest "
-            "member: %.1f s to its first step); next rounds %d steps",
-            type(self).__name__,
-            server_round,
-            setup[ROUND_SETUP_S],
-            wall_s,
-            100 * setup[ROUND_SETUP_SHARE],
-            max(member_setup_s(m) for m in members),
-            self.sizer.steps,
-        )
+        slowest = max(member_setup_s(m) for m in members)
+        self.sizer.report(type(self).__name__, server_round, wall_s, setup, slowest)
         return setup
 
     # pylint: disable=too-many-arguments

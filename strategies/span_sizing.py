@@ -33,7 +33,11 @@ the realised share under ``s`` through a quarter more set-up than forecast.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from logging import INFO
+
+from flwr.supercore import log
 
 DEFAULT_SETUP_SHARE = 0.1
 """Largest share of a round that set-up may take by default."""
@@ -110,3 +114,27 @@ class SegmentSizer:
             ROUND_SETUP_SHARE: setup / wall_s if wall_s > 0 else 0.0,
             ROUND_NEXT_STEPS: float(self.steps),
         }
+
+    def report(
+        self,
+        owner: str,
+        server_round: int,
+        wall_s: float,
+        setup: Mapping[str, float],
+        slowest_s: float,
+    ) -> None:
+        """Log where a measured segment's time went (``setup``: what
+        :meth:`measured` returned; ``slowest_s``: the slowest member's seconds
+        to its first step) and the steps of the next rounds."""
+        log(
+            INFO,
+            "%s: round %d set-up %.1f s of the segment's %.1f s (%.0f%%; slowest "
+            "member: %.1f s to its first step); next rounds %d steps",
+            owner,
+            server_round,
+            setup[ROUND_SETUP_S],
+            wall_s,
+            100 * setup[ROUND_SETUP_SHARE],
+            slowest_s,
+            self.steps,
+        )
