@@ -29,10 +29,8 @@ from flowerbed.sims.vclock import NodeDropout
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from torch import nn
 
-
-@pytest.fixture(autouse=True)
-def _one_thread(quiet_single_threaded: None) -> None:
-    """Per-node training as the simulated nodes run it."""
+pytestmark = pytest.mark.usefixtures("quiet_single_threaded")
+"""Per-node training as the simulated nodes run it."""
 
 
 @pytest.fixture(autouse=True)

@@ -19,10 +19,8 @@ from flowerbed.sims.population import (
     population_bytes,
 )
 
-
-@pytest.fixture(autouse=True)
-def _one_thread(quiet_single_threaded: None) -> None:
-    """Tiny models train fastest on one thread."""
+pytestmark = pytest.mark.usefixtures("quiet_single_threaded")
+"""Tiny models train fastest on one thread."""
 
 
 def sim(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:

@@ -17,10 +17,8 @@ from flowerbed.sims.population import (
 )
 from flowerbed.sims.scenario import build_fleet_grid, run_scenario, run_server
 
-
-@pytest.fixture(autouse=True)
-def _one_thread(quiet_single_threaded: None) -> None:
-    """Tiny models train fastest on one thread."""
+pytestmark = pytest.mark.usefixtures("quiet_single_threaded")
+"""Tiny models train fastest on one thread."""
 
 
 def test_a_ten_thousand_device_population_only_pays_for_its_cohorts() -> None:

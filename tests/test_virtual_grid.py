@@ -26,10 +26,8 @@ from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
-
-@pytest.fixture(autouse=True)
-def _one_thread(quiet_single_threaded: None) -> None:
-    """Tiny models train fastest on one thread."""
+pytestmark = pytest.mark.usefixtures("quiet_single_threaded")
+"""Tiny models train fastest on one thread."""
 
 
 def flower_error_text(err: Exception) -> str:
