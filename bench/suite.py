@@ -32,7 +32,7 @@ import contextlib
 import math
 import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -579,6 +579,7 @@ def slow_weights(data: Dataset, s: Scenario) -> np.ndarray:
     return w / total
 
 
+@dataclass(eq=False)
 class Evaluator:
     """``evaluate_fn`` for a run: central accuracy, slow-data accuracy, the curve.
 
@@ -586,30 +587,22 @@ class Evaluator:
     ``max_rounds`` evaluations have been made (the run's end).
     """
 
-    def __init__(
-        self,
-        grid: Grid,
-        data: Dataset,
-        model: str,
-        weights: np.ndarray,
-        budget_s: float,
-        max_rounds: int,
-    ) -> None:
-        self.grid = grid
-        self.data = data
-        self.model_name = model
-        self.weights = weights
-        self.budget_s = budget_s
-        self.max_rounds = max_rounds
-        self.curve: list[tuple[int, float, float, float]] = []
-        """(round, virtual s, accuracy, slow-data accuracy) after each round."""
-        self.initial = (0.0, 0.0)
+    grid: Grid
+    data: Dataset
+    model: str
+    """The name of the model evaluated (:func:`flowerbed.models.build_model`)."""
+    weights: np.ndarray
+    budget_s: float
+    max_rounds: int
+    curve: list[tuple[int, float, float, float]] = field(default_factory=list)
+    """(round, virtual s, accuracy, slow-data accuracy) after each round."""
+    initial: tuple[float, float] = (0.0, 0.0)
 
     def __call__(self, server_round: int, arrays: ArrayRecord) -> MetricRecord:
         import torch
 
         d = self.data
-        model = build_model(self.model_name, d.in_channels, d.image_size, d.num_classes)
+        model = build_model(self.model, d.in_channels, d.image_size, d.num_classes)
         model.load_state_dict(arrays.to_torch_state_dict())
         model.eval()
         with torch.no_grad():
