@@ -12,14 +12,13 @@ mid-round and restarted.
 from __future__ import annotations
 
 import json
-import textwrap
 from pathlib import Path
 
 import numpy as np
 import pytest
 from flowerbed import keys
 from flowerbed.data import load_dataset, partition
-from procs import Federation, SuperNode, alive, tagged
+from procs import Federation, SuperNode, UserValue, alive, tagged, write_app
 
 pytestmark = pytest.mark.slow
 
@@ -183,54 +182,26 @@ def main(grid: Grid, context: Context) -> None:
         json.dump(out, fh)
 '''
 
-PYPROJECT = """
-[build-system]
-requires = ["hatchling"]
-build-backend = "hatchling.build"
-
-[project]
-name = "fbdeploytest"
-version = "1.0.0"
-description = "flowerbed deployment test app"
-license = "Apache-2.0"
-dependencies = []
-
-[tool.hatch.build.targets.wheel]
-packages = ["."]
-
-[tool.flwr.app]
-publisher = "flowerbed"
-
-[tool.flwr.app.components]
-serverapp = "fbdeploytest.server:app"
-clientapp = "flowerbed.clients.board_app:app"
-
-[tool.flwr.app.config]
-num-rounds = 3
-num-nodes = 3
-work-fraction = 0.8
-learn-margin = false
-local-steps = 200
-profile-steps = 3
-batch-size = 16
-resume-file = ""
-deadline-floor-s = 15.0
-learning-rate = 0.05
-model = "lenet"
-num-classes = 10
-out-file = ""
-"""
-
-
-def write_app(root: Path) -> Path:
-    """The test's Flower App folder (pyproject.toml and the ServerApp module)."""
-    app_dir = root / "app"
-    package = app_dir / "fbdeploytest"
-    package.mkdir(parents=True)
-    (app_dir / "pyproject.toml").write_text(textwrap.dedent(PYPROJECT))
-    (package / "__init__.py").write_text("")
-    (package / "server.py").write_text(SERVER_APP)
-    return app_dir
+DEFAULTS: dict[str, UserValue] = {
+    "num-rounds": 3,
+    "num-nodes": 3,
+    "work-fraction": 0.8,
+    "learn-margin": False,
+    "local-steps": 200,
+    "profile-steps": 3,
+    "batch-size": 16,
+    "resume-file": "",
+    "deadline-floor-s": 15.0,
+    "learning-rate": 0.05,
+    "model": "lenet",
+    "num-classes": 10,
+    "out-file": "",
+}
+"""The run config's defaults of the test app."""
+BOARD_APP = "flowerbed.clients.board_app:app"
+"""The boards' ClientApp: flowerbed's, as a user deploys it."""
+BOARD_APP = "flowerbed.clients.board_app:app"
+"""The ClientApp of the boards: flowerbed's, as a user deploys it."""
 
 
 def write_partitions(root: Path, count: int) -> list[Path]:
@@ -289,7 +260,7 @@ def run_with_straggler(
     tmp_path: Path, rounds: int, learn_margin: bool = False
 ) -> tuple[dict, str]:
     """Three SuperNodes, node 2 slowed; the finished run's result and log tails."""
-    app_dir = write_app(tmp_path)
+    app_dir = write_app(tmp_path, "fbdeploytest", SERVER_APP, DEFAULTS, BOARD_APP)
     out = tmp_path / "result.json"
     with Federation(tmp_path / "fed") as fed:
         fed.start_superlink()
@@ -378,7 +349,7 @@ def test_a_straggler_with_learnt_lateness_keeps_replying_in_time(
 def test_run_survives_a_killed_supernode_and_uses_it_again_after_restart(
     tmp_path: Path,
 ) -> None:
-    app_dir = write_app(tmp_path)
+    app_dir = write_app(tmp_path, "fbdeploytest", SERVER_APP, DEFAULTS, BOARD_APP)
     out = tmp_path / "result.json"
     with Federation(tmp_path / "fed") as fed:
         fed.start_superlink()
