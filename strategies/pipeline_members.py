@@ -93,15 +93,6 @@ class PipelineMembers(SpanJobStrategy):
             self.planner.power,
         )
 
-    def evaluation_query(self) -> dict[str, Any]:
-        """The evaluate messages' query: the layered model and the data."""
-        return {
-            "mode": self.mode,
-            "model": self.model,
-            "model_args": self.model_args,
-            "dataset": self.dataset,
-        }
-
     def live_members(self) -> list[int]:
         return sorted(m for m in self.members if m not in self.lost)
 
