@@ -23,6 +23,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
@@ -285,6 +286,7 @@ class _FleetLink:
             )
 
 
+@dataclass(eq=False, repr=False)
 class NodeRelay:
     """The Flower node of one phone: pull messages, hand tasks out, push replies.
 
@@ -306,30 +308,23 @@ class NodeRelay:
         Seconds before reconnecting after the connection failed.
     """
 
-    def __init__(
-        self,
-        phone_name: str,
-        identity: Any,
-        connector: NodeConnector,
-        target: RelayTarget,
-        deadline_slack_s: float,
-        pull_interval_s: float,
-        retry_s: float = 5.0,
-    ) -> None:
-        self.phone_name = phone_name
-        self.identity = identity
-        self.connector = connector
-        self.target = target
-        self.deadline_slack_s = deadline_slack_s
-        self.pull_interval_s = pull_interval_s
-        self.retry_s = retry_s
-        self.active = threading.Event()
-        """Set while the node is activated at the SuperLink."""
+    phone_name: str
+    identity: Any
+    connector: NodeConnector
+    target: RelayTarget
+    deadline_slack_s: float
+    pull_interval_s: float
+    retry_s: float = 5.0
+    active: threading.Event = field(default_factory=threading.Event, init=False)
+    """Set while the node is activated at the SuperLink."""
+    counts: dict[str, int] = field(init=False)
+    """How this node's tasks ended."""
+
+    def __post_init__(self) -> None:
         self.counts = {"accepted": 0, "failed": 0, "expired": 0}
-        """How this node's tasks ended."""
         self._stop = threading.Event()
         self._thread = threading.Thread(
-            target=self._run, name=f"relay-{phone_name}", daemon=True
+            target=self._run, name=f"relay-{self.phone_name}", daemon=True
         )
 
     def start(self) -> None:
