@@ -144,24 +144,32 @@ def test_timed_train_does_all_steps_without_deadline(tmp_path: Path) -> None:
     }
 
 
-def test_timed_train_stops_at_deadline_with_partial_work(tmp_path: Path) -> None:
+def one_second_steps(
+    root: Path, steps: int, deadline_s: float | None = None
+) -> TimedTraining:
+    """``timed_train`` of LeNet on ``tiny_data()`` for ``steps`` steps of 8 at
+    lr 0.1, each step slowed by 1 s of a fake clock that starts at 0, with the
+    deadline ``deadline_s`` (None: none) and the device files under ``root``."""
     clock = FakeClock(0.0)
     x, y = tiny_data()
-    model = build_model("lenet", 1, 8, 10)
-    # 1 s per step and a 3.5 s deadline: steps after t=1, 2, 3; stop at t=3.5.
-    done = timed_train(
-        model,
+    return timed_train(
+        build_model("lenet", 1, 8, 10),
         x,
         y,
-        steps=100,
+        steps=steps,
         batch_size=8,
         lr=0.1,
-        deadline_s=3.5,
+        deadline_s=deadline_s,
         slowdown_s=1.0,
-        root=tmp_path,
+        root=root,
         clock=clock.now,
         sleep=clock.sleep,
     )
+
+
+def test_timed_train_stops_at_deadline_with_partial_work(tmp_path: Path) -> None:
+    # 1 s per step and a 3.5 s deadline: steps after t=1, 2, 3; stop at t=3.5.
+    done = one_second_steps(tmp_path, steps=100, deadline_s=3.5)
     assert (done.num_steps, done.num_examples) == (3, 24)
     assert done.stopped_by_deadline
     assert done.train_time_s == 3.5
@@ -171,20 +179,7 @@ def test_timed_train_stops_at_deadline_with_partial_work(tmp_path: Path) -> None
 
 def test_timed_train_meters_board_power_and_temperature(tmp_path: Path) -> None:
     jetson_nano(tmp_path, milliwatts=4520)
-    clock = FakeClock(0.0)
-    x, y = tiny_data()
-    done = timed_train(
-        build_model("lenet", 1, 8, 10),
-        x,
-        y,
-        steps=2,
-        batch_size=8,
-        lr=0.1,
-        slowdown_s=1.0,
-        root=tmp_path,
-        clock=clock.now,
-        sleep=clock.sleep,
-    )
+    done = one_second_steps(tmp_path, steps=2)
     assert done.train_time_s == 2.0
     assert done.power_w == pytest.approx(4.52)
     assert done.energy_j == pytest.approx(9.04)  # 4.52 W x 2 s
