@@ -26,6 +26,7 @@ Tail for front 3: gather rank 1's 4 px (16 B) and scatter its gradient back:
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 from flowerbed.parallel.plan import PlanError
@@ -103,14 +104,7 @@ def test_the_dp_also_chooses_how_many_layers_to_tile() -> None:
     light = plan_tiles(geometry(), free, 1)
     assert (light.front, light.bounds) == (1, (0, 1))
     assert light.cost.total_s == pytest.approx(30.0)
-    heavy_head = FrontGeometry(
-        in_shape=(1, 1, 8),
-        layers=((CONV,), (CONV,), (CONV,)),
-        num_layers=4,
-        layer_params=(4, 4, 4, 10),
-        head_macs=(90, 60, 30, 0),
-        head_elements=(0, 0, 0, 0),
-    )
+    heavy_head = replace(geometry(), head_macs=(90, 60, 30, 0))
     heavy = plan_tiles(heavy_head, free, 1)
     assert (heavy.front, heavy.bounds) == (3, (0, 1, 2, 3))
     assert heavy.cost.total_s == pytest.approx(36.0)
