@@ -241,11 +241,7 @@ class LargeBatchSync(SpanJobStrategy):
         :func:`flowerbed.parallel.reference.single_device` to check a run."""
         optimizer = self.recipe.optimizer
         return ReferenceJob(
-            model=self.model,
-            model_args=self.model_args,
-            dataset=self.dataset,
-            batch_size=self.batch_size,
-            seed=self.seed,
+            **self.job_fields(),
             lr=self.schedule.lr(0),
             schedule=self.schedule.to_config(),
             optimizer="sgd-large-batch" if optimizer == "sgd" else optimizer,

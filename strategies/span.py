@@ -293,18 +293,25 @@ class SpanJobStrategy(RoundLoop):
             "port": port,
             "start_step": self.step,
             "steps": steps,
-            "batch_size": self.batch_size,
-            "seed": self.seed,
             "join_timeout_s": self.join_timeout_s,
             "timeout_s": self.timeout_s,
-            "model": self.model,
-            "model_args": self.model_args,
-            "dataset": self.dataset,
+            **self.job_fields(),
             **fields,
         }
         return {
             node: MemberPlan(rank=rank, **job, **per_rank(rank))
             for rank, node in enumerate(nodes)
+        }
+
+    def job_fields(self) -> dict[str, Any]:
+        """The job's model, data, batch and seed, by the names plans and
+        :class:`~flowerbed.parallel.reference.ReferenceJob` give them."""
+        return {
+            "model": self.model,
+            "model_args": self.model_args,
+            "dataset": self.dataset,
+            "batch_size": self.batch_size,
+            "seed": self.seed,
         }
 
     def evaluation_query(self) -> dict[str, Any]:

@@ -283,11 +283,7 @@ class TiledTraining(SpanJobStrategy):
                 )
             front = self.segment.tile_plan.front
         return ReferenceJob(
-            model=self.model,
-            model_args=self.model_args,
-            dataset=self.dataset or "synthetic",
-            batch_size=self.batch_size,
-            seed=self.seed,
+            **{**self.job_fields(), "dataset": self.dataset or "synthetic"},
             lr=self.lr,
             momentum=self.momentum,
             weight_decay=self.weight_decay,
