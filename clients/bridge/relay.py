@@ -228,30 +228,20 @@ class SuperLinkConnector:
             self.insecure,
             self.root_certificates,
             authentication_keys=identity,
-        ) as conn:
-            yield _FleetLink(*conn)
+        ) as (node_id, receive, send, _get_run, _get_fab, pull, push, confirm):
+            yield _FleetLink(node_id, receive, send, pull, push, confirm)
 
 
+@dataclass(eq=False, repr=False)
 class _FleetLink:
     """The callbacks of ``http_request_response`` as a :class:`NodeLink`."""
 
-    def __init__(
-        self,
-        node_id: int,
-        receive: Callable[..., Any],
-        send: Callable[..., Any],
-        _get_run: Callable[..., Any],
-        _get_fab: Callable[..., Any],
-        pull_object: Callable[[int, str], bytes],
-        push_object: Callable[[int, str, str, bytes], None],
-        confirm_message_received: Callable[[int, str], None],
-    ) -> None:
-        self.node_id = node_id
-        self._receive = receive
-        self._send = send
-        self._pull_object = pull_object
-        self._push_object = push_object
-        self._confirm = confirm_message_received
+    node_id: int
+    _receive: Callable[..., Any]
+    _send: Callable[..., Any]
+    _pull_object: Callable[[int, str], bytes]
+    _push_object: Callable[[int, str, str, bytes], None]
+    _confirm: Callable[[int, str], None]
 
     def receive(self) -> Message | None:
         """Pull one message and its objects, as the SuperNode loop does."""
