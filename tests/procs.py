@@ -132,13 +132,32 @@ def write_app(
     """
     app_dir = root / "app"
     (app_dir / package).mkdir(parents=True)
+    write_pyproject(app_dir, package, f"{package}.server:app", clientapp, config)
+    (app_dir / package / "__init__.py").write_text("")
+    (app_dir / package / "server.py").write_text(server_source)
+    return app_dir
+
+
+def write_pyproject(
+    app_dir: Path,
+    name: str,
+    serverapp: str,
+    clientapp: str,
+    config: Mapping[str, UserValue],
+) -> Path:
+    """``app_dir/pyproject.toml`` of the Flower App ``name``.
+
+    ``serverapp`` and ``clientapp`` are the components' ``module:object``;
+    ``config`` becomes the run config's defaults (``[tool.flwr.app.config]``).
+    Returns the file.
+    """
     lines = [
         "[build-system]",
         'requires = ["hatchling"]',
         'build-backend = "hatchling.build"',
         "",
         "[project]",
-        f'name = "{package}"',
+        f'name = "{name}"',
         'version = "1.0.0"',
         'description = "flowerbed test app"',
         'license = "Apache-2.0"',
@@ -151,16 +170,36 @@ def write_app(
         'publisher = "flowerbed"',
         "",
         "[tool.flwr.app.components]",
-        f'serverapp = "{package}.server:app"',
+        f'serverapp = "{serverapp}"',
         f'clientapp = "{clientapp}"',
         "",
         "[tool.flwr.app.config]",
         *(f"{key} = {_toml(value)}" for key, value in config.items()),
     ]
-    (app_dir / "pyproject.toml").write_text("\n".join(lines) + "\n")
-    (app_dir / package / "__init__.py").write_text("")
-    (app_dir / package / "server.py").write_text(server_source)
-    return app_dir
+    path = app_dir / "pyproject.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def start_flwr_run(
+    app_dir: Path, superlink_port: int, log: Path
+) -> subprocess.Popen[bytes]:
+    """``flwr run <app_dir> local --stream`` against the SuperLink on
+    ``127.0.0.1:superlink_port`` (connection ``local``, insecure, in the
+    ``FLWR_HOME`` ``flwr-home`` beside ``app_dir``), its output to ``log``."""
+    home = app_dir.parent / "flwr-home"
+    home.mkdir()
+    (home / "config.toml").write_text(
+        '[superlink]\ndefault = "local"\n\n[superlink.local]\n'
+        f'address = "{HOST}:{superlink_port}"\ninsecure = true\n'
+    )
+    with open(log, "wb") as out:
+        return subprocess.Popen(
+            ["flwr", "run", str(app_dir), "local", "--stream"],
+            env={**os.environ, "FLWR_HOME": str(home)},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
 
 
 def _toml(value: UserValue) -> str:
@@ -680,3 +719,20 @@ def federation(tmp_path: Path) -> Iterator[Federation]:
     with Federation(tmp_path) as fed:
         fed.start_superlink()
         yield fed
+
+
+# --------------------------------------------------------------------------------------
+# The phone-fleet demo app (flowerbed.clients.bridge.demo_app)
+# --------------------------------------------------------------------------------------
+
+DEMO_APP = "flowerbed.clients.bridge.demo_app"
+"""Module of the bridge's demo ServerApp (``app``) and ClientApp (``client_app``)."""
+
+
+def write_demo_app(root: Path, name: str, config: Mapping[str, UserValue]) -> Path:
+    """The Flower App folder ``root/app``, named ``name``, of the bridge's demo
+    ServerApp and ClientApp with the run config defaults ``config``."""
+    app_dir = root / "app"
+    app_dir.mkdir()
+    write_pyproject(app_dir, name, f"{DEMO_APP}:app", f"{DEMO_APP}:client_app", config)
+    return app_dir

@@ -20,6 +20,7 @@ import re
 import shutil
 import subprocess
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,7 @@ from flowerbed.clients.bridge.relay import SuperLinkConnector
 from flowerbed.clients.bridge.server import GatewayServer
 from flowerbed.clients.bridge.simphone import SimPhone
 from flowerbed.strategies.round_metrics import ROUND_PARTICIPANTS, ROUND_STRAGGLERS
+from procs import UserValue, start_flwr_run, write_demo_app
 
 ROOT = Path(__file__).resolve().parents[1]
 JAR = Path(
@@ -49,44 +51,17 @@ DEADLINE_S = 5.0
 ROUNDS = 6
 FAST_MS = 100
 """Milliseconds per local step of the phones that are not killed (20 steps)."""
-APP_TOML = """\
-[build-system]
-requires = ["hatchling"]
-build-backend = "hatchling.build"
-
-[project]
-name = "bridge-e2e"
-version = "1.0.0"
-description = "flowerbed bridge end-to-end test app"
-license = "Apache-2.0"
-dependencies = []
-
-[tool.flwr.app]
-publisher = "flowerbed"
-
-[tool.flwr.app.components]
-serverapp = "flowerbed.clients.bridge.demo_app:app"
-clientapp = "flowerbed.clients.bridge.demo_app:client_app"
-
-[tool.flwr.app.config]
-num-rounds = {rounds}
-strategy = "deadline"
-min-nodes = 3
-wait-nodes = {phones}
-deadline-s = {deadline}
-round-timeout-s = 30.0
-local-steps = 20
-lr = 0.5
-results-path = "{results}"
-"""
-FLWR_CONFIG = """\
-[superlink]
-default = "e2e"
-
-[superlink.e2e]
-address = "127.0.0.1:{port}"
-insecure = true
-"""
+DEMO_CONFIG: dict[str, UserValue] = {
+    "num-rounds": ROUNDS,
+    "strategy": "deadline",
+    "min-nodes": 3,
+    "wait-nodes": PHONES,
+    "deadline-s": DEADLINE_S,
+    "round-timeout-s": 30.0,
+    "local-steps": 20,
+    "lr": 0.5,
+}
+"""The demo app's run config in this test (``results-path`` is each run's own)."""
 
 pytestmark = pytest.mark.slow
 
@@ -161,37 +136,38 @@ def _wait_for_line(path: Path, pattern: str, timeout: float) -> re.Match[str]:
     raise AssertionError(f"no line matching {pattern!r} in {path} within {timeout} s")
 
 
+def phone_files(root: Path, phones: int) -> tuple[Path, Path]:
+    """Digits CSVs of ``phones`` phones in ``root/data`` and their gateway tokens
+    (``e2e-token-phone-<i>-0000``, phone ``p<i>``) in ``root/tokens.txt``."""
+    data = root / "data"
+    write_phone_csvs(data, phones)
+    tokens = root / "tokens.txt"
+    tokens.write_text(
+        "".join(f"e2e-token-phone-{i}-0000 p{i}\n" for i in range(phones))
+    )
+    return data, tokens
+
+
+def start_demo_run(
+    root: Path, config: Mapping[str, UserValue], superlink_port: int
+) -> tuple[subprocess.Popen[bytes], Path]:
+    """``flwr run`` of the demo app with run config ``config`` against the local
+    SuperLink, its output in ``root/flwr-run.log``: the process and the results
+    file the ServerApp writes."""
+    results = root / "results.json"
+    app = write_demo_app(root, "bridge-e2e", {**config, "results-path": str(results)})
+    return start_flwr_run(app, superlink_port, root / "flwr-run.log"), results
+
+
 @pytest.mark.java
 def test_phones_train_digits_and_a_killed_phone_is_a_straggler_then_rejoins(
     tmp_path, procs, superlink
 ):
     jar = _phone_jar()
-    data = tmp_path / "data"
-    write_phone_csvs(data, PHONES)
-    tokens = tmp_path / "tokens.txt"
-    tokens.write_text(
-        "".join(f"e2e-token-phone-{i}-0000 p{i}\n" for i in range(PHONES))
-    )
+    data, tokens = phone_files(tmp_path, PHONES)
     link_port, gw_port = superlink, free_port()
-    app = tmp_path / "app"
-    app.mkdir()
-    results = tmp_path / "results.json"
-    (app / "pyproject.toml").write_text(
-        APP_TOML.format(
-            phones=PHONES, deadline=DEADLINE_S, results=results, rounds=ROUNDS
-        )
-    )
-    home = tmp_path / "flwr-home"
-    home.mkdir()
-    (home / "config.toml").write_text(FLWR_CONFIG.format(port=link_port))
+    run, results = start_demo_run(tmp_path, DEMO_CONFIG, link_port)
     run_log = tmp_path / "flwr-run.log"
-    with open(run_log, "wb") as fh:
-        run = subprocess.Popen(
-            ["flwr", "run", str(app), "e2e", "--stream"],
-            env={**os.environ, "FLWR_HOME": str(home)},
-            stdout=fh,
-            stderr=subprocess.STDOUT,
-        )
     procs.append(run)
 
     gw_log = tmp_path / "gateway.log"

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import threading
 import time
@@ -31,11 +30,12 @@ from flowerbed.clients.bridge.demo_app import phone_model, write_phone_csvs
 from flowerbed.clients.bridge.procs import (
     free_port,
     start_gateway,
-    start_superlink,
     stop_processes,
 )
 from flowerbed.clients.bridge.simphone import SimPhone
 from flowerbed.clients.training import train_steps
+from procs import UserValue, start_flwr_run, write_demo_app
+from test_bridge_e2e import superlink  # the bridge e2e harness
 
 pytestmark = pytest.mark.slow
 
@@ -43,55 +43,18 @@ HONEST = 4
 ROUNDS = 10
 CLAIMS = (1e15, 1e308, 1e9)
 """What the poisoning phone reports as num-examples, task after task."""
-APP_TOML = """\
-[build-system]
-requires = ["hatchling"]
-build-backend = "hatchling.build"
-
-[project]
-name = "poisoning"
-version = "1.0.0"
-description = "flowerbed influence-bound test app"
-license = "Apache-2.0"
-dependencies = []
-
-[tool.flwr.app]
-publisher = "flowerbed"
-
-[tool.flwr.app.components]
-serverapp = "flowerbed.clients.bridge.demo_app:app"
-clientapp = "flowerbed.clients.bridge.demo_app:client_app"
-
-[tool.flwr.app.config]
-num-rounds = {rounds}
-strategy = "deadline"
-min-nodes = 2
-wait-nodes = {phones}
-deadline-s = 10.0
-round-timeout-s = 30.0
-local-steps = 20
-lr = 0.5
-results-path = "{results}"
-"""
-FLWR_CONFIG = """\
-[superlink]
-default = "local"
-
-[superlink.local]
-address = "127.0.0.1:{port}"
-insecure = true
-"""
-
-
-@pytest.fixture(scope="module")
-def superlink(tmp_path_factory):  # type: ignore[no-untyped-def]
-    port = free_port()
-    log = tmp_path_factory.mktemp("superlink") / "superlink.log"
-    proc = start_superlink(port, log)
-    try:
-        yield port
-    finally:
-        stop_processes([proc])
+DEMO_CONFIG: dict[str, UserValue] = {
+    "num-rounds": ROUNDS,
+    "strategy": "deadline",
+    "min-nodes": 2,
+    "deadline-s": 10.0,
+    "round-timeout-s": 30.0,
+    "local-steps": 20,
+    "lr": 0.5,
+}
+"""The demo app's run config in this test (``wait-nodes`` and ``results-path``
+are each run's own)."""
+__all__ = ["superlink"]  # fixture used by name
 
 
 def honest_phone(url: str, token: str, data: Path, stop: threading.Event) -> None:
@@ -164,15 +127,9 @@ def run_fleet(tmp_path: Path, link_port: int, poisoned: bool) -> tuple[dict, lis
         "".join(f"{t} {name}\n" for t, name in tokens.items())
     )
     phones = len(tokens)
-    app = tmp_path / "app"
-    app.mkdir()
     results = tmp_path / "results.json"
-    (app / "pyproject.toml").write_text(
-        APP_TOML.format(rounds=ROUNDS, phones=phones, results=results)
-    )
-    home = tmp_path / "flwr-home"
-    home.mkdir()
-    (home / "config.toml").write_text(FLWR_CONFIG.format(port=link_port))
+    config = {**DEMO_CONFIG, "wait-nodes": phones, "results-path": str(results)}
+    app = write_demo_app(tmp_path, "poisoning", config)
     procs: list[subprocess.Popen[bytes]] = []
     stop = threading.Event()
     statuses: list[int] = []
@@ -188,13 +145,7 @@ def run_fleet(tmp_path: Path, link_port: int, poisoned: bool) -> tuple[dict, lis
                 extra=("--pull-interval-s=0.2", "--max-poll-s=2"),
             )
         )
-        with open(tmp_path / "flwr-run.log", "wb") as log:
-            run = subprocess.Popen(
-                ["flwr", "run", str(app), "local", "--stream"],
-                env={**os.environ, "FLWR_HOME": str(home)},
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
+        run = start_flwr_run(app, link_port, tmp_path / "flwr-run.log")
         procs.append(run)
         url = f"http://127.0.0.1:{gw_port}"
         for i, csv in enumerate(csvs):

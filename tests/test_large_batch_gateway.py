@@ -10,18 +10,16 @@ the examples-weighted pseudo-gradient.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 
 import pytest
-from flowerbed.clients.bridge.demo_app import write_phone_csvs
 from flowerbed.clients.bridge.procs import free_port, start_gateway
 from test_bridge_e2e import (  # the bridge e2e harness
-    APP_TOML,
-    FLWR_CONFIG,
+    DEMO_CONFIG,
     _phone,
     _phone_jar,
+    phone_files,
     procs,
+    start_demo_run,
     superlink,
 )
 
@@ -32,30 +30,17 @@ __all__ = ["procs", "superlink"]  # fixtures used by name
 
 def test_jvm_phones_train_one_large_batch_per_round(tmp_path, procs, superlink):
     jar = _phone_jar()
-    data = tmp_path / "data"
-    write_phone_csvs(data, PHONES)
-    tokens = tmp_path / "tokens.txt"
-    tokens.write_text(
-        "".join(f"e2e-token-phone-{i}-0000 p{i}\n" for i in range(PHONES))
-    )
-    app = tmp_path / "app"
-    app.mkdir()
-    results = tmp_path / "results.json"
-    toml = APP_TOML.format(phones=PHONES, deadline=20.0, results=results, rounds=5)
-    toml = toml.replace('strategy = "deadline"', 'strategy = "large-batch"')
-    toml = toml.replace("min-nodes = 3", f"min-nodes = {PHONES}")
-    (app / "pyproject.toml").write_text(toml)
-    home = tmp_path / "flwr-home"
-    home.mkdir()
-    (home / "config.toml").write_text(FLWR_CONFIG.format(port=superlink))
+    data, tokens = phone_files(tmp_path, PHONES)
+    config = {
+        **DEMO_CONFIG,
+        "num-rounds": 5,
+        "strategy": "large-batch",
+        "min-nodes": PHONES,
+        "wait-nodes": PHONES,
+        "deadline-s": 20.0,
+    }
+    run, results = start_demo_run(tmp_path, config, superlink)
     run_log = tmp_path / "flwr-run.log"
-    with open(run_log, "wb") as fh:
-        run = subprocess.Popen(
-            ["flwr", "run", str(app), "e2e", "--stream"],
-            env={**os.environ, "FLWR_HOME": str(home)},
-            stdout=fh,
-            stderr=subprocess.STDOUT,
-        )
     procs.append(run)
     gw_port = free_port()
     procs.append(
