@@ -19,20 +19,18 @@ from flowerbed.parallel.user_code import build_module
 from flowerbed.strategies import LargeBatchSync, PipelineTraining
 from flowerbed.strategies.checkpoints import CheckpointError
 from flowerbed.strategies.large_batch_options import AllReduceRecipe
-from flowerbed.strategies.pipeline_options import PipelinePlanning
 from flowerbed.strategies.span_checkpoint import SpanCheckpoint
 from flwr.app import ArrayRecord
 from flwr.serverapp.strategy import Result
 from test_user_code_exact import (
     PIPE_ARGS,
-    PIPE_BATCH,
-    PIPE_LR,
     PIPE_MODEL,
     PIPE_STEPS,
     _arrays,
     _close,
     _grid,
     _span_settings,
+    pipe_training,
 )
 
 
@@ -85,17 +83,7 @@ def test_pipeline_training_resumes_after_its_last_round_exactly(tmp_path: Path) 
     path = tmp_path / "pipe.ckpt"
 
     def make() -> PipelineTraining:
-        return PipelineTraining(
-            model=PIPE_MODEL,
-            model_args=PIPE_ARGS,
-            input_shape=(1, 8, 8),
-            batch_size=PIPE_BATCH,
-            steps_per_round=PIPE_STEPS,
-            lr=PIPE_LR,
-            planning=PipelinePlanning(stage_sizes=(2, 2)),
-            checkpoint_path=path,
-            **_span_settings(),
-        )
+        return pipe_training(checkpoint_path=path)
 
     initial = ArrayRecord(build_layers(PIPE_MODEL, PIPE_ARGS, seed=0).state_dict())
     strategy, result = _restarted(make, initial, path)

@@ -24,7 +24,7 @@ from flowerbed.parallel.pipeline.stage import run_segment
 from flowerbed.parallel.plan import LayerSource, MemberPlan
 from flowerbed.parallel.tiles import runner
 from flowerbed.parallel.user_code import build_module
-from flowerbed.strategies import LargeBatchSync
+from flowerbed.strategies import LargeBatchSync, PipelineTraining
 from flowerbed.strategies.large_batch_options import AllReduceRecipe
 from flowerbed.strategies.pipeline_options import PipelinePlanning
 from flowerbed.strategies.span_options import SpanGroup
@@ -269,11 +269,10 @@ def test_large_batch_sync_on_span_clientapps_trains_any_module_with_user_code() 
     _close(_arrays(result.arrays), want, atol=2e-6)
 
 
-def test_pipeline_training_on_span_clientapps_cuts_a_module_at_its_cut_points() -> None:
-    from flowerbed.strategies import PipelineTraining
-    from flwr.app import ArrayRecord
-
-    strategy = PipelineTraining(
+def pipe_training(**options: Any) -> PipelineTraining:
+    """PipelineTraining of the cut-point module in two stages of two layers on
+    two span ClientApps, with the user's loss and Adam, and ``options``."""
+    return PipelineTraining(
         model=PIPE_MODEL,
         model_args=PIPE_ARGS,
         input_shape=(1, 8, 8),
@@ -282,7 +281,14 @@ def test_pipeline_training_on_span_clientapps_cuts_a_module_at_its_cut_points() 
         lr=PIPE_LR,
         planning=PipelinePlanning(stage_sizes=(2, 2)),
         **_span_settings(),
+        **options,
     )
+
+
+def test_pipeline_training_on_span_clientapps_cuts_a_module_at_its_cut_points() -> None:
+    from flwr.app import ArrayRecord
+
+    strategy = pipe_training()
     initial = ArrayRecord(build_layers(PIPE_MODEL, PIPE_ARGS, seed=0).state_dict())
     with _grid(2) as grid:
         result = strategy.start(grid, initial, num_rounds=2, timeout=180)
