@@ -50,3 +50,31 @@ def test_until_target_stops_the_run_at_the_target(page: dict[str, Any]) -> None:
     assert accuracies[-1] >= 0.85
     assert all(a < 0.85 for a in accuracies[:-1])
     assert len(accuracies) < 30
+
+
+def test_a_declared_option_is_adopted_shown_and_checked() -> None:
+    import inspect
+
+    from flwr.app import ConfigRecord
+    from test_strategies_fakes import FakeGrid, node, weights
+
+    namespace: dict[str, Any] = {}
+    exec(compile(snippets()[3], str(PAGE), "exec"), namespace)
+    strategy_class, warmup = namespace["WarmupDeadlineFedAvg"], namespace["Warmup"]
+    strategy = strategy_class(fraction_evaluate=0.0, warmup=warmup(warmup_rounds=3))
+    assert strategy.warmup_rounds == 3 and strategy.fraction_evaluate == 0.0
+    rates = []
+    for server_round in (1, 2, 3, 4):
+        messages = list(
+            strategy.configure_train(
+                server_round,
+                weights(),
+                ConfigRecord(),
+                FakeGrid({1: node(1.0, seconds=1)}),
+            )
+        )
+        rates.append(messages[0].content["config"]["lr"])
+    assert rates == pytest.approx([0.05 / 3, 0.1 / 3, 0.05, 0.05])
+    assert inspect.signature(strategy_class).parameters["warmup"].default == warmup()
+    with pytest.raises(TypeError, match=r"wramup; valid: .*warmup"):
+        strategy_class(wramup=warmup())
