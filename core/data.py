@@ -175,7 +175,7 @@ def _load_digits() -> Dataset:
     except importlib.metadata.PackageNotFoundError:
         version = "unknown"
     cached = cache_dir() / f"digits-split-sklearn-{version}.npz"
-    return _kept(cached, "digits", _split_digits)
+    return _kept(cached, "digits", _split_digits, ("x_tr", "y_tr", "x_te", "y_te"))
 
 
 def _split_digits() -> Dataset:
@@ -205,21 +205,31 @@ def _cached(key: str, make: Callable[[], Dataset]) -> Dataset:
     return _kept(Path(folder) / f"{key}-v1.npz", key, make)
 
 
-def _kept(path: Path, name: str, make: Callable[[], Dataset]) -> Dataset:
-    """The dataset ``name`` read from the .npz at ``path``, or ``make()`` written
-    there first. A corrupt file is remade; one that cannot be written is skipped
-    (a read-only home only costs the regeneration)."""
-    fields_ = ("x_train", "y_train", "x_test", "y_test")
+SPLIT_FIELDS = ("x_train", "y_train", "x_test", "y_test")
+"""The arrays of a :class:`Dataset` that a cache file keeps, in its order."""
+
+
+def _kept(
+    path: Path,
+    name: str,
+    make: Callable[[], Dataset],
+    keys: tuple[str, ...] = SPLIT_FIELDS,
+) -> Dataset:
+    """The dataset ``name`` read from the .npz at ``path`` (``keys``: its names for
+    :data:`SPLIT_FIELDS`), or ``make()`` written there first. A corrupt file is
+    remade; one that cannot be written is skipped (a read-only home only costs the
+    regeneration)."""
     try:
         with np.load(path) as npz:
-            return Dataset(name, *(np.array(npz[f]) for f in fields_))
+            return Dataset(name, *(np.array(npz[k]) for k in keys))
     except (OSError, KeyError, ValueError):
         pass
     data = make()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.npz")
-        np.savez(tmp, **{f: getattr(data, f) for f in fields_})
+        arrays = {k: getattr(data, f) for k, f in zip(keys, SPLIT_FIELDS, strict=True)}
+        np.savez(tmp, **arrays)
         os.replace(tmp, path)
     except OSError:
         pass
