@@ -76,6 +76,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+from flowerbed.system import proc_bytes
 
 METHODS = ("streaming", "grouped", "strategy", "flower", "bandwidth")
 GROUP = 4
@@ -89,13 +90,9 @@ NUM_ARRAYS = 16
 def _peak_rss_bytes() -> int:
     """The process's peak resident set size since :func:`_reset_peak` (Linux's
     ``VmHWM``), or since it started where that cannot be read."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    found = proc_bytes("/proc/self/status", "VmHWM:")
+    if found is not None:
+        return found
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
