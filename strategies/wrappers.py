@@ -77,26 +77,7 @@ class _RunsTheWrappedLoop(Strategy):
         evaluate_config: ConfigRecord | None = None,
         evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
     ) -> Result:
-        loop = wrapped_loop(self)
-        if loop is None:  # a Flower strategy inside: Flower's loop, as before
-            return super().start(
-                grid,
-                initial_arrays,
-                num_rounds,
-                timeout,
-                train_config,
-                evaluate_config,
-                evaluate_fn,
-            )
-        if isinstance(loop, FedBuff) and getattr(self, "accountant", None):
-            raise ValueError(
-                f"{type(self).__name__} with an accountant needs rounds that sample "
-                "num_sampled_clients nodes at once; FedBuff hands out work a node "
-                "at a time. Use DeadlineFedAvg or RuntimeWeightedFedAvg inside it, "
-                "or drop accountant="
-            )
-        return loop.start_wrapped(
-            self,
+        run = (
             grid,
             initial_arrays,
             num_rounds,
@@ -105,6 +86,17 @@ class _RunsTheWrappedLoop(Strategy):
             evaluate_config,
             evaluate_fn,
         )
+        loop = wrapped_loop(self)
+        if loop is None:  # a Flower strategy inside: Flower's loop, as before
+            return super().start(*run)
+        if isinstance(loop, FedBuff) and getattr(self, "accountant", None):
+            raise ValueError(
+                f"{type(self).__name__} with an accountant needs rounds that sample "
+                "num_sampled_clients nodes at once; FedBuff hands out work a node "
+                "at a time. Use DeadlineFedAvg or RuntimeWeightedFedAvg inside it, "
+                "or drop accountant="
+            )
+        return loop.start_wrapped(self, *run)
 
 
 class DifferentialPrivacyServerSideFixedClipping(_RunsTheWrappedLoop, _ServerFixed):
