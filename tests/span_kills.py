@@ -157,6 +157,31 @@ def failure_to_next_step(
         time.sleep(0.05)
 
 
+def assert_recovered(
+    job: str,
+    seconds: Mapping[str, Recovery],
+    left: list[int],
+    why: str,
+    nodes: Sequence[SuperNode],
+) -> None:
+    """Print each kill's recovery of ``job`` (``seconds``, by kill mode), then
+    assert what every recovery must hold: no process of the killed SuperNode
+    ``left``, the next segment delivered within FAILURE_BOUND_S and its first
+    step within FIRST_STEP_BOUND_S, and a member of ``nodes`` saying where its
+    set-up went. ``why`` is the logs a failure shows."""
+    for mode, found in seconds.items():
+        print(
+            f"{job}, {mode} killed: next segment delivered after "
+            f"{found.delivered_s:.1f} s, its first step after "
+            f"{found.first_step_s:.1f} s\n{found.timeline}"
+        )
+    assert not left, f"processes of the killed SuperNode left running: {left}\n{why}"
+    for mode, found in seconds.items():
+        assert found.delivered_s <= FAILURE_BOUND_S, f"{mode}:\n{found.timeline}"
+        assert found.first_step_s <= FIRST_STEP_BOUND_S, f"{mode}:\n{found.timeline}"
+    assert any(SETUP_REPORT.search(node.log()) for node in nodes), why
+
+
 def wait_all_gone(node: SuperNode, timeout: float = 30.0) -> list[int]:
     """Wait until no process of ``node``'s launch is alive; return those left."""
     deadline = time.monotonic() + timeout
