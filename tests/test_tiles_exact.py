@@ -165,11 +165,9 @@ def tiled_rank(
     return out
 
 
-def reference(
-    case: dict[str, Any], steps: int = STEPS, seed: int = SEED
-) -> dict[str, Any]:
-    """Single-device: the front's maps, one step's gradients, ``steps`` steps'
-    weights (batches of ``seed``)."""
+def initial_model(case: dict[str, Any]) -> nn.Sequential:
+    """The single-device model of ``case`` in its initial state, training, its
+    front's norms frozen when the case's are."""
     model = build_sequential(MODEL, model_args(case))
     model.load_state_dict(
         {k: torch.from_numpy(v) for k, v in initial_state(case).items()}
@@ -177,6 +175,15 @@ def reference(
     model.train()
     if case["norm"] == "frozen":
         freeze_front_norms(model, BOUNDS[-1])
+    return model
+
+
+def reference(
+    case: dict[str, Any], steps: int = STEPS, seed: int = SEED
+) -> dict[str, Any]:
+    """Single-device: the front's maps, one step's gradients, ``steps`` steps'
+    weights (batches of ``seed``)."""
+    model = initial_model(case)
     data = JobData("synthetic", SHAPE, CLASSES)
     x, y = data.batch(SEED, 0, BATCH)
     maps, h = [], x
@@ -196,13 +203,7 @@ def reference(
         for n, p in model.named_parameters()
         if p.grad is not None
     }
-    trained = build_sequential(MODEL, model_args(case))
-    trained.load_state_dict(
-        {k: torch.from_numpy(v) for k, v in initial_state(case).items()}
-    )
-    trained.train()
-    if case["norm"] == "frozen":
-        freeze_front_norms(trained, BOUNDS[-1])
+    trained = initial_model(case)
     sgd = torch.optim.SGD(
         trained.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=DECAY
     )
