@@ -22,13 +22,14 @@ grid the rounds use: ClusterSelection profiles and selects there) and closes las
 
 from __future__ import annotations
 
+import inspect
 import io
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from logging import ERROR, INFO, WARNING
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 from flowerbed.clock import Clock, WallClock, clock_of
@@ -58,6 +59,8 @@ __all__ = [  # the names this module held before the stall tally moved out
     "RoundTally",
     "RunScope",
     "TrainAggregate",
+    "flower_start_signature",
+    "start_arguments",
 ]
 
 MIN_MESSAGE_TTL_S = 1.0
@@ -67,6 +70,27 @@ TrainAggregate = tuple[ArrayRecord | None, MetricRecord | None]
 when the round gives no update)."""
 EvaluateFn = Callable[[int, ArrayRecord], MetricRecord | None]
 """``start()``'s ``evaluate_fn``: the round and the global model to its metrics."""
+
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def start_arguments(*args: Any, **kwargs: Any) -> dict[str, Any]:
+    """The arguments of one call of Flower's ``Strategy.start``, by name, with its
+    defaults applied (a strategy whose ``start()`` hands the run on reads them
+    here); arguments that ``Strategy.start`` would refuse raise its TypeError."""
+    bound = inspect.signature(Strategy.start).bind(None, *args, **kwargs)
+    bound.apply_defaults()
+    named = dict(bound.arguments)
+    del named["self"]
+    return named
+
+
+def flower_start_signature(method: _Method) -> _Method:
+    """Shows a ``start(self, *args, **kwargs)`` that hands the run on with Flower's
+    ``Strategy.start`` signature (``help()``, ``inspect.signature``)."""
+    method.__signature__ = inspect.signature(Strategy.start)  # type: ignore[attr-defined]
+    return method
 
 
 class RunScope(Protocol):
@@ -212,18 +236,9 @@ class RoundLoop(FedAvg):
             type(self).__name__,
         )
 
-    def start_wrapped(
-        self,
-        wrapper: Strategy,
-        grid: Grid,
-        initial_arrays: ArrayRecord,
-        num_rounds: int = 3,
-        timeout: float = 3600,
-        train_config: ConfigRecord | None = None,
-        evaluate_config: ConfigRecord | None = None,
-        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
-    ) -> Result:
-        """:meth:`start`, with ``wrapper``'s four Flower methods in the loop.
+    def start_wrapped(self, wrapper: Strategy, *args: Any, **kwargs: Any) -> Result:
+        """:meth:`start` (same arguments), with ``wrapper``'s four Flower methods in
+        the loop.
 
         ``wrapper`` is a Flower strategy wrapper around this strategy (it calls
         this strategy's methods from its own, as Flower's differential-privacy
@@ -235,15 +250,7 @@ class RoundLoop(FedAvg):
         """
         self._driver = wrapper
         try:
-            return self.start(
-                grid,
-                initial_arrays,
-                num_rounds,
-                timeout,
-                train_config,
-                evaluate_config,
-                evaluate_fn,
-            )
+            return self.start(*args, **kwargs)
         finally:
             self._driver = self
 

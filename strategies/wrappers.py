@@ -29,10 +29,8 @@ so an accounted wrapper around FedBuff is refused before the run starts.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import Any
 
-from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
-from flwr.serverapp import Grid
 from flwr.serverapp.strategy import (
     DifferentialPrivacyClientSideAdaptiveClipping as _ClientAdaptive,
 )
@@ -48,7 +46,7 @@ from flwr.serverapp.strategy import (
 from flwr.serverapp.strategy import Result, Strategy
 
 from .fedbuff import FedBuff
-from .rounds import RoundLoop
+from .rounds import RoundLoop, flower_start_signature
 
 
 def wrapped_loop(wrapper: Strategy) -> RoundLoop | None:
@@ -67,28 +65,13 @@ def wrapped_loop(wrapper: Strategy) -> RoundLoop | None:
 class _RunsTheWrappedLoop(Strategy):
     """``start()`` by the wrapped flowerbed strategy's loop (see the module)."""
 
-    def start(
-        self,
-        grid: Grid,
-        initial_arrays: ArrayRecord,
-        num_rounds: int = 3,
-        timeout: float = 3600,
-        train_config: ConfigRecord | None = None,
-        evaluate_config: ConfigRecord | None = None,
-        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
-    ) -> Result:
-        run = (
-            grid,
-            initial_arrays,
-            num_rounds,
-            timeout,
-            train_config,
-            evaluate_config,
-            evaluate_fn,
-        )
+    @flower_start_signature
+    def start(self, *args: Any, **kwargs: Any) -> Result:
+        """Flower's ``Strategy.start`` arguments; the wrapped flowerbed strategy's
+        loop runs the rounds (:meth:`RoundLoop.start_wrapped`)."""
         loop = wrapped_loop(self)
         if loop is None:  # a Flower strategy inside: Flower's loop, as before
-            return super().start(*run)
+            return super().start(*args, **kwargs)
         if isinstance(loop, FedBuff) and getattr(self, "accountant", None):
             raise ValueError(
                 f"{type(self).__name__} with an accountant needs rounds that sample "
@@ -96,7 +79,7 @@ class _RunsTheWrappedLoop(Strategy):
                 "at a time. Use DeadlineFedAvg or RuntimeWeightedFedAvg inside it, "
                 "or drop accountant="
             )
-        return loop.start_wrapped(self, *run)
+        return loop.start_wrapped(self, *args, **kwargs)
 
 
 class DifferentialPrivacyServerSideFixedClipping(_RunsTheWrappedLoop, _ServerFixed):

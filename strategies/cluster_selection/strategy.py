@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from logging import INFO, WARNING
 from typing import Any, ClassVar
 
@@ -16,7 +16,7 @@ from flwr.supercore import log
 
 from ..fedbuff import FedBuff
 from ..options import adopt_declared
-from ..rounds import RoundLoop
+from ..rounds import RoundLoop, flower_start_signature, start_arguments
 from ..wrappers import _RunsTheWrappedLoop, wrapped_loop
 from .model import Estimate, NodeModel, Observation, Workload
 from .profiling import Profiler
@@ -305,16 +305,8 @@ class ClusterSelection(Strategy):
                     metrics[SELECTION_MEASURED_S] = record.measured_s
         return result
 
-    def start(
-        self,
-        grid: Grid,
-        initial_arrays: ArrayRecord,
-        num_rounds: int = 3,
-        timeout: float = 3600,
-        train_config: ConfigRecord | None = None,
-        evaluate_config: ConfigRecord | None = None,
-        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
-    ) -> Result:
+    @flower_start_signature
+    def start(self, *args: Any, **kwargs: Any) -> Result:
         """The wrapped strategy's start with this selection around the run.
 
         A flowerbed round loop (:class:`~flowerbed.strategies.rounds.RoundLoop`,
@@ -323,7 +315,9 @@ class ClusterSelection(Strategy):
         ``start()`` runs the rounds on the selected grid, between :meth:`open`
         and :meth:`close`, and the log says so.
         """
-        train_config = ConfigRecord() if train_config is None else train_config
+        run = start_arguments(*args, **kwargs)
+        if run["train_config"] is None:
+            run["train_config"] = ConfigRecord()
         inner = self.strategy
         looped = round_loop_of(inner)
         if looped is not None:
@@ -337,19 +331,15 @@ class ClusterSelection(Strategy):
                 "its metrics after, as for a flowerbed strategy",
                 type(inner).__name__,
             )
-            grid = self.open(
-                grid, initial_arrays, num_rounds, train_config, evaluate_config
+            run["grid"] = self.open(
+                run["grid"],
+                run["initial_arrays"],
+                run["num_rounds"],
+                run["train_config"],
+                run["evaluate_config"],
             )
         try:
-            result = inner.start(
-                grid=grid,
-                initial_arrays=initial_arrays,
-                num_rounds=num_rounds,
-                timeout=timeout,
-                train_config=train_config,
-                evaluate_config=evaluate_config,
-                evaluate_fn=evaluate_fn,
-            )
+            result = inner.start(**run)
         finally:
             if looped is not None:
                 looped.run_scope = None
