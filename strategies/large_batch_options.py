@@ -2,7 +2,8 @@
 
 - :class:`AllReduceRecipe`: the optimiser, its learning-rate schedule and the
   gradient compression the members run (Goyal et al. 2017; You et al., LARS 2017
-  and LAMB 2020);
+  and LAMB 2020), the first two a :class:`ServerOptimiser` as LargeBatchRounds'
+  recipe has them;
 - :class:`MemberProfiling`: how boards are timed when they join and how their
   measured speeds are smoothed.
 
@@ -28,15 +29,17 @@ def _check(rules: list[tuple[bool, str]]) -> None:
             raise ValueError(message)
 
 
-@dataclass(frozen=True)
-class AllReduceRecipe:
-    """The members' optimiser, schedule and gradient compression.
+@dataclass(frozen=True, kw_only=True)
+class ServerOptimiser:
+    """The large-batch optimiser and its learning-rate schedule, shared by
+    :class:`AllReduceRecipe` (the members of a LargeBatchSync job step it) and
+    :class:`~flowerbed.strategies.large_batch_rounds.LargeBatchRecipe` (the
+    server steps it); keyword-only fields.
 
     Parameters
     ----------
     optimizer : str (default: "lars")
-        ``"sgd"`` (momentum), ``"lars"`` or ``"lamb"`` (ignored when the
-        strategy's ``training`` names an optimiser factory).
+        ``"sgd"`` (momentum), ``"lars"`` or ``"lamb"``.
     base_lr : float (default: 0.1)
         ``eta`` for ``base_batch`` (Goyal et al.'s ResNet-50: 0.1 for 256).
     base_batch : int (default: 256)
@@ -49,10 +52,6 @@ class AllReduceRecipe:
         Optimiser settings (LAMB ignores momentum).
     trust : float (default: 0.001)
         LARS's trust coefficient.
-    compression : str (default: "none")
-        ``"none"``, ``"fp16"`` or ``"powersgd"``.
-    powersgd_rank : int (default: 1)
-        PowerSGD's approximation rank.
     """
 
     optimizer: str = "lars"
@@ -63,8 +62,6 @@ class AllReduceRecipe:
     momentum: float = 0.9
     weight_decay: float = 0.0
     trust: float = 0.001
-    compression: str = "none"
-    powersgd_rank: int = 1
 
     def __post_init__(self) -> None:
         _check(
@@ -73,7 +70,45 @@ class AllReduceRecipe:
                     self.optimizer in OPTIMIZERS,
                     f"optimizer {self.optimizer!r}; valid choices: "
                     f"{', '.join(OPTIMIZERS)}",
-                ),
+                )
+            ]
+        )
+
+    def schedule(self, batch_size: int) -> LrSchedule:
+        """Goyal et al.'s learning-rate schedule of a global batch of
+        ``batch_size``, over optimiser steps."""
+        return LrSchedule(
+            base_lr=self.base_lr,
+            base_batch=self.base_batch,
+            batch_size=batch_size,
+            warmup_steps=self.warmup_steps,
+            total_steps=self.decay_steps,
+        )
+
+
+@dataclass(frozen=True)
+class AllReduceRecipe(ServerOptimiser):
+    """The members' optimiser, schedule and gradient compression.
+
+    Parameters
+    ----------
+    compression : str (default: "none")
+        ``"none"``, ``"fp16"`` or ``"powersgd"``.
+    powersgd_rank : int (default: 1)
+        PowerSGD's approximation rank.
+    optimizer, base_lr, base_batch, warmup_steps, decay_steps, momentum, \
+weight_decay, trust
+        Keyword-only, as in :class:`ServerOptimiser` (``optimizer`` is ignored
+        when the strategy's ``training`` names an optimiser factory).
+    """
+
+    compression: str = "none"
+    powersgd_rank: int = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check(
+            [
                 (
                     self.compression in COMPRESSIONS,
                     f"compression {self.compression!r}; valid choices: "
@@ -81,16 +116,6 @@ class AllReduceRecipe:
                 ),
                 (self.powersgd_rank >= 1, "powersgd_rank must be >= 1"),
             ]
-        )
-
-    def schedule(self, batch_size: int) -> LrSchedule:
-        """The learning-rate schedule of a global batch of ``batch_size``."""
-        return LrSchedule(
-            base_lr=self.base_lr,
-            base_batch=self.base_batch,
-            batch_size=batch_size,
-            warmup_steps=self.warmup_steps,
-            total_steps=self.decay_steps,
         )
 
 

@@ -45,7 +45,6 @@ from typing import Any, ClassVar
 import numpy as np
 from flowerbed import keys
 from flowerbed.parallel.large_batch.optimizers import (
-    OPTIMIZERS,
     STEP_KEY,
     LargeBatchOptimizer,
 )
@@ -69,6 +68,7 @@ from flwr.serverapp.exception import AggregationError
 from flwr.supercore import log
 
 from .deadline import DeadlineFedAvg
+from .large_batch_options import ServerOptimiser
 from .options import Deadlines, WorkBalance
 from .reply_weights import smooth
 
@@ -80,7 +80,7 @@ known ones exists)."""
 
 
 @dataclass(frozen=True)
-class LargeBatchRecipe:
+class LargeBatchRecipe(ServerOptimiser):
     """The large-batch recipe of :class:`LargeBatchRounds` (Goyal et al., 2017;
     You et al., LARS 2017 and LAMB 2020).
 
@@ -90,42 +90,24 @@ class LargeBatchRecipe:
         ``B``, the large batch shared among a round's sampled nodes.
     client_lr : float (default: 1.0)
         Each node's SGD rate (with ``k = 1`` any rate gives the same ``g``).
-    optimizer : str (default: "lars")
-        The server optimiser: ``"sgd"`` (momentum), ``"lars"`` or ``"lamb"``.
-    base_lr, base_batch, warmup_steps, decay_steps
-        Goyal et al.'s schedule (:class:`LrSchedule`) over server steps.
-    momentum, weight_decay, trust
-        Server optimiser settings (LAMB ignores momentum).
+    optimizer, base_lr, base_batch, warmup_steps, decay_steps, momentum, \
+weight_decay, trust
+        The server optimiser and its schedule over server steps, keyword-only
+        (:class:`~flowerbed.strategies.large_batch_options.ServerOptimiser`).
     """
 
     batch_size: int = 256
     client_lr: float = 1.0
-    optimizer: str = "lars"
-    base_lr: float = 0.1
-    base_batch: int = 256
-    warmup_steps: int = 0
-    decay_steps: int = 0
-    momentum: float = 0.9
-    weight_decay: float = 0.0
-    trust: float = 0.001
 
     def __post_init__(self) -> None:
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(
-                f"optimizer {self.optimizer!r}; valid choices: {', '.join(OPTIMIZERS)}"
-            )
+        super().__post_init__()
         if not (math.isfinite(self.client_lr) and self.client_lr > 0):
             raise ValueError(f"client_lr must be > 0, got {self.client_lr}")
 
-    def schedule(self) -> LrSchedule:
-        """Goyal et al.'s rate over server steps for this batch."""
-        return LrSchedule(
-            base_lr=self.base_lr,
-            base_batch=self.base_batch,
-            batch_size=self.batch_size,
-            warmup_steps=self.warmup_steps,
-            total_steps=self.decay_steps,
-        )
+    def schedule(self, batch_size: int | None = None) -> LrSchedule:
+        """Goyal et al.'s rate over server steps, for this recipe's batch unless
+        ``batch_size`` is given."""
+        return super().schedule(self.batch_size if batch_size is None else batch_size)
 
     def server_optimizer(self) -> LargeBatchOptimizer:
         """A fresh server optimiser with these settings."""

@@ -145,6 +145,24 @@ def test_options_check_their_values(make: object, message: str) -> None:
         make()  # type: ignore[operator]
 
 
+def test_both_large_batch_recipes_share_one_keyword_only_server_optimiser() -> None:
+    from flowerbed.strategies.large_batch_options import (
+        AllReduceRecipe,
+        ServerOptimiser,
+    )
+
+    rounds, sync = LargeBatchRecipe(512, optimizer="sgd"), AllReduceRecipe("fp16")
+    assert isinstance(rounds, ServerOptimiser) and isinstance(sync, ServerOptimiser)
+    assert (rounds.batch_size, rounds.optimizer, sync.compression) == (
+        512,
+        "sgd",
+        "fp16",
+    )
+    assert rounds.schedule().batch_size == 512 and sync.schedule(64).batch_size == 64
+    with pytest.raises(ValueError, match="compression 'lamb'"):
+        AllReduceRecipe("lamb")  # the optimiser is keyword-only
+
+
 def test_large_batch_rounds_keeps_example_weighting() -> None:
     with pytest.raises(ValueError, match="weighted by examples"):
         LargeBatchRounds(work=WorkBalance(weighting="runtime"))
