@@ -291,6 +291,23 @@ def test_metricrecords_aggregation(name: str) -> None:
     assert expected_record.object_id == aggrd.object_id
 
 
+def _reply_content(
+    *,
+    record: str = "global-model",
+    array: str | None = None,
+    metrics: str = "metrics",
+    weight: str = "weight",
+) -> RecordDict:
+    """A reply's content: a random 7x3 model in the ArrayRecord ``record`` (its one
+    array named ``array``, or unnamed) and ``weight`` = 0.123 in the MetricRecord
+    ``metrics``."""
+    model = np.random.randn(7, 3)
+    arrays = (
+        ArrayRecord([model]) if array is None else ArrayRecord({array: Array(model)})
+    )
+    return RecordDict({record: arrays, metrics: MetricRecord({weight: 0.123})})
+
+
 BAD_RECORDS = {
     "weighting key is not a scalar": RecordDict(
         {
@@ -326,12 +343,7 @@ BAD_RECORDS = {
 @pytest.mark.parametrize("case", ["compliant", *sorted(BAD_RECORDS)])
 @pytest.mark.parametrize("name", sorted(STRATEGIES))
 def test_consistency_of_replies_with_matching_keys(name: str, case: str) -> None:
-    recorddict = BAD_RECORDS.get(case) or RecordDict(
-        {
-            "global-model": ArrayRecord([np.random.randn(7, 3)]),
-            "metrics": MetricRecord({"weight": 0.123}),
-        }
-    )
+    recorddict = BAD_RECORDS.get(case) or _reply_content()
     replies = [reply_of(recorddict) for _ in range(3)]
 
     arrays, _ = STRATEGIES[name](weighted_by_key="weight").aggregate_train(1, replies)
@@ -344,81 +356,19 @@ def test_consistency_of_replies_with_matching_keys(name: str, case: str) -> None
         assert_allclose(arrays.to_numpy_ndarrays()[0], only.to_numpy_ndarrays()[0])
 
 
-def _pair(first: RecordDict, second: RecordDict) -> list[RecordDict]:
-    return [first, second]
-
-
 DIFFERENT_KEYS: dict[str, tuple[list[RecordDict], int]] = {
     # top-level keys differ for ArrayRecords: a record's name is not the model's
-    "array record names": (
-        _pair(
-            RecordDict(
-                {
-                    "global-model": ArrayRecord([np.random.randn(7, 3)]),
-                    "metrics": MetricRecord({"weight": 0.123}),
-                }
-            ),
-            RecordDict(
-                {
-                    "model": ArrayRecord([np.random.randn(7, 3)]),
-                    "metrics": MetricRecord({"weight": 0.123}),
-                }
-            ),
-        ),
-        2,
-    ),
+    "array record names": ([_reply_content(), _reply_content(record="model")], 2),
     # the arrays inside differ: the second is not the first's model
-    "array names": (
-        _pair(
-            RecordDict(
-                {
-                    "global-model": ArrayRecord({"a": Array(np.random.randn(7, 3))}),
-                    "metrics": MetricRecord({"weight": 0.123}),
-                }
-            ),
-            RecordDict(
-                {
-                    "global-model": ArrayRecord({"b": Array(np.random.randn(7, 3))}),
-                    "metrics": MetricRecord({"weight": 0.123}),
-                }
-            ),
-        ),
-        1,
-    ),
+    "array names": ([_reply_content(array="a"), _reply_content(array="b")], 1),
     # top-level keys differ for MetricRecords: names again
     "metric record names": (
-        _pair(
-            RecordDict(
-                {
-                    "global-model": ArrayRecord([np.random.randn(7, 3)]),
-                    "metrics": MetricRecord({"weight": 0.123}),
-                }
-            ),
-            RecordDict(
-                {
-                    "global-model": ArrayRecord([np.random.randn(7, 3)]),
-                    "my-metrics": MetricRecord({"weight": 0.123}),
-                }
-            ),
-        ),
+        [_reply_content(), _reply_content(metrics="my-metrics")],
         2,
     ),
     # the weighting key is missing from the second
     "metric names": (
-        _pair(
-            RecordDict(
-                {
-                    "global-model": ArrayRecord([np.random.randn(7, 3)]),
-                    "metrics": MetricRecord({"weight": 0.123}),
-                }
-            ),
-            RecordDict(
-                {
-                    "global-model": ArrayRecord([np.random.randn(7, 3)]),
-                    "my-metrics": MetricRecord({"my-weights": 0.123}),
-                }
-            ),
-        ),
+        [_reply_content(), _reply_content(metrics="my-metrics", weight="my-weights")],
         1,
     ),
 }
