@@ -16,10 +16,11 @@ import pytest
 from flowerbed import keys
 from flowerbed.sims.config import Scenario
 from flowerbed.sims.scenario import build_fleet_grid, run_server
-from flowerbed.strategies import DeadlineFedAvg, FedBuff, RuntimeWeightedFedAvg
+from flowerbed.strategies import DeadlineFedAvg, RuntimeWeightedFedAvg
 from flowerbed.strategies.round_metrics import ROUND_PARTICIPANTS
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.serverapp.strategy import Strategy
+from test_bad_replies import assert_only_node_3_rejected, round_loops
 from test_strategies_fakes import FakeGrid, node, received, reply, weights
 
 GOOD = {"num_examples": 10, "num_steps": 4, "train_time_s": 1.0}
@@ -66,19 +67,14 @@ def hostile(numbers: dict[str, float]) -> Callable[[Message], tuple[Message, flo
 
 
 STRATEGIES: dict[str, Callable[[], Strategy]] = {
+    **round_loops("runtime"),
     **{
-        f"runtime-weighted {w}": (
-            lambda w=w: RuntimeWeightedFedAvg(weighting=w, fraction_evaluate=0.0)
-        )
-        for w in ("examples", "fednova", "throughput", "runtime")
+        f"runtime-weighted {w}": round_loops(w)["runtime-weighted"]
+        for w in ("examples", "fednova", "throughput")
     },
     "runtime-weighted balanced": lambda: RuntimeWeightedFedAvg(
         balance_work=True, local_steps=4, fraction_evaluate=0.0
     ),
-    "deadline": lambda: DeadlineFedAvg(
-        weighting="runtime", fraction_evaluate=0.0, deadline_s=5.0
-    ),
-    "fedbuff": lambda: FedBuff(fraction_evaluate=0.0, buffer_size=2),
 }
 
 
@@ -96,16 +92,12 @@ def test_a_hostile_number_is_rejected_with_its_range_and_the_round_goes_on(
             3: hostile(numbers),
         }
     )
-    result = STRATEGIES[name]().start(grid, weights(), num_rounds=1)
     # Equal examples, steps and times for nodes 1 and 2: every weighting gives
     # their plain mean. Node 3 answers first (0.5 s), so FedBuff's K = 2 buffer
     # fills with nodes 1 and 2.
-    assert float(result.arrays["w"].numpy()[0]) == pytest.approx(2.0)
-    rejections = [
-        r.getMessage() for r in caplog.records if "rejected" in r.getMessage()
-    ]
-    assert len(rejections) == 1
-    assert "node 3" in rejections[0] and reason in rejections[0]
+    assert_only_node_3_rejected(
+        STRATEGIES[name](), grid, caplog, reason, marks=("rejected",)
+    )
 
 
 @pytest.mark.usefixtures("quiet_single_threaded")

@@ -15,6 +15,7 @@ from flowerbed import keys
 from flowerbed.strategies import DeadlineFedAvg, FedBuff, RuntimeWeightedFedAvg
 from flowerbed.strategies.accumulation import to_arrayrecord
 from flwr.app import Error, Message, MetricRecord, RecordDict
+from flwr.serverapp.strategy import Strategy
 from test_strategies_fakes import FakeGrid, node, received, reply, weights
 
 
@@ -113,15 +114,43 @@ def fleet(bad: Callable[[Message], Message]) -> FakeGrid:
     )
 
 
-STRATEGIES = {
-    "runtime-weighted": lambda: RuntimeWeightedFedAvg(
-        weighting="examples", fraction_evaluate=0.0
-    ),
-    "deadline": lambda: DeadlineFedAvg(
-        weighting="examples", fraction_evaluate=0.0, deadline_s=5.0
-    ),
-    "fedbuff": lambda: FedBuff(fraction_evaluate=0.0, buffer_size=2),
-}
+def assert_only_node_3_rejected(
+    strategy: Strategy,
+    grid: FakeGrid,
+    caplog: pytest.LogCaptureFixture,
+    reason: str,
+    marks: tuple[str, ...],
+) -> None:
+    """One round of ``strategy`` on ``grid`` averages nodes 1 and 2 (w = 1 and 3, so
+    2.0) and logs one rejection, a line holding one of ``marks``: of node 3, for
+    ``reason``."""
+    result = strategy.start(grid, weights(), num_rounds=1)
+    assert float(result.arrays["w"].numpy()[0]) == pytest.approx(2.0)
+    rejections = [
+        r.getMessage()
+        for r in caplog.records
+        if any(mark in r.getMessage() for mark in marks)
+    ]
+    assert len(rejections) == 1
+    assert "node 3" in rejections[0]
+    assert reason in rejections[0]
+
+
+def round_loops(weighting: str) -> dict[str, Callable[[], Strategy]]:
+    """A strategy of each round loop, none evaluating: runtime-weighted FedAvg and
+    DeadlineFedAvg (5 s) weighting replies by ``weighting``, FedBuff with K = 2."""
+    return {
+        "runtime-weighted": lambda: RuntimeWeightedFedAvg(
+            weighting=weighting, fraction_evaluate=0.0
+        ),
+        "deadline": lambda: DeadlineFedAvg(
+            weighting=weighting, fraction_evaluate=0.0, deadline_s=5.0
+        ),
+        "fedbuff": lambda: FedBuff(fraction_evaluate=0.0, buffer_size=2),
+    }
+
+
+STRATEGIES = round_loops("examples")
 
 
 @pytest.mark.parametrize("kind", sorted(BAD_REPLIES))
@@ -131,20 +160,16 @@ def test_bad_reply_is_rejected_and_logged_and_the_round_goes_on(
 ) -> None:
     caplog.set_level(logging.INFO, logger="flwr")
     build, reason = BAD_REPLIES[kind]
-    result = STRATEGIES[name]().start(fleet(build), weights(), num_rounds=1)
     # FedBuff's K=2 buffer fills with node 1 (t=1) and node 2 (t=2), around node 3's
-    # bad reply at t=1.5, so all three strategies land on (1 + 3) / 2.
-    assert float(result.arrays["w"].numpy()[0]) == pytest.approx(2.0)
-    # An error reply gets Flower's own line, any other bad reply ours.
-    rejections = [
-        r.getMessage()
-        for r in caplog.records
-        if "rejected reply" in r.getMessage()
-        or "Received error in reply" in r.getMessage()
-    ]
-    assert len(rejections) == 1
-    assert "node 3" in rejections[0]
-    assert reason in rejections[0]
+    # bad reply at t=1.5, so all three strategies land on (1 + 3) / 2. An error reply
+    # gets Flower's own line, any other bad reply ours.
+    assert_only_node_3_rejected(
+        STRATEGIES[name](),
+        fleet(build),
+        caplog,
+        reason,
+        marks=("rejected reply", "Received error in reply"),
+    )
 
 
 def test_a_node_that_keeps_failing_is_quarantined_then_readmitted() -> None:
