@@ -16,6 +16,7 @@ import pytest
 from flowerbed.bench import cli, report
 from flowerbed.bench.sections import SECTIONS
 from flowerbed.cli import build_parser
+from test_tiles_bench import tiles_data
 
 PUBLISHED_PROSE = (
     "1.36x",
@@ -226,21 +227,14 @@ def tiles(quick: bool) -> dict[str, Any]:
             "overrun-s": [0.0] * boards,
         }
 
+    runs = [
+        run("1 core", 1, 0.8, 10 * mib),
+        run("1 board", 1, 0.2, 10 * mib),
+        run("2 boards", 2, 0.11, 2 * mib),
+    ]
     return {
         "quick": quick,
-        "model": "yolo-tiny 64x64, width 4",
-        "batch": 1,
-        "board-gflops": 0.54,
-        "cores": 4,
-        "link-mbps": 100.0,
-        "memory-mb": 900.0,
-        "runs": [
-            run("1 core", 1, 0.8, 10 * mib),
-            run("1 board", 1, 0.2, 10 * mib),
-            run("2 boards", 2, 0.11, 2 * mib),
-        ],
-        "grouping": [],
-        "grouping-boards": 2,
+        **tiles_data("yolo-tiny 64x64, width 4", runs, [], grouping_boards=2),
     }
 
 

@@ -39,23 +39,36 @@ def fake_run(name: str, boards: int, step_s: float, act: int, **extra: Any) -> d
     return row
 
 
-def data() -> dict[str, Any]:
-    mib = 2**20
+def tiles_data(
+    model: str, runs: list[dict], grouping: list[dict], grouping_boards: int
+) -> dict[str, Any]:
+    """A tiles section's data: ``runs`` of ``model`` at batch 1 on 4-core boards of
+    0.54 GFLOPS and 900 MB joined by 100 Mbit/s links."""
     return {
-        "model": "yolo-tiny 416x416, width 16",
+        "model": model,
         "batch": 1,
         "board-gflops": 0.54,
         "cores": 4,
         "link-mbps": 100.0,
         "memory-mb": 900.0,
-        "runs": [
+        "runs": runs,
+        "grouping": grouping,
+        "grouping-boards": grouping_boards,
+    }
+
+
+def data() -> dict[str, Any]:
+    mib = 2**20
+    return tiles_data(
+        "yolo-tiny 416x416, width 16",
+        [
             fake_run("1 core", 1, 80.0, 40 * mib),
             fake_run("1 board", 1, 20.0, 40 * mib),
             fake_run("6 boards", 6, 5.0, 8 * mib),
         ],
-        "grouping": [{"name": "6 boards, one fused group", "error": "tile too small"}],
-        "grouping-boards": 6,
-    }
+        [{"name": "6 boards, one fused group", "error": "tile too small"}],
+        grouping_boards=6,
+    )
 
 
 def test_speed_ups_limits_and_memory_ratios_follow_from_the_runs() -> None:
