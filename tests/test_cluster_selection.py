@@ -20,6 +20,7 @@ Best: time, EDP and time to accuracy {A, B}; energy {B}.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -196,23 +197,35 @@ def test_flat_keywords_still_work_with_a_deprecation_warning() -> None:
 # --- search ---------------------------------------------------------------------------
 
 
+def random_nodes(
+    rng: np.random.Generator, more: Callable[[np.random.Generator], dict[str, float]]
+) -> list[NodeModel]:
+    """2 to 9 nodes, each with lognormal step and overhead seconds (medians e^-3 and
+    e^-1 s) and the further fields ``more`` draws for it."""
+    return [
+        NodeModel(
+            i,
+            step_s=float(rng.lognormal(-3, 1)),
+            overhead_s=float(rng.lognormal(-1, 1)),
+            **more(rng),
+        )
+        for i in range(int(rng.integers(2, 10)))
+    ]
+
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_exhaustive_and_prefix_search_agree_on_time(mode: str) -> None:
     rng = np.random.default_rng(3)
     for trial in range(40):
-        n = int(rng.integers(2, 10))
-        nodes = [
-            NodeModel(
-                i,
-                step_s=float(rng.lognormal(-3, 1)),
-                overhead_s=float(rng.lognormal(-1, 1)),
-                busy_w=float(rng.uniform(2, 10)),
-                idle_w=float(rng.uniform(0.5, 2)),
-            )
-            for i in range(n)
-        ]
+        nodes = random_nodes(
+            rng,
+            lambda rng: {
+                "busy_w": float(rng.uniform(2, 10)),
+                "idle_w": float(rng.uniform(0.5, 2)),
+            },
+        )
         workload = Workload(mode=mode, steps=int(rng.integers(1, 60)), num_rounds=10)
-        min_size = int(rng.integers(1, n + 1))
+        min_size = int(rng.integers(1, len(nodes) + 1))
         for objective in ("time", "time-to-accuracy"):
             full = select(
                 nodes, workload, objective, min_size=min_size, search="exhaustive"

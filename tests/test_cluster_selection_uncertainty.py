@@ -40,6 +40,7 @@ from flowerbed.strategies.cluster_selection import (
     select,
 )
 from flwr.app import ArrayRecord, ConfigRecord
+from test_cluster_selection import random_nodes
 
 SYNC = Workload(mode="sync", steps=6, num_rounds=10, kappa=1.0)
 
@@ -166,16 +167,7 @@ def test_prefix_search_is_exact_for_time_when_task_times_are_ordered() -> None:
     # mean plus the same noise, so they are stochastically ordered by the mean.
     rng = np.random.default_rng(5)
     for trial in range(25):
-        n = int(rng.integers(2, 10))
-        nodes = [
-            NodeModel(
-                i,
-                step_s=float(rng.lognormal(-3, 1)),
-                overhead_s=float(rng.lognormal(-1, 1)),
-                overhead_var=0.01,
-            )
-            for i in range(n)
-        ]
+        nodes = random_nodes(rng, lambda rng: {"overhead_var": 0.01})
         workload = Workload(steps=int(rng.integers(1, 60)), num_rounds=10)
         full = select(nodes, workload, "time", search="exhaustive")
         fast = select(nodes, workload, "time", search="polynomial")
