@@ -132,32 +132,29 @@ def _prepare_strategy(
     return strategy, replies, expected
 
 
+@pytest.mark.parametrize(
+    ("momentum", "rounds"),
+    [(None, 1), (1e-9, 2)],
+    ids=[
+        "using_near_one_server_lr_and_no_momentum",
+        "server_learning_rate_and_momentum",
+    ],
+)
 @pytest.mark.parametrize("known_model", [False, True])
 @pytest.mark.parametrize("name", sorted(STRATEGIES))
-def test_aggregate_fit_using_near_one_server_lr_and_no_momentum(
-    name: str, known_model: bool
+def test_aggregate_fit(
+    name: str, known_model: bool, momentum: float | None, rounds: int
 ) -> None:
+    """Flower's first two FedAvgM tests: server learning rate ~1, without momentum
+    (one round) and with momentum ~0 (two rounds), aggregate as FedAvg does."""
     strategy, replies, expected = _prepare_strategy(name, known_model)
     strategy.server_learning_rate = 1.0 + 1e-9  # type: ignore[attr-defined]
+    if momentum is not None:
+        strategy.server_momentum = momentum  # type: ignore[attr-defined]
 
-    actual, _ = strategy.aggregate_train(1, replies)
-
-    assert actual is not None
-    for w_act, w_exp in zip(actual.to_numpy_ndarrays(), expected, strict=True):
-        np.testing.assert_almost_equal(w_act, w_exp, decimal=5)
-
-
-@pytest.mark.parametrize("known_model", [False, True])
-@pytest.mark.parametrize("name", sorted(STRATEGIES))
-def test_aggregate_fit_server_learning_rate_and_momentum(
-    name: str, known_model: bool
-) -> None:
-    strategy, replies, expected = _prepare_strategy(name, known_model)
-    strategy.server_learning_rate = 1.0 + 1e-9  # type: ignore[attr-defined]
-    strategy.server_momentum = 1e-9  # type: ignore[attr-defined]
-
-    actual, _ = strategy.aggregate_train(1, replies)
-    actual, _ = strategy.aggregate_train(2, replies)
+    actual = None
+    for server_round in range(1, rounds + 1):
+        actual, _ = strategy.aggregate_train(server_round, replies)
 
     assert actual is not None
     for w_act, w_exp in zip(actual.to_numpy_ndarrays(), expected, strict=True):
