@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 from flowerbed import keys
+from flowerbed.grid import LocalGrid
 from flowerbed.sims.apps import client_app
 from flowerbed.sims.config import Scenario
 from flowerbed.sims.scenario import build_fleet_grid, build_strategy, run_server
@@ -21,10 +22,8 @@ from flwr.app import (
     MetricRecord,
     RecordDict,
 )
-from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
+from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
-from flwr.supercore.run import Run
-from flwr.supercore.task_identity import TaskIdentity
 
 pytestmark = pytest.mark.usefixtures("quiet_single_threaded")
 """Tiny models train fastest on one thread."""
@@ -38,7 +37,7 @@ def flower_error_text(err: Exception) -> str:
     )
 
 
-class WallGrid(Grid):
+class WallGrid(LocalGrid):
     """Answers like Flower's engine: no clock, errors for exceptions, any order.
 
     Each node's reply becomes visible after ``polls`` pulls (wall latency that
@@ -61,27 +60,7 @@ class WallGrid(Grid):
         }
         self.waiting: list[tuple[int, str, Message]] = []
         self.count = 0
-        if TaskIdentity._run_id is None:  # as inside a ServerApp
-            TaskIdentity.run_id = 1
-            TaskIdentity.node_id = SUPERLINK_NODE_ID
-            TaskIdentity.task_id = 0
-
-    def set_run(self, run: Run) -> None:
-        pass
-
-    @property
-    def run(self) -> Run:
-        return Run.create_empty(1)
-
-    def create_message(
-        self,
-        content: RecordDict,
-        message_type: str,
-        dst_node_id: int,
-        group_id: str,
-        ttl: float | None = None,
-    ) -> Message:
-        return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
+        super().__init__(run_id=1)
 
     def get_node_ids(self) -> Iterable[int]:
         return list(self.nodes)  # not sorted, as Flower's may not be
