@@ -245,6 +245,19 @@ def _signal(pid: int, start: int, sig: int) -> None:
             os.kill(pid, sig)
 
 
+def proc_files(name: str) -> Iterator[tuple[int, bytes]]:
+    """``(pid, bytes of /proc/<pid>/<name>)`` of each process whose file could be
+    read (a process that ends meanwhile, or of another user, is passed over)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            content = (entry / name).read_bytes()
+        except OSError:
+            continue
+        yield int(entry.name), content
+
+
 def tagged(tag: str) -> dict[int, int]:
     """Live processes whose environment holds ``FLOWERBED_TEST_PROCESS=<tag>``.
 
@@ -254,17 +267,11 @@ def tagged(tag: str) -> dict[int, int]:
     """
     marker = f"{TAG_VARIABLE}={tag}".encode()
     found: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            environ = (entry / "environ").read_bytes()
-        except OSError:
-            continue
+    for pid, environ in proc_files("environ"):
         if marker in environ.split(b"\0"):
-            stat = _stat(int(entry.name))
+            stat = _stat(pid)
             if stat is not None:
-                found[int(entry.name)] = stat[1]
+                found[pid] = stat[1]
     return found
 
 

@@ -10,13 +10,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from flowerbed.parallel.group import free_port
+from procs import proc_files
 
 PYPROJECT = """\
 [build-system]
@@ -126,24 +127,13 @@ def main(grid: Grid, context: Context) -> None:
 STRATEGIES = ("RuntimeWeightedFedAvg", "DeadlineFedAvg", "FedBuff")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def superlink_pids(flwr_home: Path) -> list[int]:
     """PIDs of the local SuperLink that `flwr run` started for this FLWR_HOME."""
     pids = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
+    for pid, raw in proc_files("cmdline"):
+        cmdline = raw.replace(b"\0", b" ").decode()
         if "flower-superlink" in cmdline and str(flwr_home) in cmdline:
-            pids.append(int(proc.name))
+            pids.append(pid)
     return pids
 
 
