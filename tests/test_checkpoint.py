@@ -11,7 +11,6 @@ from flowerbed import keys
 from flowerbed.strategies import (
     DeadlineFedAvg,
     FedBuff,
-    LargeBatchRounds,
     RuntimeWeightedFedAvg,
 )
 from flowerbed.strategies.accumulation import to_arrayrecord
@@ -23,6 +22,7 @@ from flowerbed.strategies.checkpoints import (
 from flowerbed.strategies.options import Buffering
 from flowerbed.strategies.round_metrics import ROUND_CLOCK_S
 from flwr.serverapp.strategy import Result
+from test_checkpoint_hostile import large_batch, runtime_weighted
 from test_strategies_fakes import FakeGrid, config_of, node, silent, weights
 
 
@@ -274,9 +274,9 @@ def test_temporary_files_of_a_killed_write_are_removed(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "make",
     [
-        lambda path: RuntimeWeightedFedAvg(checkpoint_path=path),
+        runtime_weighted,
         lambda path: DeadlineFedAvg(checkpoint_path=path, deadline_s=5.0),
-        lambda path: LargeBatchRounds(checkpoint_path=path, deadline_s=5.0),
+        large_batch,
     ],
     ids=["RuntimeWeightedFedAvg", "DeadlineFedAvg", "LargeBatchRounds"],
 )
