@@ -40,10 +40,8 @@ from flowerbed.strategies.cluster_selection import (
     select,
 )
 from flwr.app import ArrayRecord, ConfigRecord
-from test_cluster_selection import random_nodes
-
-SYNC = Workload(mode="sync", steps=6, num_rounds=10, kappa=1.0)
-
+from test_cluster_selection import DEVICES, SYNC, random_nodes
+from test_cluster_selection import RUN as ENGINE_RUN
 
 pytestmark = pytest.mark.usefixtures("quiet_single_threaded")
 
@@ -217,16 +215,7 @@ def test_power_gain_error_makes_energy_less_certain() -> None:
 
 # --- adaptive profiling on the engine -------------------------------------------------
 
-RUN = {
-    "dataset": "digits",
-    "model": "lenet",
-    "local-steps": 4,
-    "batch-size": 16,
-    "num-rounds": 1,
-    "dropout": 0.0,
-    "seed": 3,
-}
-DEVICES = ["low-end-phone", "pixel-7", "rpi3b", "jetson-nano", "galaxy-s10"]
+RUN = {**ENGINE_RUN, "num-rounds": 1}
 
 
 def _profile(strategy: ClusterSelection) -> dict[int, NodeModel]:
