@@ -121,19 +121,44 @@ def _torch_grads(
     return loss.item(), {n: p.grad for n, p in model.named_parameters()}  # type: ignore[misc]
 
 
+def _assert_step_matches_autograd(
+    program: Program, model: nn.Module, batch: Batch, keys: list[str] | None = None
+) -> None:
+    """One step of ``program`` on ``batch`` gives torch autograd's loss on ``model``
+    (to rel 1e-5) and its gradients of ``keys`` (every parameter's by default; to
+    rtol 1e-4 and atol 1e-5)."""
+    x, y = batch
+    want_loss, want_grads = _torch_grads(model, x, y)
+    assert float(program.step(x, y)) == pytest.approx(want_loss, rel=1e-5)
+    for key in list(want_grads) if keys is None else keys:
+        torch.testing.assert_close(
+            program.gradients()[key], want_grads[key], rtol=1e-4, atol=1e-5, msg=key
+        )
+
+
 FAST_EXPORT_MODELS = [m for m in EXPORT_MODELS if m != "mobilenetv2"]
 """MobileNetV2 takes minutes to export; it has its own (slow) test below, with the
 paper's batch norm."""
 
 
-@needs_executorch
-@pytest.mark.parametrize("name", FAST_EXPORT_MODELS)
-def test_parameter_names_are_the_state_dict_keys(
-    name: str, exported: ExportedModels, digits_batch: Batch
-) -> None:
-    model, pte = exported[name]
+@pytest.fixture(params=FAST_EXPORT_MODELS)
+def stepped(
+    request: pytest.FixtureRequest, exported: ExportedModels, digits_batch: Batch
+) -> tuple[str, nn.Module, Program]:
+    """A fast model's name, the model (seeded with 0) and a program of it after one
+    step on the digits batch (the Python runtime names parameters after a first
+    step)."""
+    model, pte = exported[request.param]
     program = Program(pte)
     program.step(*digits_batch)
+    return request.param, model, program
+
+
+@needs_executorch
+def test_parameter_names_are_the_state_dict_keys(
+    stepped: tuple[str, nn.Module, Program],
+) -> None:
+    _, model, program = stepped
     assert sorted(program.parameters()) == sorted(model.state_dict())
     assert list(program.gradients()) == list(program.parameters())
     for key, value in model.state_dict().items():
@@ -141,23 +166,13 @@ def test_parameter_names_are_the_state_dict_keys(
 
 
 @needs_executorch
-@pytest.mark.parametrize("name", FAST_EXPORT_MODELS)
 def test_loss_and_gradients_match_torch_autograd(
-    name: str, exported: ExportedModels, digits_batch: Batch
+    stepped: tuple[str, nn.Module, Program], digits_batch: Batch
 ) -> None:
-    model, pte = exported[name]
-    x, y = digits_batch
-    program = Program(pte)
-    # Twice: the second pass runs over memory the first one left behind, where an
+    _, model, program = stepped
+    # A second pass: it runs over memory the first one left behind, where an
     # accumulating kernel that forgets to zero its output shows up.
-    program.step(x, y)
-    loss = program.step(x, y)
-    want_loss, want_grads = _torch_grads(model, x, y)
-    assert float(loss) == pytest.approx(want_loss, rel=1e-5)
-    for key, want in want_grads.items():
-        torch.testing.assert_close(
-            program.gradients()[key], want, rtol=1e-4, atol=1e-5, msg=key
-        )
+    _assert_step_matches_autograd(program, model, digits_batch)
 
 
 @needs_executorch
@@ -209,11 +224,9 @@ def _special_arrays(model: nn.Module, seed: int) -> dict[str, np.ndarray]:
 
 @needs_executorch
 def test_weights_written_into_the_program_read_back_bit_for_bit(
-    exported: ExportedModels, digits_batch: Batch
+    stepped: tuple[str, nn.Module, Program], digits_batch: Batch
 ) -> None:
-    model, pte = exported["lenet"]
-    program = Program(pte)
-    program.step(*digits_batch)
+    _, model, program = stepped
     arrays = _special_arrays(model, seed=1)
     for key, param in program.parameters().items():
         param.copy_(torch.from_numpy(arrays[key]))
@@ -223,24 +236,17 @@ def test_weights_written_into_the_program_read_back_bit_for_bit(
 
 
 @needs_executorch
+@pytest.mark.parametrize("stepped", ["lenet"], indirect=True)
 def test_program_trains_with_the_weights_written_into_it(
-    exported: ExportedModels, digits_batch: Batch
+    stepped: tuple[str, nn.Module, Program], digits_batch: Batch
 ) -> None:
-    _, pte = exported["lenet"]
-    x, y = digits_batch
-    program = Program(pte)
-    program.step(x, y)
+    _, _, program = stepped
     torch.manual_seed(7)
     other, _ = build_export_model("lenet", "digits")
     for key, param in program.parameters().items():
         param.copy_(other.state_dict()[key])
-    want_loss, want_grads = _torch_grads(other, x, y)
-    assert float(program.step(x, y)) == pytest.approx(want_loss, rel=1e-5)
-    torch.testing.assert_close(
-        program.gradients()["classifier.5.weight"],
-        want_grads["classifier.5.weight"],
-        rtol=1e-4,
-        atol=1e-5,
+    _assert_step_matches_autograd(
+        program, other, digits_batch, keys=["classifier.5.weight"]
     )
 
 
@@ -456,13 +462,8 @@ def test_batchnorm_becomes_groupnorm_with_the_same_parameter_names(
     assert list(model.state_dict()) == list(before)  # no running statistics left
     torch.testing.assert_close(model.bn.weight, before["bn.weight"])
     assert sorted(n for n, _ in result.parameters) == sorted(before)
-    x, y = digits_batch
-    want_loss, want_grads = _torch_grads(model, x, y)
     program = Program(result.data)
-    assert float(program.step(x, y)) == pytest.approx(want_loss, rel=1e-5)
-    torch.testing.assert_close(
-        program.gradients()["bn.weight"], want_grads["bn.weight"], rtol=1e-4, atol=1e-5
-    )
+    _assert_step_matches_autograd(program, model, digits_batch, keys=["bn.weight"])
 
 
 @needs_executorch
@@ -531,17 +532,14 @@ def test_batch_norm_trains_as_it_is_with_its_running_statistics_as_state(
 
 
 @needs_executorch
-@pytest.mark.parametrize("name", FAST_EXPORT_MODELS)
 def test_the_evaluation_method_is_torchs_eval_without_a_backward_pass(
-    name: str, exported: ExportedModels, digits_batch: Batch
+    stepped: tuple[str, nn.Module, Program], digits_batch: Batch
 ) -> None:
     """Evaluation runs a method of its own: a function of the batch and the weights it
     is given, with no gradient outputs, so it needs no training step first and
     changes nothing in the program."""
-    _, pte = exported[name]
+    name, _, program = stepped
     x, y = digits_batch
-    program = Program(pte)
-    program.step(x, y)  # the Python runtime names parameters after a first step
     before = {k: v.clone() for k, v in program.parameters().items()}
     torch.manual_seed(5)
     other, _ = build_export_model(name, "digits")
@@ -610,14 +608,8 @@ def test_attention_exports_with_the_parameter_order_of_the_program(
     model = AttentionNet()
     result = export_training_program(model, DATASET_SHAPES["digits"])
     program = Program(result.data)
-    x, y = digits_batch
-    want_loss, want_grads = _torch_grads(model, x, y)
-    assert float(program.step(x, y)) == pytest.approx(want_loss, rel=1e-5)
+    _assert_step_matches_autograd(program, model, digits_batch)
     assert [n for n, _ in result.parameters] == list(program.gradients())
-    for key, want in want_grads.items():
-        torch.testing.assert_close(
-            program.gradients()[key], want, rtol=1e-4, atol=1e-5, msg=key
-        )
 
 
 USER_MODULE = """
