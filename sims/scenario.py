@@ -71,6 +71,7 @@ STRATEGIES: dict[str, StrategyFactory] = {
         partial_work=True,
         deadline_percentile=RECOMMENDED_DEADLINES.deadline_percentile,
         pacer_step=RECOMMENDED_DEADLINES.pacer_step,
+        work_fraction=RECOMMENDED_DEADLINES.work_fraction,
     ),
     "fedbuff": flowerbed_strategy("FedBuff"),
 }

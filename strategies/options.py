@@ -367,12 +367,15 @@ RECOMMENDED_DEADLINES = Deadlines(
     deadline_percentile=RECOMMENDED_PERCENTILE,
     pacer_step=0.0,
     partial_work=True,
+    work_fraction=1.0,
 )
 """flowerbed's one recommended default (``strategy = "deadline"``,
 :meth:`~flowerbed.strategies.DeadlineFedAvg.recommended`): an adaptive
 deadline at the 20th percentile of the last rounds' full-work durations,
-partial work sized to it per device with each node's lateness learnt, late
-updates, no pacer. Why these values: docs/strategies/deadline.md."""
+partial work sized to it per device with each node's lateness learnt (a node
+whose lateness is not known yet may use the whole deadline; its first reply
+that stops there teaches it), late updates, no pacer. Why these values:
+docs/strategies/deadline.md."""
 
 
 @dataclass(frozen=True)

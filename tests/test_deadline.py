@@ -18,13 +18,14 @@ from flowerbed.strategies.deadline import (
     censored_percentile,
     full_work_seconds,
 )
+from flowerbed.strategies.inflight import Ticket
 from flowerbed.strategies.round_metrics import (
     ROUND_DEADLINE_S,
     ROUND_LATE_UPDATES,
     ROUND_PARTICIPANTS,
     ROUND_STRAGGLERS,
 )
-from flwr.app import MetricRecord
+from flwr.app import MessageType, MetricRecord
 from flwr.serverapp.strategy import Result
 from test_strategies_fakes import FakeGrid, config_of, node, silent, weights
 
@@ -82,6 +83,40 @@ def test_late_update_is_folded_into_a_later_round_with_staleness_discount() -> N
     assert result.train_metrics_clientapp[3][ROUND_PARTICIPANTS] == 2
     # Busy with its round-1 work, node 3 was not sampled again meanwhile.
     assert len(grid.pushed_to(3)) == 1
+
+
+def test_first_round_work_sent_without_a_deadline_is_not_folded_late(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Adaptive deadline at p20 with partial work: round 1 (no durations, no
+    # deadline-s) closes at node 1's reply, t=1. Nodes 2 and 3 trained their
+    # whole round-1 work and reply at t=2 and t=6, in later rounds: dropped,
+    # not folded. Node 2's round-2 task carried a deadline-s; the fake node
+    # ignores it and replies 2 s later, in round 4: that late update folds.
+    grid = fleet(slow_s=6.0)
+    run = strategy(
+        adaptive_deadline=True,
+        partial_work=True,
+        deadline_percentile=20.0,
+        pacer_step=0.0,
+        max_staleness=3,
+        clip_factor=None,
+    )
+    with caplog.at_level(logging.INFO):
+        result = run.start(grid, weights(), num_rounds=6)
+    late = {r: m[ROUND_LATE_UPDATES] for r, m in result.train_metrics_clientapp.items()}
+    assert late[2] == late[3] == 0
+    assert late[4] == 1
+    assert "sent before any deadline was known" in caplog.text
+    assert not run.folds_late(grid_ticket(deadline_s=None), 1)
+    assert run.folds_late(grid_ticket(deadline_s=0.8), 1)
+    assert not run.folds_late(grid_ticket(deadline_s=0.8), 4)  # > max_staleness
+
+
+def grid_ticket(deadline_s: float | None) -> Ticket:
+    return Ticket(
+        2, 1, 0.0, MessageType.TRAIN, assigned_steps=10, deadline_s=deadline_s
+    )
 
 
 def test_updates_older_than_max_staleness_are_dropped() -> None:

@@ -158,11 +158,11 @@ def test_lateness_is_measured_against_the_reply_s_own_task() -> None:
 
 def test_the_node_at_the_percentile_keeps_its_whole_task() -> None:
     # Three identical nodes that count everything inside deadline-s, 10 steps
-    # of 1 s. Round 2: D = c(20) / 0.98 = 10.2 s, lateness not yet known, so
-    # 0.8 D = 8.16 s: 8 steps, landing before their deadline-s (lateness 0).
-    # Round 3: D = 10 / 0.98 again and each node gets D - 0 - 0.02 D = 10 s:
-    # the whole task. With D = c(20) it would get 9.8 s, and 9 steps, every
-    # round, in rounds as long as a full task.
+    # of 1 s. Round 2: D = c(20) / 0.98 = 10.2 s; lateness not yet known, and
+    # the recommended work_fraction 1 gives all of D: the whole task, replied
+    # before deadline-s (which teaches no lateness), so round 3 the same. With
+    # D = c(20) and a learnt lateness 0 a node would get 9.8 s, and 9 steps,
+    # every round, in rounds as long as a full task.
     grid = FakeGrid({n: board(after_s=0.0) for n in (1, 2, 3)})
     strategy = DeadlineFedAvg(
         fraction_evaluate=0.0,
@@ -172,4 +172,4 @@ def test_the_node_at_the_percentile_keeps_its_whole_task() -> None:
     strategy.start(grid, weights(), num_rounds=3, train_config=ASSIGNED)
     sent = [config_of(m).get(keys.DEADLINE_S) for m in grid.pushed_to(1)]
     assert sent[0] is None  # round 1: no duration known yet
-    assert sent[1:] == pytest.approx([0.8 * 10 / 0.98, 10.0])
+    assert sent[1:] == pytest.approx([10 / 0.98, 10 / 0.98])
