@@ -18,6 +18,7 @@ from flowerbed.sims.population import (
     check_memory,
     population_bytes,
 )
+from test_population import refused_one_byte_short
 
 pytestmark = pytest.mark.usefixtures("quiet_single_threaded")
 """Tiny models train fastest on one thread."""
@@ -52,10 +53,7 @@ def test_a_billion_nodes_sampled_one_at_a_time_is_refused_for_its_population(
 def test_the_population_and_the_round_share_the_memory() -> None:
     # 1,000 nodes x 440 B = 440,000 B; a round of 500 tasks of a 1 KiB model:
     # 500 x (3 x 1,024 + 32,768) = 17,920,000 B; together 18,360,000 B.
-    check_memory(1000, 0.5, 1024, available=18_360_000)
-    with pytest.raises(DataError) as refused:
-        check_memory(1000, 0.5, 1024, available=18_359_999)
-    message = str(refused.value)
+    message = refused_one_byte_short(check_memory, (1000, 0.5, 1024), 18_360_000)
     assert "a round of 500 train tasks holds about 0.0 GiB" in message
     assert "beside the 0.0 GiB its 1000 nodes hold" in message
     assert "sample at most 499 nodes per round" in message

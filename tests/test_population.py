@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -80,15 +81,23 @@ def test_sim_shows_why_tasks_failed_and_exits_non_zero_when_all_did(
     assert "in round 1: " in captured.out and "dropped out" in captured.out
 
 
+def refused_one_byte_short(
+    check: Callable[..., None], args: tuple[float, ...], fits: int
+) -> str:
+    """The message of the DataError ``check(*args)`` raises with one byte less
+    than ``fits`` available, after checking that ``fits`` bytes pass."""
+    check(*args, available=fits)
+    with pytest.raises(DataError) as refused:
+        check(*args, available=fits - 1)
+    return str(refused.value)
+
+
 def test_a_round_that_cannot_fit_in_memory_is_refused_naming_the_cohort_that_fits() -> (
     None
 ):
     # 1,000 nodes at fraction-train 0.5 sample 500; each task holds 3 model-sized
     # buffers of a 1 KiB model + 32 KiB: 500 x 35 KiB = 17,920,000 bytes.
-    check_cohort_memory(1000, 0.5, 1024, available=17_920_000)
-    with pytest.raises(DataError) as refused:
-        check_cohort_memory(1000, 0.5, 1024, available=17_919_999)
-    message = str(refused.value)
+    message = refused_one_byte_short(check_cohort_memory, (1000, 0.5, 1024), 17_920_000)
     assert "num-nodes=1000 with fraction-train=0.5: a round of 500 train" in message
     assert "(35 KiB each for a 1 KiB model)" in message
     assert "sample at most 499 nodes per round" in message
