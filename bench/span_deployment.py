@@ -38,6 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from flowerbed.bench.flower_app import write_pyproject
+
 HOST = "127.0.0.1"
 CONNECTION = "bench"
 KILL_MODES = ("board", "supernode")
@@ -132,35 +134,12 @@ def write_app(root: Path) -> Path:
     """The Flower App folder of the bench's ServerApp (and the span ClientApp)."""
     app = root / "app"
     (app / "fbspanbench").mkdir(parents=True, exist_ok=True)
-    defaults = {**RUN_CONFIG, "port": 29500}
-    (app / "pyproject.toml").write_text(
-        "\n".join(
-            [
-                "[build-system]",
-                'requires = ["hatchling"]',
-                'build-backend = "hatchling.build"',
-                "",
-                "[project]",
-                'name = "fbspanbench"',
-                'version = "1.0.0"',
-                'license = "Apache-2.0"',
-                "dependencies = []",
-                "",
-                "[tool.hatch.build.targets.wheel]",
-                'packages = ["."]',
-                "",
-                "[tool.flwr.app]",
-                'publisher = "flowerbed"',
-                "",
-                "[tool.flwr.app.components]",
-                'serverapp = "fbspanbench.server:app"',
-                'clientapp = "flowerbed.clients.span_app:app"',
-                "",
-                "[tool.flwr.app.config]",
-                *(f"{k} = {v}" for k, v in defaults.items()),
-            ]
-        )
-        + "\n"
+    write_pyproject(
+        app,
+        "fbspanbench",
+        "fbspanbench.server:app",
+        "flowerbed.clients.span_app:app",
+        {**RUN_CONFIG, "port": 29500},
     )
     (app / "fbspanbench" / "__init__.py").write_text("")
     (app / "fbspanbench" / "server.py").write_text(SERVER_APP)

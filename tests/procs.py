@@ -68,6 +68,7 @@ from pathlib import Path
 from types import TracebackType
 
 import pytest
+from flowerbed.bench.flower_app import UserValue, write_pyproject
 
 HOST = "127.0.0.1"
 CONNECTION = "flowerbed-test"
@@ -77,9 +78,9 @@ STOP_GRACE_S = 5.0
 TAG_VARIABLE = "FLOWERBED_TEST_PROCESS"
 """Environment variable that marks each started process and all its descendants."""
 NODE_ID_PATTERN = re.compile(r"SuperNode ID: (\d+)")
+TEST_APP = "flowerbed test app"
+"""The description in the pyproject.toml of the apps written here."""
 RUN_ID_PATTERN = re.compile(r"Successfully started run (\d+)")
-
-UserValue = str | int | float | bool
 
 
 def free_port() -> int:
@@ -132,53 +133,12 @@ def write_app(
     """
     app_dir = root / "app"
     (app_dir / package).mkdir(parents=True)
-    write_pyproject(app_dir, package, f"{package}.server:app", clientapp, config)
+    write_pyproject(
+        app_dir, package, f"{package}.server:app", clientapp, config, TEST_APP
+    )
     (app_dir / package / "__init__.py").write_text("")
     (app_dir / package / "server.py").write_text(server_source)
     return app_dir
-
-
-def write_pyproject(
-    app_dir: Path,
-    name: str,
-    serverapp: str,
-    clientapp: str,
-    config: Mapping[str, UserValue],
-) -> Path:
-    """``app_dir/pyproject.toml`` of the Flower App ``name``.
-
-    ``serverapp`` and ``clientapp`` are the components' ``module:object``;
-    ``config`` becomes the run config's defaults (``[tool.flwr.app.config]``).
-    Returns the file.
-    """
-    lines = [
-        "[build-system]",
-        'requires = ["hatchling"]',
-        'build-backend = "hatchling.build"',
-        "",
-        "[project]",
-        f'name = "{name}"',
-        'version = "1.0.0"',
-        'description = "flowerbed test app"',
-        'license = "Apache-2.0"',
-        "dependencies = []",
-        "",
-        "[tool.hatch.build.targets.wheel]",
-        'packages = ["."]',
-        "",
-        "[tool.flwr.app]",
-        'publisher = "flowerbed"',
-        "",
-        "[tool.flwr.app.components]",
-        f'serverapp = "{serverapp}"',
-        f'clientapp = "{clientapp}"',
-        "",
-        "[tool.flwr.app.config]",
-        *(f"{key} = {_toml(value)}" for key, value in config.items()),
-    ]
-    path = app_dir / "pyproject.toml"
-    path.write_text("\n".join(lines) + "\n")
-    return path
 
 
 def start_flwr_run(
@@ -200,16 +160,6 @@ def start_flwr_run(
             stdout=out,
             stderr=subprocess.STDOUT,
         )
-
-
-def _toml(value: UserValue) -> str:
-    """A TOML value: booleans lower-case, strings quoted (JSON's escapes are
-    TOML's), numbers as Python writes them."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return json.dumps(value)
-    return repr(value)
 
 
 # --------------------------------------------------------------------------------------
@@ -741,5 +691,7 @@ def write_demo_app(root: Path, name: str, config: Mapping[str, UserValue]) -> Pa
     ServerApp and ClientApp with the run config defaults ``config``."""
     app_dir = root / "app"
     app_dir.mkdir()
-    write_pyproject(app_dir, name, f"{DEMO_APP}:app", f"{DEMO_APP}:client_app", config)
+    write_pyproject(
+        app_dir, name, f"{DEMO_APP}:app", f"{DEMO_APP}:client_app", config, TEST_APP
+    )
     return app_dir
