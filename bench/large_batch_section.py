@@ -33,14 +33,13 @@ Three parts:
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 from collections.abc import Mapping
 from datetime import datetime, timezone
 from typing import Any
 
-from .sections import SectionRun, add_parts_option, chosen_parts, parts_choices
+from .sections import PartsOption, SectionRun
 
 TITLE = "Large-batch synchronous training"
 PARTS = ("scaling", "sync", "rounds", "accuracy")
@@ -68,20 +67,14 @@ S1_REFERENCE = (
 )
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_parts_option(p, "large-batch", PARTS)
-
-
-def check(args: argparse.Namespace) -> None:
-    chosen_parts(args, "large-batch", PARTS)
-
-
-def choices() -> list[str]:
-    return parts_choices("large-batch", PARTS)
+OPTION = PartsOption("large-batch", PARTS)
+add_arguments = OPTION.add_arguments
+check = OPTION.check
+choices = OPTION.choices
 
 
 def run(ctx: SectionRun) -> dict[str, Any]:
-    parts = chosen_parts(ctx.args, "large-batch", PARTS)
+    parts = OPTION.chosen(ctx.args)
     if ctx.quick and not getattr(ctx.args, "large_batch", None):
         parts = [p for p in parts if p not in QUICK_SKIPS]
     data: dict[str, Any] = dict(ctx.previous or {})

@@ -11,7 +11,6 @@ some parts keeps the others' figures from the previous results.
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 from collections.abc import Mapping
@@ -19,13 +18,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from .sections import (
-    SectionRun,
-    add_parts_option,
-    app_root,
-    chosen_parts,
-    parts_choices,
-)
+from .sections import PartsOption, SectionRun, app_root
 
 TITLE = "Machinery cost"
 PARTS = ("aggregation", "throughput", "startup", "client", "gateway")
@@ -48,23 +41,12 @@ QUICK_THROUGHPUT_MODES = ("legacy", "per-node", "batched")
 GATEWAY_PHONES = 100
 
 
-def choices() -> list[str]:
-    """What ``--machinery`` takes (``flowerbed bench --list``)."""
-    return parts_choices("machinery", PARTS)
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    note = "; the other parts keep their previous figures"
-    add_parts_option(p, "machinery", PARTS, note)
-
-
-def parts_from_args(args: argparse.Namespace) -> list[str]:
-    """The parts to run; ``ValueError`` naming an unknown one."""
-    return chosen_parts(args, "machinery", PARTS)
-
-
-def check(args: argparse.Namespace) -> None:
-    parts_from_args(args)
+OPTION = PartsOption(
+    "machinery", PARTS, "; the other parts keep their previous figures"
+)
+add_arguments = OPTION.add_arguments
+check = OPTION.check
+choices = OPTION.choices
 
 
 def run_part(part: str, quick: bool, app_dir: Path) -> dict[str, Any]:
@@ -117,7 +99,7 @@ def run_part(part: str, quick: bool, app_dir: Path) -> dict[str, Any]:
 
 
 def run(ctx: SectionRun) -> dict[str, Any]:
-    parts = parts_from_args(ctx.args)
+    parts = OPTION.chosen(ctx.args)
     step = ctx.tracker(len(parts))
     previous = dict(ctx.previous or {})
     out = {p: previous[p] for p in PARTS if p in previous and p not in parts}

@@ -33,7 +33,6 @@ Three parts:
 
 from __future__ import annotations
 
-import argparse
 import math
 import statistics
 import time
@@ -41,7 +40,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .sections import SectionRun, add_parts_option, chosen_parts, parts_choices
+from .sections import PartsOption, SectionRun
 
 TITLE = "Pipeline training across unequal boards"
 PARTS = ("local", "failures", "deployment", "virtual")
@@ -58,16 +57,10 @@ TARGET_IDEAL = 0.8
 TARGET_MODEL_ERROR = 0.15
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_parts_option(p, "pipeline", PARTS)
-
-
-def check(args: argparse.Namespace) -> None:
-    chosen_parts(args, "pipeline", PARTS)
-
-
-def choices() -> list[str]:
-    return parts_choices("pipeline", PARTS)
+OPTION = PartsOption("pipeline", PARTS)
+add_arguments = OPTION.add_arguments
+check = OPTION.check
+choices = OPTION.choices
 
 
 def run(ctx: SectionRun) -> dict[str, Any]:
@@ -76,7 +69,7 @@ def run(ctx: SectionRun) -> dict[str, Any]:
     import flwr.common.logger  # noqa: F401  (sets the flwr logger's level on import)
 
     logging.getLogger("flwr").setLevel(logging.WARNING)
-    parts = chosen_parts(ctx.args, "pipeline", PARTS)
+    parts = OPTION.chosen(ctx.args)
     data: dict[str, Any] = dict(ctx.previous or {})
     data.pop("error", None)
     step = ctx.tracker(len(parts))

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -78,36 +78,50 @@ def section_module(name: str) -> ModuleType:
     return importlib.import_module(SECTIONS[name])
 
 
-def add_parts_option(
-    p: argparse.ArgumentParser, option: str, parts: Sequence[str], note: str = ""
-) -> None:
-    """A section's ``--<option>``: a comma-separated subset of ``parts`` (its
-    argument group is ``"<option> section"``; ``note`` ends the help)."""
-    g = p.add_argument_group(f"{option} section")
-    g.add_argument(
-        f"--{option}",
-        help=f"comma-separated subset of: {', '.join(parts)} (default all){note}",
-    )
+@dataclass(frozen=True)
+class PartsOption:
+    """A section's ``--<option>``: a comma-separated subset of its ``parts``.
 
+    Its methods are the section's ``add_arguments``, ``check`` and ``choices``
+    (``add_arguments = OPTION.add_arguments`` in the section's module).
+    """
 
-def parts_choices(option: str, parts: Sequence[str]) -> list[str]:
-    """What ``--<option>`` takes (``flowerbed bench --list``)."""
-    return [f"--{option}: {', '.join(parts)}"]
+    option: str
+    parts: tuple[str, ...]
+    note: str = ""
+    """Ends the option's help."""
 
+    def add_arguments(self, p: argparse.ArgumentParser) -> None:
+        """The option, in the argument group ``"<option> section"``."""
+        g = p.add_argument_group(f"{self.option} section")
+        g.add_argument(
+            f"--{self.option}",
+            help=f"comma-separated subset of: {', '.join(self.parts)} "
+            f"(default all){self.note}",
+        )
 
-def chosen_parts(
-    args: argparse.Namespace, option: str, parts: Sequence[str]
-) -> list[str]:
-    """The parts a section's comma-separated ``--<option>`` names (all ``parts``
-    when it is not given); ``ValueError`` naming an unknown one."""
-    raw = getattr(args, option.replace("-", "_"), None)
-    chosen = [p.strip() for p in raw.split(",") if p.strip()] if raw else list(parts)
-    for part in chosen:
-        if part not in parts:
-            raise ValueError(
-                f"unknown {option} part {part!r}; valid choices: {', '.join(parts)}"
-            )
-    return chosen
+    def choices(self) -> list[str]:
+        """What ``--<option>`` takes (``flowerbed bench --list``)."""
+        return [f"--{self.option}: {', '.join(self.parts)}"]
+
+    def chosen(self, args: argparse.Namespace) -> list[str]:
+        """The parts ``--<option>`` names (all ``parts`` when it is not given);
+        ``ValueError`` naming an unknown one."""
+        raw = getattr(args, self.option.replace("-", "_"), None)
+        if not raw:
+            return list(self.parts)
+        chosen = [p.strip() for p in raw.split(",") if p.strip()]
+        for part in chosen:
+            if part not in self.parts:
+                raise ValueError(
+                    f"unknown {self.option} part {part!r}; valid choices: "
+                    f"{', '.join(self.parts)}"
+                )
+        return chosen
+
+    def check(self, args: argparse.Namespace) -> None:
+        """``ValueError`` if ``--<option>`` names an unknown part."""
+        self.chosen(args)
 
 
 @dataclass
