@@ -52,6 +52,7 @@ from flowerbed.sims.conv_kernels import (
 )
 from flowerbed.sims.grouped import GroupedForward, grouped_inputs
 from flowerbed.sims.layers import (
+    Backprop,
     Conv,
     Flatten,
     Grouped,
@@ -204,7 +205,7 @@ class GroupedSGD:
                 assert grad is not None
                 h_in, grouped_in, saved = tape[i]
                 grad = layers[i].backward(
-                    grad, h_in, grouped_in, saved, params, rates, i > 0
+                    grad, Backprop(h_in, grouped_in, saved, params, rates, i > 0)
                 )
         return losses
 

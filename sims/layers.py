@@ -121,6 +121,23 @@ class Rates:
         return self._scales[batch]
 
 
+@dataclass(frozen=True)
+class Backprop:
+    """What a layer's backward pass is given besides the gradient of its output."""
+
+    h_in: torch.Tensor
+    """The layer's input."""
+    grouped_in: bool
+    """Its layout (``True``: grouped)."""
+    saved: torch.Tensor | None
+    """What the forward pass kept for the backward pass."""
+    params: dict[str, torch.Tensor]
+    """Every node's weights (``name -> (nodes, *shape)``), moved in place."""
+    rates: Rates
+    need_input: bool
+    """Whether the gradient of the input is wanted (not for the first layer)."""
+
+
 class Layer:
     """One layer for every node at once: its forward pass and, when
     ``WRITTEN_BACKWARD``, its backward pass, which moves its weights (if any)
@@ -146,16 +163,7 @@ class Layer:
         """Output, its layout (``True``: grouped), what backward keeps."""
         return h, grouped, None
 
-    def backward(
-        self,
-        grad: torch.Tensor,
-        h_in: torch.Tensor,
-        grouped_in: bool,
-        saved: torch.Tensor | None,
-        params: dict[str, torch.Tensor],
-        rates: Rates,
-        need_input: bool,
-    ) -> torch.Tensor | None:
+    def backward(self, grad: torch.Tensor, ctx: Backprop) -> torch.Tensor | None:
         return grad
 
 
@@ -222,24 +230,15 @@ class Conv(Weighted):
         )
         return out, True, weight  # backward moves the weights through this view
 
-    def backward(
-        self,
-        grad: torch.Tensor,
-        h_in: torch.Tensor,
-        grouped_in: bool,
-        saved: torch.Tensor | None,
-        params: dict[str, torch.Tensor],
-        rates: Rates,
-        need_input: bool,
-    ) -> torch.Tensor | None:
-        assert saved is not None
-        if h_in.dim() == 5:  # the node layout
-            return self._node_backward(grad, h_in, saved, params, rates, need_input)
-        n = params[self.weight_key].shape[0]
+    def backward(self, grad: torch.Tensor, ctx: Backprop) -> torch.Tensor | None:
+        assert ctx.saved is not None
+        if ctx.h_in.dim() == 5:  # the node layout
+            return self._node_backward(grad, ctx, ctx.saved)
+        n = ctx.params[self.weight_key].shape[0]
         grad_in, grad_weight, _ = torch.ops.aten.convolution_backward(
             grad,
-            h_in,
-            saved,
+            ctx.h_in,
+            ctx.saved,
             None,
             self.stride,
             self.padding,
@@ -247,38 +246,33 @@ class Conv(Weighted):
             False,
             self.zeros,
             self.groups * n,
-            [need_input, True, False],
+            [ctx.need_input, True, False],
         )
-        proximal(params, rates, self.weight_key)
-        saved.sub_(grad_weight)
+        proximal(ctx.params, ctx.rates, self.weight_key)
+        ctx.saved.sub_(grad_weight)
         if self.bias_key:
-            proximal(params, rates, self.bias_key)
-            params[self.bias_key].sub_(grad.sum(dim=(0, *self.spatial)).view(n, -1))
+            proximal(ctx.params, ctx.rates, self.bias_key)
+            ctx.params[self.bias_key].sub_(grad.sum(dim=(0, *self.spatial)).view(n, -1))
         return grad_in
 
     def _node_backward(
-        self,
-        grad: torch.Tensor,
-        h_in: torch.Tensor,
-        saved: torch.Tensor,
-        params: dict[str, torch.Tensor],
-        rates: Rates,
-        need_input: bool,
+        self, grad: torch.Tensor, ctx: Backprop, saved: torch.Tensor
     ) -> torch.Tensor | None:
-        _, height, width, _, batch = h_in.shape
+        """:meth:`backward` in the node layout (``saved``: the laid-out weights)."""
+        _, height, width, _, batch = ctx.h_in.shape
         kernels = self.kernels[(height, width, batch)]
-        grad_in = kernels.input_grad(grad, saved) if need_input else None
-        proximal(params, rates, self.weight_key)
+        grad_in = kernels.input_grad(grad, saved) if ctx.need_input else None
+        proximal(ctx.params, ctx.rates, self.weight_key)
         bias = None
         if self.bias_key:
-            proximal(params, rates, self.bias_key)
-            bias = params[self.bias_key]  # moved by the kernel too
-        weights = params[self.weight_key]
+            proximal(ctx.params, ctx.rates, self.bias_key)
+            bias = ctx.params[self.bias_key]  # moved by the kernel too
+        weights = ctx.params[self.weight_key]
         if saved.data_ptr() == weights.data_ptr():  # a view: moves in place
-            kernels.update_weights(grad, h_in, saved, bias)
+            kernels.update_weights(grad, ctx.h_in, saved, bias)
         else:  # rows of some nodes (copies): move a copy and put it back
             moved = _laid(weights)
-            kernels.update_weights(grad, h_in, moved, bias)
+            kernels.update_weights(grad, ctx.h_in, moved, bias)
             weights.copy_(moved.permute(0, 1, 4, 2, 3))
         return grad_in
 
@@ -301,23 +295,14 @@ class Linear(Weighted):
             return torch.bmm(h, weight), False, None
         return torch.baddbmm(params[self.bias_key].unsqueeze(1), h, weight), False, None
 
-    def backward(
-        self,
-        grad: torch.Tensor,
-        h_in: torch.Tensor,
-        grouped_in: bool,
-        saved: torch.Tensor | None,
-        params: dict[str, torch.Tensor],
-        rates: Rates,
-        need_input: bool,
-    ) -> torch.Tensor | None:
-        weight = params[self.weight_key]
-        grad_in = torch.bmm(grad, weight) if need_input else None
-        proximal(params, rates, self.weight_key)
-        weight.baddbmm_(grad.transpose(1, 2), h_in, alpha=-1)
+    def backward(self, grad: torch.Tensor, ctx: Backprop) -> torch.Tensor | None:
+        weight = ctx.params[self.weight_key]
+        grad_in = torch.bmm(grad, weight) if ctx.need_input else None
+        proximal(ctx.params, ctx.rates, self.weight_key)
+        weight.baddbmm_(grad.transpose(1, 2), ctx.h_in, alpha=-1)
         if self.bias_key:
-            proximal(params, rates, self.bias_key)
-            params[self.bias_key].sub_(grad.sum(dim=1))
+            proximal(ctx.params, ctx.rates, self.bias_key)
+            ctx.params[self.bias_key].sub_(grad.sum(dim=1))
         return grad_in
 
 
@@ -334,18 +319,9 @@ class ReLU(Layer):
         out = torch.relu_(h) if self.in_place else torch.relu(h)
         return out, grouped, out
 
-    def backward(
-        self,
-        grad: torch.Tensor,
-        h_in: torch.Tensor,
-        grouped_in: bool,
-        saved: torch.Tensor | None,
-        params: dict[str, torch.Tensor],
-        rates: Rates,
-        need_input: bool,
-    ) -> torch.Tensor | None:
-        assert saved is not None
-        return torch.ops.aten.threshold_backward(grad, saved, 0)
+    def backward(self, grad: torch.Tensor, ctx: Backprop) -> torch.Tensor | None:
+        assert ctx.saved is not None
+        return torch.ops.aten.threshold_backward(grad, ctx.saved, 0)
 
 
 class MaxPool(Layer):
@@ -398,28 +374,19 @@ class MaxPool(Layer):
             return max_pool_2x2(h), True, None
         return nn.functional.max_pool2d(h, *self.args), True, None
 
-    def backward(
-        self,
-        grad: torch.Tensor,
-        h_in: torch.Tensor,
-        grouped_in: bool,
-        saved: torch.Tensor | None,
-        params: dict[str, torch.Tensor],
-        rates: Rates,
-        need_input: bool,
-    ) -> torch.Tensor | None:
-        assert saved is not None
-        if h_in.dim() == 5:  # the node layout
-            _, height, width, _, batch = h_in.shape
+    def backward(self, grad: torch.Tensor, ctx: Backprop) -> torch.Tensor | None:
+        assert ctx.saved is not None
+        if ctx.h_in.dim() == 5:  # the node layout
+            _, height, width, _, batch = ctx.h_in.shape
             kernels = self.kernels.get((height, width, batch))
             if kernels is not None:
-                return kernels.backward(grad, saved)
+                return kernels.backward(grad, ctx.saved)
             out = torch.ops.aten.max_pool2d_with_indices_backward(
-                _planes(grad), _planes(h_in), *self.args, saved
+                _planes(grad), _planes(ctx.h_in), *self.args, ctx.saved
             )
-            return _node_major(out, h_in.shape[3])
+            return _node_major(out, ctx.h_in.shape[3])
         return torch.ops.aten.max_pool2d_with_indices_backward(
-            grad, h_in, *self.args, saved
+            grad, ctx.h_in, *self.args, ctx.saved
         )
 
 
@@ -441,31 +408,22 @@ class Flatten(Layer):
             return h.permute(0, 4, 3, 1, 2).reshape(n, h.shape[4], -1), False, None
         return h.reshape(h.shape[0], n, -1).transpose(0, 1), False, None
 
-    def backward(
-        self,
-        grad: torch.Tensor,
-        h_in: torch.Tensor,
-        grouped_in: bool,
-        saved: torch.Tensor | None,
-        params: dict[str, torch.Tensor],
-        rates: Rates,
-        need_input: bool,
-    ) -> torch.Tensor | None:
-        if not grouped_in:
+    def backward(self, grad: torch.Tensor, ctx: Backprop) -> torch.Tensor | None:
+        if not ctx.grouped_in:
             return grad
-        if h_in.dim() == 5:  # the node layout
-            n, height, width, c, batch = h_in.shape
+        if ctx.h_in.dim() == 5:  # the node layout
+            n, height, width, c, batch = ctx.h_in.shape
             out = grad.view(n, batch, c, height, width).permute(0, 3, 4, 2, 1)
             return out.contiguous()
-        if h_in.dim() == 4:  # images: one copy, straight into channels-last
-            batch, _, height, width = h_in.shape
+        if ctx.h_in.dim() == 4:  # images: one copy, straight into channels-last
+            batch, _, height, width = ctx.h_in.shape
             n = grad.shape[0]
-            out = torch.empty_like(h_in, memory_format=torch.channels_last)
+            out = torch.empty_like(ctx.h_in, memory_format=torch.channels_last)
             out.permute(0, 2, 3, 1).view(batch, height, width, n, -1).copy_(
                 grad.view(n, batch, -1, height, width).permute(1, 3, 4, 0, 2)
             )
             return out
-        return grad.transpose(0, 1).reshape(h_in.shape)
+        return grad.transpose(0, 1).reshape(ctx.h_in.shape)
 
 
 class Elementwise(Layer):
