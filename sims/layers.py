@@ -217,17 +217,7 @@ class Conv(Weighted):
             return kernels.forward(h, laid, node_bias), True, laid
         weight = node_rows(params[self.weight_key])
         bias = params[self.bias_key].view(-1) if self.bias_key else None
-        out = torch.convolution(
-            h,
-            weight,
-            bias,
-            self.stride,
-            self.padding,
-            self.dilation,
-            False,
-            self.zeros,
-            self.groups * n,
-        )
+        out = torch.convolution(h, weight, bias, *self._settings(n))
         return out, True, weight  # backward moves the weights through this view
 
     def backward(self, grad: torch.Tensor, ctx: Backprop) -> torch.Tensor | None:
@@ -240,12 +230,7 @@ class Conv(Weighted):
             ctx.h_in,
             ctx.saved,
             None,
-            self.stride,
-            self.padding,
-            self.dilation,
-            False,
-            self.zeros,
-            self.groups * n,
+            *self._settings(n),
             [ctx.need_input, True, False],
         )
         proximal(ctx.params, ctx.rates, self.weight_key)
@@ -254,6 +239,21 @@ class Conv(Weighted):
             proximal(ctx.params, ctx.rates, self.bias_key)
             ctx.params[self.bias_key].sub_(grad.sum(dim=(0, *self.spatial)).view(n, -1))
         return grad_in
+
+    def _settings(
+        self, n: int
+    ) -> tuple[list[int], list[int], list[int], bool, list[int], int]:
+        """The convolution's stride, padding, dilation, transposed (no), output
+        padding and groups, as ``aten.convolution`` and its backward take them,
+        for ``n`` nodes."""
+        return (
+            self.stride,
+            self.padding,
+            self.dilation,
+            False,
+            self.zeros,
+            self.groups * n,
+        )
 
     def _node_backward(
         self, grad: torch.Tensor, ctx: Backprop, saved: torch.Tensor
