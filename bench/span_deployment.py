@@ -23,11 +23,9 @@ Every process is started in its own session and stopped by its process group.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -38,9 +36,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flowerbed.bench.flower_app import write_pyproject
+from flowerbed.bench.local_flower import (
+    HOST,
+    UserValue,
+    connection_toml,
+    free_port,
+    program,
+    superlink_command,
+    supernode_command,
+    write_pyproject,
+)
 
-HOST = "127.0.0.1"
 CONNECTION = "bench"
 KILL_MODES = ("board", "supernode")
 SPEEDS = {"n0": 0.01, "n1": 0.01, "n2": 0.001, "n3": 0.01}
@@ -119,17 +125,6 @@ def main(grid: Grid, context: Context) -> None:
 '''
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])
-
-
-def _program(name: str) -> str:
-    """A Flower console script of the running Python environment."""
-    return str(Path(sys.executable).parent / name)
-
-
 def write_app(root: Path) -> Path:
     """The Flower App folder of the bench's ServerApp (and the span ClientApp)."""
     app = root / "app"
@@ -206,22 +201,8 @@ class Deployment:
 
     def superlink(self, timeout: float = 60.0) -> None:
         self.port = free_port()
-        (self.home / "config.toml").write_text(
-            f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
-            f'address = "{HOST}:{self.port}"\ninsecure = true\n'
-        )
-        link = self.start(
-            "superlink",
-            [
-                _program("flower-superlink"),
-                "--insecure",
-                "--host",
-                HOST,
-                "--port",
-                str(self.port),
-                "--disable-runtime-dependency-installation",
-            ],
-        )
+        (self.home / "config.toml").write_text(connection_toml(CONNECTION, self.port))
+        link = self.start("superlink", superlink_command(self.port))
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -235,26 +216,8 @@ class Deployment:
                 raise RuntimeError(f"flower-superlink did not start:\n{link.log()}")
             time.sleep(0.2)
 
-    def supernode(self, name: str, node_config: Mapping[str, Any]) -> Proc:
-        config = " ".join(
-            f"{k}={json.dumps(v) if isinstance(v, str) else repr(v)}"
-            for k, v in node_config.items()
-        )
-        return self.start(
-            name,
-            [
-                _program("flower-supernode"),
-                "--insecure",
-                "--superlink",
-                f"{HOST}:{self.port}",
-                "--host",
-                HOST,
-                "--port",
-                str(free_port()),
-                "--node-config",
-                config,
-            ],
-        )
+    def supernode(self, name: str, node_config: Mapping[str, UserValue]) -> Proc:
+        return self.start(name, supernode_command(self.port, node_config))
 
 
 def wait_for(proc: Proc, pattern: str, timeout: float) -> None:
@@ -356,7 +319,7 @@ def run(
         cli = dep.start(
             "run",
             [
-                _program("flwr"),
+                program("flwr"),
                 "run",
                 str(app),
                 CONNECTION,

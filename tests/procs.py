@@ -53,9 +53,7 @@ import contextlib
 import json
 import os
 import re
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -68,9 +66,18 @@ from pathlib import Path
 from types import TracebackType
 
 import pytest
-from flowerbed.bench.flower_app import UserValue, write_pyproject
+from flowerbed.bench.local_flower import (
+    HOST,
+    UserValue,
+    connection_toml,
+    format_user_config,
+    free_port,
+    program,
+    superlink_command,
+    supernode_command,
+    write_pyproject,
+)
 
-HOST = "127.0.0.1"
 CONNECTION = "flowerbed-test"
 """Name of the SuperLink connection written into the temporary config.toml."""
 STOP_GRACE_S = 5.0
@@ -81,40 +88,6 @@ NODE_ID_PATTERN = re.compile(r"SuperNode ID: (\d+)")
 TEST_APP = "flowerbed test app"
 """The description in the pyproject.toml of the apps written here."""
 RUN_ID_PATTERN = re.compile(r"Successfully started run (\d+)")
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])
-
-
-def program(name: str) -> str:
-    """Path of a Flower console script of the running Python environment."""
-    beside = Path(sys.executable).parent / name
-    if beside.is_file():
-        return str(beside)
-    found = shutil.which(name)
-    if found is None:
-        raise FileNotFoundError(f"{name} not found beside {sys.executable} or on PATH")
-    return found
-
-
-def format_user_config(values: Mapping[str, UserValue]) -> str:
-    """``{"a": "x", "n": 2}`` -> ``a="x" n=2``, the syntax of ``--node-config``."""
-    parts = []
-    for key, value in values.items():
-        if isinstance(value, bool):
-            text = "true" if value else "false"
-        elif isinstance(value, str):
-            if '"' in value or " " in value:
-                raise ValueError(f"config value {value!r} may not hold quotes/spaces")
-            text = f'"{value}"'
-        else:
-            text = repr(value)
-        parts.append(f"{key}={text}")
-    return " ".join(parts)
 
 
 def write_app(
@@ -149,10 +122,7 @@ def start_flwr_run(
     ``FLWR_HOME`` ``flwr-home`` beside ``app_dir``), its output to ``log``."""
     home = app_dir.parent / "flwr-home"
     home.mkdir()
-    (home / "config.toml").write_text(
-        '[superlink]\ndefault = "local"\n\n[superlink.local]\n'
-        f'address = "{HOST}:{superlink_port}"\ninsecure = true\n'
-    )
+    (home / "config.toml").write_text(connection_toml("local", superlink_port))
     with open(log, "wb") as out:
         return subprocess.Popen(
             ["flwr", "run", str(app_dir), "local", "--stream"],
@@ -506,15 +476,7 @@ class Federation:
         if self.superlink is not None:
             raise RuntimeError("this federation already has a SuperLink")
         self.port = free_port()
-        args = [
-            program("flower-superlink"),
-            "--insecure",
-            "--host",
-            HOST,
-            "--port",
-            str(self.port),
-            "--disable-runtime-dependency-installation",
-        ]
+        args = superlink_command(self.port)
         if simulated_supernodes is not None:
             args += ["--simulation", "--isolation", "subprocess"]
         proc = Process("superlink", args, self.logs / "superlink.log", self.env)
@@ -544,12 +506,7 @@ class Federation:
             else ""
         )
         (self.home / "config.toml").write_text(
-            "[superlink]\n"
-            f'default = "{CONNECTION}"\n\n'
-            f"[superlink.{CONNECTION}]\n"
-            f'address = "{HOST}:{self.port}"\n'
-            "insecure = true\n" + options,
-            encoding="utf-8",
+            connection_toml(CONNECTION, self.port, options), encoding="utf-8"
         )
 
     # ------------------------------------------------------------------ SuperNodes
@@ -574,18 +531,7 @@ class Federation:
         return node
 
     def _launch(self, node: SuperNode) -> None:
-        node.args = [
-            program("flower-supernode"),
-            "--insecure",
-            "--superlink",
-            f"{HOST}:{self.port}",
-            "--host",
-            HOST,
-            "--port",
-            str(free_port()),
-        ]
-        if node.node_config:
-            node.args += ["--node-config", format_user_config(node.node_config)]
+        node.args = supernode_command(self.port, node.node_config)
         node.start()
         if node not in self._everything:
             self._everything.append(node)
