@@ -1,9 +1,9 @@
 """Device profiles: what each class of device costs in time, bandwidth and power.
 
 One small data object per device class, one formula per cost (STYLE.md, after
-FedScale's client metadata). Every number carries its source beside it. Where a
-figure is derived rather than read off a datasheet or benchmark, the derivation is
-written out.
+FedScale's client metadata). One table holds the numbers, one their sources
+(``DeviceProfile.sources``). Where a figure is derived rather than read off a
+datasheet or benchmark, the derivation is written out.
 
 Compute speed. Relative speeds are Geekbench 5 multi-core scores relative to the
 Raspberry Pi 4B (board scores as reported in "Raspberry Pi 5 8GB RAM vs older models:
@@ -97,166 +97,103 @@ _BOARD_AVAIL = (
     "estimate: mains-powered boards on Wi-Fi; 1% per-task faults (assumption)"
 )
 
+_NUMBERS: dict[str, tuple[float, float, float, float, float, float, float]] = {
+    # geekbench5_multi, downlink_mbps, uplink_mbps, idle_w, busy_w, dropout_prob,
+    # mean_online_s (DeviceProfile's fields, in order)
+    "rpi3b": (360.0, 35.0, 35.0, 1.4, 3.7, 0.01, 86_400.0),
+    "rpi4b": (PI4_GEEKBENCH5_MULTI, 102.0, 102.0, 2.7, 6.4, 0.01, 86_400.0),
+    "rpi5": (1650.0, 102.0, 102.0, 2.7, 7.0, 0.01, 86_400.0),
+    "jetson-nano": (2400.0, 940.0, 940.0, 1.9, 10.0, 0.01, 86_400.0),
+    "low-end-phone": (330.0, 15.0, 5.0, 1.0, 2.5, 0.10, 3_600.0),
+    "galaxy-s10": (2600.0, 50.0, 11.0, 1.0, 5.0, 0.05, 7_200.0),
+    "galaxy-s10plus": (2150.0, 50.0, 11.0, 1.0, 5.0, 0.05, 7_200.0),
+    "pixel-7": (3300.0, 50.0, 11.0, 1.0, 5.5, 0.05, 7_200.0),
+}
+"""Each device class's costs (see the module doc and its sources)."""
+_DESCRIPTIONS = {
+    "rpi3b": "Raspberry Pi 3B (4x Cortex-A53 @ 1.2 GHz)",
+    "rpi4b": "Raspberry Pi 4B (4x Cortex-A72 @ 1.5-1.8 GHz)",
+    "rpi5": "Raspberry Pi 5 (4x Cortex-A76 @ 2.4 GHz)",
+    "jetson-nano": "NVIDIA Jetson Nano 4GB (128-core Maxwell GPU, 10 W mode)",
+    "low-end-phone": "low-end Android phone (4x Cortex-A53 @ 1.3 GHz, e.g. MT6739)",
+    "galaxy-s10": "Samsung Galaxy S10-class phone (Snapdragon 855 / Exynos 9820)",
+    "galaxy-s10plus": "Samsung Galaxy S10+ (Exynos 9820), S1's cluster phone",
+    "pixel-7": "Google Pixel 7-class phone (Tensor G2)",
+}
+_SOURCES: dict[str, dict[str, str]] = {
+    "rpi3b": {
+        "geekbench5_multi": _PI_GB5 + ": Pi 3B+ (1.4 GHz) 420, x 1.2/1.4 for the"
+        " 1.2 GHz Pi 3B",
+        "bandwidth": _PI_WIFI,
+        "power": "RasPi.TV power measurements (Alex Eames): Pi 3B 260 mA idle,"
+        " 730 mA under full load, at 5.1 V",
+        "availability": _BOARD_AVAIL,
+    },
+    "rpi4b": {
+        "geekbench5_multi": _PI_GB5,
+        "bandwidth": _PI_WIFI,
+        "power": "RasPi.TV Pi 4B measurements: ~540 mA idle, ~1280 mA under"
+        " stress, at 5.1 V",
+        "availability": _BOARD_AVAIL,
+    },
+    "rpi5": {
+        "geekbench5_multi": _PI_GB5,
+        "bandwidth": _PI_WIFI,
+        "power": "Jeff Geerling, Raspberry Pi 5 review power tests (2023):"
+        " ~2.7 W idle, ~7 W under stress-ng",
+        "availability": _BOARD_AVAIL,
+    },
+    "jetson-nano": {
+        "geekbench5_multi": "estimate: CPU (4x A57 @ 1.43 GHz) scores ~800 in"
+        " Geekbench 5 multi-core; training on its 472 GFLOPS (FP16) GPU taken"
+        " as 3x the CPU for small CNNs",
+        "bandwidth": "gigabit Ethernet (no on-board Wi-Fi): ~940 Mbit/s TCP goodput",
+        "power": "NVIDIA Jetson Nano module datasheet: 10 W power mode; idle"
+        " ~1.9 W (estimate from NVIDIA forum tegrastats readings)",
+        "availability": _BOARD_AVAIL,
+    },
+    "low-end-phone": {
+        "geekbench5_multi": "Geekbench Browser, MediaTek MT6739 phones: ~330"
+        " multi-core (Geekbench 5)",
+        "bandwidth": "OpenSignal 4G experience reports (2023), low-tier"
+        " markets: ~15 Mbit/s down, ~5 up",
+        "power": _LTE_POWER + "; busy: estimate for 4 little cores under load",
+        "availability": _PHONE_AVAIL,
+    },
+    "galaxy-s10": {
+        "geekbench5_multi": "Geekbench Browser, Galaxy S10: ~2,200 (Exynos"
+        " 9820) to ~2,700 (Snapdragon 855) multi-core",
+        "bandwidth": _MOBILE_BW,
+        "power": _LTE_POWER + "; busy ~5 W: sustained multi-core load on 2019"
+        " flagship SoCs (AnandTech SoC power measurements)",
+        "availability": _PHONE_AVAIL,
+    },
+    "galaxy-s10plus": {
+        "geekbench5_multi": "Geekbench Browser, Galaxy S10+ SM-G975F/N"
+        " (Exynos 9820): ~2,100-2,200 multi-core (Geekbench 5); the Exynos"
+        " model assumed for S1's cluster (Na et al., arXiv 2110.12172, built"
+        " in Korea, where the S10+ shipped with the Exynos 9820)",
+        "bandwidth": _MOBILE_BW + "; on a cluster the links model"
+        " (flowerbed.sims.links) replaces these",
+        "power": _LTE_POWER + "; busy ~5 W: sustained multi-core load on 2019"
+        " flagship SoCs (AnandTech SoC power measurements)",
+        "availability": _PHONE_AVAIL,
+    },
+    "pixel-7": {
+        "geekbench5_multi": "Geekbench Browser, Pixel 7 (Tensor G2): ~3,300"
+        " multi-core (Geekbench 5)",
+        "bandwidth": _MOBILE_BW,
+        "power": _LTE_POWER + "; busy ~5.5 W: Tensor G2 sustained multi-core"
+        " load (Geekerwan/AnandTech-style power measurements)",
+        "availability": _PHONE_AVAIL,
+    },
+}
+"""Each device class's numbers: field (``bandwidth`` for both directions,
+``power`` for both draws) -> where it comes from."""
+
 DEVICES: dict[str, DeviceProfile] = {
-    d.name: d
-    for d in (
-        DeviceProfile(
-            name="rpi3b",
-            description="Raspberry Pi 3B (4x Cortex-A53 @ 1.2 GHz)",
-            geekbench5_multi=360.0,
-            downlink_mbps=35.0,
-            uplink_mbps=35.0,
-            idle_w=1.4,
-            busy_w=3.7,
-            dropout_prob=0.01,
-            mean_online_s=86_400.0,
-            sources={
-                "geekbench5_multi": _PI_GB5
-                + ": Pi 3B+ (1.4 GHz) 420, x 1.2/1.4 for the"
-                " 1.2 GHz Pi 3B",
-                "bandwidth": _PI_WIFI,
-                "power": "RasPi.TV power measurements (Alex Eames): Pi 3B 260 mA idle,"
-                " 730 mA under full load, at 5.1 V",
-                "availability": _BOARD_AVAIL,
-            },
-        ),
-        DeviceProfile(
-            name="rpi4b",
-            description="Raspberry Pi 4B (4x Cortex-A72 @ 1.5-1.8 GHz)",
-            geekbench5_multi=PI4_GEEKBENCH5_MULTI,
-            downlink_mbps=102.0,
-            uplink_mbps=102.0,
-            idle_w=2.7,
-            busy_w=6.4,
-            dropout_prob=0.01,
-            mean_online_s=86_400.0,
-            sources={
-                "geekbench5_multi": _PI_GB5,
-                "bandwidth": _PI_WIFI,
-                "power": "RasPi.TV Pi 4B measurements: ~540 mA idle, ~1280 mA under"
-                " stress, at 5.1 V",
-                "availability": _BOARD_AVAIL,
-            },
-        ),
-        DeviceProfile(
-            name="rpi5",
-            description="Raspberry Pi 5 (4x Cortex-A76 @ 2.4 GHz)",
-            geekbench5_multi=1650.0,
-            downlink_mbps=102.0,
-            uplink_mbps=102.0,
-            idle_w=2.7,
-            busy_w=7.0,
-            dropout_prob=0.01,
-            mean_online_s=86_400.0,
-            sources={
-                "geekbench5_multi": _PI_GB5,
-                "bandwidth": _PI_WIFI,
-                "power": "Jeff Geerling, Raspberry Pi 5 review power tests (2023):"
-                " ~2.7 W idle, ~7 W under stress-ng",
-                "availability": _BOARD_AVAIL,
-            },
-        ),
-        DeviceProfile(
-            name="jetson-nano",
-            description="NVIDIA Jetson Nano 4GB (128-core Maxwell GPU, 10 W mode)",
-            geekbench5_multi=2400.0,
-            downlink_mbps=940.0,
-            uplink_mbps=940.0,
-            idle_w=1.9,
-            busy_w=10.0,
-            dropout_prob=0.01,
-            mean_online_s=86_400.0,
-            sources={
-                "geekbench5_multi": "estimate: CPU (4x A57 @ 1.43 GHz) scores ~800 in"
-                " Geekbench 5 multi-core; training on its 472 GFLOPS (FP16) GPU taken"
-                " as 3x the CPU for small CNNs",
-                "bandwidth": "gigabit Ethernet (no on-board Wi-Fi): ~940 Mbit/s TCP"
-                " goodput",
-                "power": "NVIDIA Jetson Nano module datasheet: 10 W power mode; idle"
-                " ~1.9 W (estimate from NVIDIA forum tegrastats readings)",
-                "availability": _BOARD_AVAIL,
-            },
-        ),
-        DeviceProfile(
-            name="low-end-phone",
-            description="low-end Android phone (4x Cortex-A53 @ 1.3 GHz, e.g. MT6739)",
-            geekbench5_multi=330.0,
-            downlink_mbps=15.0,
-            uplink_mbps=5.0,
-            idle_w=1.0,
-            busy_w=2.5,
-            dropout_prob=0.10,
-            mean_online_s=3_600.0,
-            sources={
-                "geekbench5_multi": "Geekbench Browser, MediaTek MT6739 phones: ~330"
-                " multi-core (Geekbench 5)",
-                "bandwidth": "OpenSignal 4G experience reports (2023), low-tier"
-                " markets: ~15 Mbit/s down, ~5 up",
-                "power": _LTE_POWER + "; busy: estimate for 4 little cores under load",
-                "availability": _PHONE_AVAIL,
-            },
-        ),
-        DeviceProfile(
-            name="galaxy-s10",
-            description="Samsung Galaxy S10-class phone (Snapdragon 855 / Exynos 9820)",
-            geekbench5_multi=2600.0,
-            downlink_mbps=50.0,
-            uplink_mbps=11.0,
-            idle_w=1.0,
-            busy_w=5.0,
-            dropout_prob=0.05,
-            mean_online_s=7_200.0,
-            sources={
-                "geekbench5_multi": "Geekbench Browser, Galaxy S10: ~2,200 (Exynos"
-                " 9820) to ~2,700 (Snapdragon 855) multi-core",
-                "bandwidth": _MOBILE_BW,
-                "power": _LTE_POWER + "; busy ~5 W: sustained multi-core load on 2019"
-                " flagship SoCs (AnandTech SoC power measurements)",
-                "availability": _PHONE_AVAIL,
-            },
-        ),
-        DeviceProfile(
-            name="galaxy-s10plus",
-            description="Samsung Galaxy S10+ (Exynos 9820), S1's cluster phone",
-            geekbench5_multi=2150.0,
-            downlink_mbps=50.0,
-            uplink_mbps=11.0,
-            idle_w=1.0,
-            busy_w=5.0,
-            dropout_prob=0.05,
-            mean_online_s=7_200.0,
-            sources={
-                "geekbench5_multi": "Geekbench Browser, Galaxy S10+ SM-G975F/N"
-                " (Exynos 9820): ~2,100-2,200 multi-core (Geekbench 5); the Exynos"
-                " model assumed for S1's cluster (Na et al., arXiv 2110.12172, built"
-                " in Korea, where the S10+ shipped with the Exynos 9820)",
-                "bandwidth": _MOBILE_BW + "; on a cluster the links model"
-                " (flowerbed.sims.links) replaces these",
-                "power": _LTE_POWER + "; busy ~5 W: sustained multi-core load on 2019"
-                " flagship SoCs (AnandTech SoC power measurements)",
-                "availability": _PHONE_AVAIL,
-            },
-        ),
-        DeviceProfile(
-            name="pixel-7",
-            description="Google Pixel 7-class phone (Tensor G2)",
-            geekbench5_multi=3300.0,
-            downlink_mbps=50.0,
-            uplink_mbps=11.0,
-            idle_w=1.0,
-            busy_w=5.5,
-            dropout_prob=0.05,
-            mean_online_s=7_200.0,
-            sources={
-                "geekbench5_multi": "Geekbench Browser, Pixel 7 (Tensor G2): ~3,300"
-                " multi-core (Geekbench 5)",
-                "bandwidth": _MOBILE_BW,
-                "power": _LTE_POWER + "; busy ~5.5 W: Tensor G2 sustained multi-core"
-                " load (Geekerwan/AnandTech-style power measurements)",
-                "availability": _PHONE_AVAIL,
-            },
-        ),
-    )
+    name: DeviceProfile(name, _DESCRIPTIONS[name], *numbers, sources=_SOURCES[name])
+    for name, numbers in _NUMBERS.items()
 }
 
 
