@@ -88,7 +88,7 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
       with two speeds
       (:class:`~flowerbed.strategies.adaptive_deadline.AdaptiveDeadline` gives
       the formulas). Without history (round 1, no ``deadline_s``) the round
-      closes when ``ceil(p% of sampled)`` nodes (at least one) replied with a
+      closes when ``floor(p% of sampled)`` nodes (at least one) replied with a
       usable update, that round's ``p``-th percentile.
     - **Over-selection** (Bonawitz et al., "Towards Federated Learning at Scale",
       MLSys 2019, Sec. 2.3; FedScale's default 1.3): sample
@@ -338,7 +338,7 @@ class DeadlineFedAvg(RuntimeWeightedFedAvg):
             self._deadline if self._deadline is not None else self._timeout
         )
         quota = (
-            max(1, math.ceil(self._sent * self.percentile / 100))
+            max(1, math.floor(self._sent * self.percentile / 100))
             if self.adaptive_deadline and self._deadline is None
             else None
         )

@@ -102,7 +102,7 @@ def test_first_round_work_sent_without_a_deadline_is_not_folded_late(
         max_staleness=3,
         clip_factor=None,
     )
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(logging.INFO, logger="flwr"):
         result = run.start(grid, weights(), num_rounds=6)
     late = {r: m[ROUND_LATE_UPDATES] for r, m in result.train_metrics_clientapp.items()}
     assert late[2] == late[3] == 0
@@ -111,6 +111,24 @@ def test_first_round_work_sent_without_a_deadline_is_not_folded_late(
     assert not run.folds_late(grid_ticket(deadline_s=None), 1)
     assert run.folds_late(grid_ticket(deadline_s=0.8), 1)
     assert not run.folds_late(grid_ticket(deadline_s=0.8), 4)  # > max_staleness
+
+
+def test_the_first_round_closes_at_its_share_of_usable_replies() -> None:
+    # p50 of 4 sampled: round 1 closes at floor(0.5 * 4) = 2 usable replies.
+    # Node 4 answers an error at t=0.5: it does not count, so the round waits
+    # for node 2 (t=2) instead of closing at node 1's reply (t=1).
+    from flwr.app import Error, Message
+
+    def failing(message: Message) -> tuple[Message | None, float]:
+        return Message(Error(code=1, reason="dropped out"), reply_to=message), 0.5
+
+    grid = FakeGrid(
+        {1: node(1.0, seconds=1.0), 2: node(3.0, seconds=2.0), 3: silent, 4: failing}
+    )
+    run = strategy(adaptive_deadline=True, deadline_percentile=50.0, pacer_step=0.0)
+    result = run.start(grid, weights(), num_rounds=1)
+    assert result.train_metrics_clientapp[1][ROUND_PARTICIPANTS] == 2
+    assert grid.clock.now() == pytest.approx(2.0)
 
 
 def grid_ticket(deadline_s: float | None) -> Ticket:
