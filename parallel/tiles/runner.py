@@ -104,6 +104,10 @@ def _median(values: Sequence[float]) -> float:
     return float(statistics.median(values)) if values else 0.0
 
 
+def _mean(values: Sequence[float]) -> float:
+    return float(statistics.fmean(values)) if values else 0.0
+
+
 def _peak_rss_bytes() -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
@@ -201,7 +205,7 @@ def metrics_of(
         keys.NUM_EXAMPLES: done * plan.batch_size,
         keys.TRAIN_TIME_S: time.monotonic() - arrived,
         keys.SPAN_SETUP_S: setup,
-        keys.SPAN_STEP_S: _median(s.step_s[steady]),
+        keys.SPAN_STEP_S: _mean(s.step_s[steady]),  # a segment's steps sum means
         keys.SPAN_OVERRUN_S: s.overrun_s,
         keys.SPAN_FAILED_STEP: -1 if ok else step,
         keys.TILES_COMPUTE_S: _median(s.compute_s[steady]),
