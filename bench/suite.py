@@ -57,6 +57,7 @@ from flowerbed.sims.config import Scenario
 from flowerbed.sims.fleet import assign_devices, speed_groups
 from flowerbed.sims.node import cached_dataset
 from flowerbed.sims.scenario import STRATEGIES, build_fleet_grid, flower_args
+from flowerbed.strategies.options import RECOMMENDED_DEADLINES
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, FedProx, Strategy
@@ -464,18 +465,23 @@ def _configs() -> list[Config]:
             _rw(weighting="fednova", balance_work=True),
         )
     )
-    deadline = {"adaptive_deadline": True, "partial_work": True}
+    # The variants are `deadline` (RECOMMENDED_DEADLINES) but for what each names.
+    deadline = {
+        "adaptive_deadline": True,
+        "partial_work": True,
+        "work_fraction": RECOMMENDED_DEADLINES.work_fraction,
+    }
     variants: tuple[tuple[str, dict[str, Any], str], ...] = (
         (
             "deadline-two-speed",
-            {"deadline_percentile": None, "learn_margin": False},
+            {"deadline_percentile": None, "learn_margin": False, "work_fraction": 0.8},
             "two speeds (the 80th percentile of recent task times while it is at "
             "most 5x the 30th, else the 30th) and a fixed share of the deadline "
             "for nodes (work_fraction 0.8): the default until this release",
         ),
         (
             "deadline-fixed-share",
-            {"learn_margin": False},
+            {"learn_margin": False, "work_fraction": 0.8},
             "every node given 0.8 of the deadline (work_fraction), its lateness "
             "not learnt",
         ),
@@ -502,7 +508,7 @@ def _configs() -> list[Config]:
                 name,
                 "variant",
                 f"DeadlineFedAvg as `deadline`, but {text}",
-                _flowerbed_with("DeadlineFedAvg", **deadline, **options),
+                _flowerbed_with("DeadlineFedAvg", **{**deadline, **options}),
             )
         )
     out.append(
