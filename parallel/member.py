@@ -26,8 +26,9 @@ a :class:`PlanError` before the member joins its group.
 from __future__ import annotations
 
 import io
+import statistics
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -107,6 +108,17 @@ class MemberResult:
     optimizer: dict[str, np.ndarray] = field(default_factory=dict)
     failure: str = ""
     info: dict[str, Any] = field(default_factory=dict)
+
+
+def median_or_zero(values: Sequence[float]) -> float:
+    """The median of a member's timings (robust to one-off stalls), 0 for none."""
+    return float(statistics.median(values)) if values else 0.0
+
+
+def mean_or_zero(values: Sequence[float]) -> float:
+    """The mean of a member's timings, 0 for none: what the server multiplies by
+    a segment's steps, so that their sum is the segment's time."""
+    return float(statistics.fmean(values)) if values else 0.0
 
 
 def lost_ranks_metric(lost_ranks: tuple[int, ...]) -> dict[str, MetricValue]:

@@ -36,10 +36,9 @@ progress (``span-failed-step``) and the member's store listing
 from __future__ import annotations
 
 import os
-import statistics
 import time
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from logging import INFO, WARNING
 from typing import Any
 
@@ -58,6 +57,8 @@ from ..member import (
     MemberResult,
     MetricValue,
     load_module_state,
+    mean_or_zero,
+    median_or_zero,
     module_state,
     plan_optimizer,
     plan_training,
@@ -119,14 +120,6 @@ def _holds(store: LayerStore) -> list[int]:
     return flat
 
 
-def _median(values: Sequence[float]) -> float:
-    return float(statistics.median(values)) if values else 0.0
-
-
-def _mean(values: Sequence[float]) -> float:
-    return float(statistics.fmean(values)) if values else 0.0
-
-
 def job_data(dataset: str, context: MemberContext) -> tuple[np.ndarray, np.ndarray]:
     """Training data of the first stage: the board's own or a built-in dataset."""
     if dataset == LOCAL_DATASET:
@@ -169,8 +162,8 @@ def profile(query: Mapping[str, Any], context: MemberContext) -> MemberResult:
         for t in timed:
             out = t(out)
         out.float().square().mean().backward()
-    forward = [_median(t.forward_s[1:]) for t in timed]
-    backward = [_median(t.backward_s[1:]) for t in timed]
+    forward = [median_or_zero(t.forward_s[1:]) for t in timed]
+    backward = [median_or_zero(t.backward_s[1:]) for t in timed]
     dataset = str(query.get("dataset", ""))
     has_data = dataset != LOCAL_DATASET or context.local_data is not None
     metrics: dict[str, MetricValue] = {
@@ -501,18 +494,18 @@ def _metrics(
         keys.NUM_EXAMPLES: seg.done * plan.batch_size,
         keys.TRAIN_TIME_S: time.monotonic() - arrived,
         keys.SPAN_SETUP_S: seg.setup_s,
-        keys.SPAN_STEP_S: _mean(steady),
-        keys.SPAN_FORWARD_S: _median(forward),
-        keys.SPAN_BACKWARD_S: _median(backward),
-        keys.SPAN_REPLICATE_S: _mean(seg.replicate_s),
+        keys.SPAN_STEP_S: mean_or_zero(steady),
+        keys.SPAN_FORWARD_S: median_or_zero(forward),
+        keys.SPAN_BACKWARD_S: median_or_zero(backward),
+        keys.SPAN_REPLICATE_S: mean_or_zero(seg.replicate_s),
         keys.SPAN_REPLICATE_BYTES: seg.replicate_bytes,
         keys.SPAN_MOVED_BYTES: seg.moved_bytes,
         keys.SPAN_OVERRUN_S: timed.overrun_s,
         keys.SPAN_FAILED_STEP: -1 if ok else seg.step,
         keys.SPAN_HOLDS: _holds(store),
     }
-    if seg.exchange_s and _median(seg.exchange_s) > 0:
-        metrics[keys.SPAN_LINK_BYTES_PER_S] = seg.replicate_bytes / _median(
+    if seg.exchange_s and median_or_zero(seg.exchange_s) > 0:
+        metrics[keys.SPAN_LINK_BYTES_PER_S] = seg.replicate_bytes / median_or_zero(
             seg.exchange_s
         )
     if seg.losses:

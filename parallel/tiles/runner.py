@@ -15,9 +15,8 @@ messages) evaluates the whole model on one board.
 from __future__ import annotations
 
 import resource
-import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from logging import INFO
 from typing import Any
 
@@ -37,6 +36,8 @@ from ..member import (
     MemberResult,
     MetricValue,
     load_module_state,
+    mean_or_zero,
+    median_or_zero,
     plan_optimizer,
     plan_training,
     segment_result,
@@ -98,14 +99,6 @@ class JobData:
             torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)),
             torch.from_numpy(np.asarray(y, dtype=np.int64)),
         )
-
-
-def _median(values: Sequence[float]) -> float:
-    return float(statistics.median(values)) if values else 0.0
-
-
-def _mean(values: Sequence[float]) -> float:
-    return float(statistics.fmean(values)) if values else 0.0
 
 
 def _peak_rss_bytes() -> int:
@@ -205,12 +198,12 @@ def metrics_of(
         keys.NUM_EXAMPLES: done * plan.batch_size,
         keys.TRAIN_TIME_S: time.monotonic() - arrived,
         keys.SPAN_SETUP_S: setup,
-        keys.SPAN_STEP_S: _mean(s.step_s[steady]),  # a segment's steps sum means
+        keys.SPAN_STEP_S: mean_or_zero(s.step_s[steady]),
         keys.SPAN_OVERRUN_S: s.overrun_s,
         keys.SPAN_FAILED_STEP: -1 if ok else step,
-        keys.TILES_COMPUTE_S: _median(s.compute_s[steady]),
-        keys.TILES_LINK_S: _median(s.link_s[steady]),
-        keys.TILES_LINK_BYTES: _median(s.link_bytes[steady]),
+        keys.TILES_COMPUTE_S: median_or_zero(s.compute_s[steady]),
+        keys.TILES_LINK_S: median_or_zero(s.link_s[steady]),
+        keys.TILES_LINK_BYTES: median_or_zero(s.link_bytes[steady]),
         keys.TILES_MACS: member.step_macs(plan.batch_size),
         keys.TILES_ACTIVATION_BYTES: s.activation_bytes,
         keys.TILES_PEAK_RSS_BYTES: _peak_rss_bytes(),
@@ -269,7 +262,7 @@ def profile(query: Mapping[str, Any], context: MemberContext) -> MemberResult:
             else:
                 overrun += real - target if context.speed is not None else 0.0
             seconds.append(max(real, target))
-        timings.append((float(macs), max(_median(seconds[1:]), 1e-9)))
+        timings.append((float(macs), max(median_or_zero(seconds[1:]), 1e-9)))
     small, large = sorted(timings)
     rate, _ = two_point_rate(small, large)
     metrics: dict[str, MetricValue] = {
