@@ -466,11 +466,6 @@ def _configs() -> list[Config]:
         )
     )
     # The variants are `deadline` (RECOMMENDED_DEADLINES) but for what each names.
-    deadline = {
-        "adaptive_deadline": True,
-        "partial_work": True,
-        "work_fraction": RECOMMENDED_DEADLINES.work_fraction,
-    }
     variants: tuple[tuple[str, dict[str, Any], str], ...] = (
         (
             "deadline-two-speed",
@@ -501,14 +496,14 @@ def _configs() -> list[Config]:
             "with Oort's pacer on (pacer_step=0.1)",
         ),
     )
-    for name, options, text in variants:
-        options = {"deadline_percentile": 20.0, "pacer_step": 0.0, **options}
+    for name, changes, text in variants:
+        deadlines = replace(RECOMMENDED_DEADLINES, **changes)
         out.append(
             Config(
                 name,
                 "variant",
                 f"DeadlineFedAvg as `deadline`, but {text}",
-                _flowerbed_with("DeadlineFedAvg", **{**deadline, **options}),
+                _flowerbed_with("DeadlineFedAvg", deadlines=deadlines),
             )
         )
     out.append(

@@ -66,12 +66,11 @@ STRATEGIES: dict[str, StrategyFactory] = {
     # (RECOMMENDED_DEADLINES, DeadlineFedAvg docs)
     "deadline": flowerbed_strategy(
         "DeadlineFedAvg",
-        deadline_s=lambda s: s.deadline_s or None,
-        adaptive_deadline=lambda s: s.deadline_s == 0,
-        partial_work=True,
-        deadline_percentile=RECOMMENDED_DEADLINES.deadline_percentile,
-        pacer_step=RECOMMENDED_DEADLINES.pacer_step,
-        work_fraction=RECOMMENDED_DEADLINES.work_fraction,
+        deadlines=lambda s: replace(
+            RECOMMENDED_DEADLINES,
+            deadline_s=s.deadline_s or None,
+            adaptive_deadline=s.deadline_s == 0,
+        ),
     ),
     "fedbuff": flowerbed_strategy("FedBuff"),
 }
