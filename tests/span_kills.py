@@ -27,7 +27,7 @@ from procs import SuperNode, alive, tagged
 KILL_MODES = ("board", "supernode")
 FAILURE_BOUND_S = 10.0
 """Most seconds from a kill until the next segment's plan reaches the survivors
-(issue 28, requirement 1: the job finds the loss and re-plans in seconds)."""
+(the job finds the loss and re-plans in seconds, not after Flower's heartbeat)."""
 FIRST_STEP_BOUND_S = 30.0
 """Most seconds from a kill to the next segment's first step on a busy test host.
 The members' set-up reports (``segment N: rank r of w, ...; set-up ...``) show

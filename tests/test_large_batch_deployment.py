@@ -5,8 +5,10 @@ SuperNodes' ClientApp processes). In round 1, once a member has started its
 segment's steps, its SuperNode is killed with its ClientApp (a board losing
 power); in round 2 another member's ``flower-supernode`` process alone (its
 ClientApp must notice and end itself). Each time the segment fails fast, the
-next one starts at most 10 s after the kill without the lost board, the log says
-which member was lost and why, and the job completes with the other members.
+next one's plan reaches the survivors at most 10 s after the kill and its first
+step follows within ``span_kills.FIRST_STEP_BOUND_S``, without the lost board;
+the log says which member was lost and why, and the job completes with the
+other members.
 """
 
 from __future__ import annotations

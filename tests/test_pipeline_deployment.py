@@ -10,8 +10,10 @@ SuperNode is killed with SIGKILL, with its ClientApp (a board losing power); in
 round 3 another member's ``flower-supernode`` process alone is killed (its
 ClientApp must notice and end itself). The job must finish its rounds, the slow
 node must hold the fewest layers, at most R steps may be lost per recovery, the
-next segment's first step must come at most 10 s after each kill, the log must
-name each lost member and why, and the final weights must equal
+next segment's plan must reach the survivors at most 10 s after each kill and
+its first step follow within ``span_kills.FIRST_STEP_BOUND_S`` (a fresh
+ClientApp process per message on a busy host), the log must name each lost
+member and why, and the final weights must equal
 single-process training of the same steps (the pipeline is synchronous). Every
 process is stopped by its pid.
 """
