@@ -401,19 +401,19 @@ class ConvKernels:
     ) -> torch.Tensor:
         s = self.shape
         n = x.shape[0]
-        _check(x, _inputs(s, n), "input")
-        _check(w, s.weights(n), "weights")
-        _check(bias, (n, s.o), "bias")
-        out = x.new_empty(_outputs(s, n))
+        check(x, inputs(s, n), "input")
+        check(w, s.weights(n), "weights")
+        check(bias, (n, s.o), "bias")
+        out = x.new_empty(outputs(s, n))
         self._fwd(x.data_ptr(), w.data_ptr(), bias.data_ptr(), out.data_ptr(), n)
         return out
 
     def input_grad(self, g: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         s = self.shape
         n = g.shape[0]
-        _check(g, _outputs(s, n), "gradient")
-        _check(w, s.weights(n), "weights")
-        out = g.new_empty(_inputs(s, n))
+        check(g, outputs(s, n), "gradient")
+        check(w, s.weights(n), "weights")
+        out = g.new_empty(inputs(s, n))
         self._in_grad(g.data_ptr(), w.data_ptr(), out.data_ptr(), n)
         return out
 
@@ -429,11 +429,11 @@ class ConvKernels:
         place."""
         s = self.shape
         n = g.shape[0]
-        _check(g, _outputs(s, n), "gradient")
-        _check(x, _inputs(s, n), "input")
-        _check(w, s.weights(n), "weights")
+        check(g, outputs(s, n), "gradient")
+        check(x, inputs(s, n), "input")
+        check(w, s.weights(n), "weights")
         if bias is not None:
-            _check(bias, (n, s.o), "bias")
+            check(bias, (n, s.o), "bias")
         self._w_update(
             g.data_ptr(),
             x.data_ptr(),
@@ -500,8 +500,8 @@ class PoolKernels:
         """The pooled values and each one's place in its window."""
         s = self.shape
         n = x.shape[0]
-        _check(x, _inputs(s, n), "input")
-        out = x.new_empty(_outputs(s, n))
+        check(x, inputs(s, n), "input")
+        out = x.new_empty(outputs(s, n))
         places = torch.empty_like(out)
         self._fwd(x.data_ptr(), out.data_ptr(), places.data_ptr(), n)
         return out, places
@@ -509,24 +509,24 @@ class PoolKernels:
     def backward(self, g: torch.Tensor, places: torch.Tensor) -> torch.Tensor:
         s = self.shape
         n = g.shape[0]
-        _check(g, _outputs(s, n), "gradient")
-        _check(places, _outputs(s, n), "places")
-        out = g.new_empty(_inputs(s, n))
+        check(g, outputs(s, n), "gradient")
+        check(places, outputs(s, n), "places")
+        out = g.new_empty(inputs(s, n))
         self._bwd(g.data_ptr(), places.data_ptr(), out.data_ptr(), n)
         return out
 
 
-def _inputs(s: ConvShape | PoolShape, n: int) -> tuple[int, ...]:
+def inputs(s: ConvShape | PoolShape, n: int) -> tuple[int, ...]:
     """A kernel's input layout on ``n`` nodes."""
     return (n, s.hi, s.wi, s.c, s.batch)
 
 
-def _outputs(s: ConvShape | PoolShape, n: int) -> tuple[int, ...]:
+def outputs(s: ConvShape | PoolShape, n: int) -> tuple[int, ...]:
     """A kernel's output layout on ``n`` nodes."""
     return (n, s.ho, s.wo, s.o, s.batch)
 
 
-def _check(t: torch.Tensor, shape: tuple[int, ...], what: str) -> None:
+def check(t: torch.Tensor, shape: tuple[int, ...], what: str) -> None:
     if t.dtype != torch.float32 or not t.is_contiguous() or tuple(t.shape) != shape:
         raise ValueError(
             f"{what}: need a contiguous float32 tensor of shape {shape}, "

@@ -45,10 +45,8 @@ from flowerbed.sims.conv_kernels import (
     ConvShape,
     PoolShape,
     eligible,
-    kernels_for,
     pair,
     pool_eligible,
-    pool_kernels_for,
 )
 from flowerbed.sims.grouped import GroupedForward, grouped_inputs
 from flowerbed.sims.layers import (
@@ -67,6 +65,7 @@ from flowerbed.sims.layers import (
     layer_of,
     pool_before_relu,
 )
+from flowerbed.sims.numba_kernels import kernels_for, pool_kernels_for
 from torch import nn
 
 __all__ = ["GroupedSGD", "Rates", "grouped_sgd"]

@@ -63,12 +63,15 @@ import operator
 import weakref
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass, field
-from typing import ClassVar, TypeVar
+from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 import torch
 from flowerbed.clients.training import is_max_pool_2x2, max_pool_2x2
 from flowerbed.sims.conv_kernels import ConvKernels, PoolKernels
 from torch import fx, nn
+
+if TYPE_CHECKING:
+    from flowerbed.sims.numba_kernels import NumbaConvKernels, NumbaPoolKernels
 
 Grouped = tuple[torch.Tensor, bool]
 """A value between layers and its layout: ``True`` for grouped ``(batch, nodes x
@@ -196,7 +199,7 @@ class Conv(Weighted):
         self.spatial = tuple(range(2, 2 + len(self.stride)))
         # the node layout's kernels by (H, W, batch), as the written-out step
         # plans them; zero biases by node count for a convolution without one
-        self.kernels: dict[tuple[int, int, int], ConvKernels] = {}
+        self.kernels: dict[tuple[int, int, int], ConvKernels | NumbaConvKernels] = {}
         self._zeros: dict[int, torch.Tensor] = {}
 
     def forward(
@@ -350,7 +353,9 @@ class MaxPool(Layer):
         )
         self.windows_2x2 = is_max_pool_2x2(module)
         # the node layout's kernels by (H, W, batch) (None: PyTorch pools)
-        self.kernels: dict[tuple[int, int, int], PoolKernels | None] = {}
+        self.kernels: dict[
+            tuple[int, int, int], PoolKernels | NumbaPoolKernels | None
+        ] = {}
 
     def forward(
         self, h: torch.Tensor, grouped: bool, params: dict[str, torch.Tensor], n: int

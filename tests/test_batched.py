@@ -24,6 +24,7 @@ from flowerbed.sims.config import Scenario
 from flowerbed.sims.conv_kernels import CACHE_ENV, ENABLE_ENV, ConvShape, kernels_for
 from flowerbed.sims.engine import MIN_TASKS_PER_WORKER
 from flowerbed.sims.grouped_sgd import Rates, grouped_sgd
+from flowerbed.sims.numba_kernels import ENABLE_ENV as NUMBA_ENV
 from flowerbed.sims.scenario import build_fleet_grid, run_scenario, run_server
 from flowerbed.sims.vclock import NodeDropout
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
@@ -35,9 +36,10 @@ pytestmark = pytest.mark.usefixtures("quiet_single_threaded")
 
 @pytest.fixture(autouse=True)
 def _default_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The default path (not opted in to the compiled kernels) unless a test
-    asks for them (``c_kernels``)."""
+    """The default path (the numba kernels, not opted in to the C ones) unless
+    a test asks for another."""
     monkeypatch.delenv(ENABLE_ENV, raising=False)
+    monkeypatch.delenv(NUMBA_ENV, raising=False)
 
 
 def _digits_jobs(model: nn.Module) -> list[NodeJob]:
@@ -217,7 +219,20 @@ CHAIN_IDS += ["lenet-13-padded", "small-20-padded"]
 def test_default_step_equals_autograds(
     make: Callable[[], nn.Module], sample: tuple[int, ...], batch: int
 ) -> None:
-    # not opted in to the compiled kernels: PyTorch (oneDNN) runs the layers
+    # the default: numba's kernels (flowerbed.sims.numba_kernels) run the
+    # convolutions and poolings in the node layout
+    _step_against_autograd(make, sample, batch, kernels=True)
+
+
+@pytest.mark.parametrize(("make", "sample", "batch"), CHAINS, ids=CHAIN_IDS)
+def test_onednn_step_equals_autograds(
+    monkeypatch: pytest.MonkeyPatch,
+    make: Callable[[], nn.Module],
+    sample: tuple[int, ...],
+    batch: int,
+) -> None:
+    # the numba kernels turned off: PyTorch (oneDNN) runs the layers
+    monkeypatch.setenv(NUMBA_ENV, "0")
     _step_against_autograd(make, sample, batch, kernels=False)
 
 

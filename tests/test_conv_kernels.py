@@ -165,11 +165,14 @@ def test_no_compiler_means_none(monkeypatch: pytest.MonkeyPatch, fresh: Path) ->
 def test_off_by_default_nothing_is_built(
     monkeypatch: pytest.MonkeyPatch, fresh: Path
 ) -> None:
-    """Not opted in: no kernels, no compiler run, no cache directory."""
+    """Not opted in: no kernels, no compiler run, no cache directory (and,
+    with the numba kernels off too, PyTorch's layout)."""
     from flowerbed.models import build_model
     from flowerbed.sims.grouped import grouped_forward
     from flowerbed.sims.grouped_sgd import GroupedSGD
+    from flowerbed.sims.numba_kernels import ENABLE_ENV as NUMBA_ENV
 
+    monkeypatch.setenv(NUMBA_ENV, "0")
     for value in (None, "0", "off", " False "):
         if value is None:
             monkeypatch.delenv(ENABLE_ENV)

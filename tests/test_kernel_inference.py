@@ -15,6 +15,7 @@ from flowerbed.models import build_model
 from flowerbed.sims import grouped_sgd
 from flowerbed.sims.conv_kernels import CACHE_ENV, ENABLE_ENV
 from flowerbed.sims.kernel_inference import kernel_pass
+from flowerbed.sims.numba_kernels import ENABLE_ENV as NUMBA_ENV
 from torch import nn
 
 
@@ -113,8 +114,11 @@ def test_inputs_it_cannot_run_are_declined(monkeypatch: pytest.MonkeyPatch) -> N
     assert forward(torch.zeros(4, 1, 8, 8)) is None  # no compiler
 
 
-def test_not_opted_in_it_declines_every_input(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_without_kernels_it_declines_every_input(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     forward = kernel_pass(build_model("lenet", 1, 8, 10))
     assert forward is not None
     monkeypatch.delenv(ENABLE_ENV)
+    monkeypatch.setenv(NUMBA_ENV, "0")
     assert forward(torch.zeros(4, 1, 8, 8)) is None  # the caller runs oneDNN
