@@ -1,18 +1,24 @@
 """numba kernels of :mod:`flowerbed.sims.numba_kernels` (imports numba: load
 through :func:`flowerbed.sims.numba_kernels.kernels_for` only).
 
-Every array is a flat float32 view of a contiguous tensor in the node layout
-(``(nodes, H, W, channels, batch)``, weights ``(nodes, O, KH, KW, C)``); the
-sizes are arguments, so one machine code (cached on disk) serves every shape.
+Every array is C-contiguous float32 (a tensor's memory in the node layout,
+``(nodes, H, W, channels, batch)``, weights ``(nodes, O, KH, KW, C)``), indexed
+flat; the sizes are arguments, so one machine code (cached on disk) serves
+every shape.
 A :data:`Vector` is :data:`LANES` samples of one position and channel, held
-as a tuple of floats: the compiler keeps each in registers (one AVX-512
-register, or two of AVX2, with superword-level vectorisation, which
-:mod:`flowerbed.sims.numba_kernels` turns on while these compile), so a sum
-over taps and channels is accumulated there for a block of up to
-:data:`BLOCK` output (or input) channels at once, each input vector loaded
-once for the block. A block that would run past the last channel repeats
-the last one and keeps one copy of its result. No ``fastmath``: every
-product and sum is rounded as written, in the loops' order.
+as a tuple of floats: with superword-level vectorisation (which
+:mod:`flowerbed.sims.numba_kernels` turns on while these compile) the compiler
+keeps each in one AVX-512 register (or two of AVX2), so a sum over taps and
+channels is accumulated there for a block of :data:`BLOCK` output (or input)
+channels at once, each input vector loaded once for the block. A block that
+would run past the last channel repeats the last one and keeps one copy of its
+result. Indices known to be non-negative are read as unsigned (numba checks a
+signed one for a negative value, which in the inner loops costs more than the
+load). ``fastmath={"contract"}``: a product and the sum it is added to are one
+fused multiply-add where the CPU has it (as the C kernels' ``-ffp-contract=
+fast``), nothing reassociated: each sum is taken in the loops' order, the
+order of the C kernels, whose values these equal bit for bit on this
+project's machine.
 """
 
 from __future__ import annotations
@@ -51,6 +57,13 @@ def _load(x: Any, p: int) -> Vector:
         x[q + u(6)], x[q + u(7)], x[q + u(8)], x[q + u(9)], x[q + u(10)],
         x[q + u(11)], x[q + u(12)], x[q + u(13)], x[q + u(14)], x[q + u(15)],
     )  # fmt: skip
+
+
+@_inline
+def _at(x: Any, p: int) -> Any:
+    """``x[p]`` for ``p >= 0``, read as an unsigned index (no check for a
+    negative one, which would cost more than the load in the inner loops)."""
+    return x[np.uint64(p)]
 
 
 @_inline
@@ -139,6 +152,12 @@ def conv_forward(
     """``out = bias + sum of w x`` over the taps of each window that fall in
     the image and the input channels, added in the order row, column,
     channel."""
+    x, w, bias, out = (
+        x.reshape(x.size),
+        w.reshape(w.size),
+        bias.reshape(bias.size),
+        out.reshape(out.size),
+    )
     ho = hi + 2 * ph - kh + 1
     wo = wi + 2 * pw - kw + 1
     taps = kh * kw * c  # weights of one output channel
@@ -167,14 +186,14 @@ def conv_forward(
                             w0 = (i * o * kh + ky) * kw * c
                             for j in range(j0, j1):
                                 xv = _load(x, (row + j) * b + v)
-                                a0 = _madd(a0, w[w0 + k0 * taps + j], xv)
-                                a1 = _madd(a1, w[w0 + k1 * taps + j], xv)
-                                a2 = _madd(a2, w[w0 + k2 * taps + j], xv)
-                                a3 = _madd(a3, w[w0 + k3 * taps + j], xv)
-                                a4 = _madd(a4, w[w0 + k4 * taps + j], xv)
-                                a5 = _madd(a5, w[w0 + k5 * taps + j], xv)
-                                a6 = _madd(a6, w[w0 + k6 * taps + j], xv)
-                                a7 = _madd(a7, w[w0 + k7 * taps + j], xv)
+                                a0 = _madd(a0, _at(w, w0 + k0 * taps + j), xv)
+                                a1 = _madd(a1, _at(w, w0 + k1 * taps + j), xv)
+                                a2 = _madd(a2, _at(w, w0 + k2 * taps + j), xv)
+                                a3 = _madd(a3, _at(w, w0 + k3 * taps + j), xv)
+                                a4 = _madd(a4, _at(w, w0 + k4 * taps + j), xv)
+                                a5 = _madd(a5, _at(w, w0 + k5 * taps + j), xv)
+                                a6 = _madd(a6, _at(w, w0 + k6 * taps + j), xv)
+                                a7 = _madd(a7, _at(w, w0 + k7 * taps + j), xv)
                         _store_block(
                             out,
                             (here + ob) * b + v,
@@ -192,6 +211,7 @@ def conv_input_grad(
     """``gin`` = the gradient of the input: for each input position, the sum
     over the outputs whose window covers it (tap row, tap column, output
     channel, in that order) of the tap's weight times the output's gradient."""
+    g, w, gin = g.reshape(g.size), w.reshape(w.size), gin.reshape(gin.size)
     ho = hi + 2 * ph - kh + 1
     wo = wi + 2 * pw - kw + 1
     for i in range(n):
@@ -212,14 +232,14 @@ def conv_input_grad(
                                 for oo in range(o):
                                     gv = _load(g, (at + oo) * b + v)
                                     wp = (((i * o + oo) * kh + ky) * kw + kx) * c
-                                    a0 = _madd(a0, w[wp + k0], gv)
-                                    a1 = _madd(a1, w[wp + k1], gv)
-                                    a2 = _madd(a2, w[wp + k2], gv)
-                                    a3 = _madd(a3, w[wp + k3], gv)
-                                    a4 = _madd(a4, w[wp + k4], gv)
-                                    a5 = _madd(a5, w[wp + k5], gv)
-                                    a6 = _madd(a6, w[wp + k6], gv)
-                                    a7 = _madd(a7, w[wp + k7], gv)
+                                    a0 = _madd(a0, _at(w, wp + k0), gv)
+                                    a1 = _madd(a1, _at(w, wp + k1), gv)
+                                    a2 = _madd(a2, _at(w, wp + k2), gv)
+                                    a3 = _madd(a3, _at(w, wp + k3), gv)
+                                    a4 = _madd(a4, _at(w, wp + k4), gv)
+                                    a5 = _madd(a5, _at(w, wp + k5), gv)
+                                    a6 = _madd(a6, _at(w, wp + k6), gv)
+                                    a7 = _madd(a7, _at(w, wp + k7), gv)
                         _store_block(
                             gin,
                             (here + cb) * b + v,
@@ -239,6 +259,12 @@ def conv_update_weights(
     input the tap reads there, each lane summed on its own and the lanes then
     added (:func:`_sum`); ``bias -=`` the sum of ``g`` over positions and
     samples (when ``bias`` is not empty)."""
+    g, x, w, bias = (
+        g.reshape(g.size),
+        x.reshape(x.size),
+        w.reshape(w.size),
+        bias.reshape(bias.size),
+    )
     ho = hi + 2 * ph - kh + 1
     wo = wi + 2 * pw - kw + 1
     step = kh * kw * c  # from one output channel's weights to the next
@@ -295,6 +321,11 @@ def pool_forward(
     each window's first maximum in row-major order, a NaN taken as the
     maximum (as PyTorch's ``max_pool2d``); ``places`` holds its place in the
     window (a float)."""
+    x, out, places = (
+        x.reshape(x.size),
+        out.reshape(out.size),
+        places.reshape(places.size),
+    )
     ho = hi // kh
     wo = wi // kw
     row = c * b  # one position's values
@@ -330,6 +361,11 @@ def pool_backward(
 ) -> None:  # fmt: skip
     """The gradient of :func:`pool_forward`: each window's ``g`` where its
     maximum was, +0 elsewhere (and on rows and columns no window covers)."""
+    g, places, gin = (
+        g.reshape(g.size),
+        places.reshape(places.size),
+        gin.reshape(gin.size),
+    )
     ho = hi // kh
     wo = wi // kw
     row = c * b

@@ -83,7 +83,7 @@ def _call(kernel: str, *args: object) -> None:
     assert found is not None
     module, config = found
     function = getattr(module, kernel)
-    if function.signatures:
+    if kernel in _ready:
         function(*args)
         return
     before = config.SLP_VECTORIZE
@@ -92,11 +92,16 @@ def _call(kernel: str, *args: object) -> None:
         function(*args)
     finally:
         config.SLP_VECTORIZE = before
+    _ready.add(kernel)
+
+
+_ready: set[str] = set()
+"""The kernels called (so compiled or loaded) in this process."""
 
 
 def _flat(t: torch.Tensor) -> object:
-    """A contiguous float32 tensor's memory as a flat NumPy array (no copy)."""
-    return t.view(-1).numpy()
+    """A contiguous tensor's memory as a NumPy array (no copy)."""
+    return t.numpy()
 
 
 class NumbaConvKernels:
@@ -154,7 +159,7 @@ class NumbaConvKernels:
         check(x, inputs(s, n), "input")
         check(w, s.weights(n), "weights")
         if bias is None:
-            bias = g.new_empty(0)
+            bias = g.new_empty(n, 0)
         else:
             check(bias, (n, s.o), "bias")
         _call(
