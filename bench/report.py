@@ -497,7 +497,9 @@ def _throughput_lines(t: Mapping[str, Any]) -> list[str]:
         "legacy": "in-process, per node as before batching (fresh model and arrays "
         "decoded per message; reproduced baseline)",
         "per-node": "in-process, per node (one ClientApp call per message)",
-        "batched": "in-process, batched (one process; PyTorch, the default)",
+        "batched": "in-process, batched (one process; the numba kernels, the default)",
+        "batched-onednn": "in-process, batched, numba kernels off "
+        "(`FLOWERBED_NUMBA_KERNELS=0`: PyTorch's oneDNN)",
         "batched-c": "in-process, batched, opted in to the C kernels "
         "(`FLOWERBED_C_KERNELS=1`)",
         "workers": "in-process, batched over worker processes",

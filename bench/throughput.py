@@ -11,7 +11,11 @@ prints one JSON line. ``MODE`` is how node tasks use the machine
 - ``per-node``: one ClientApp call per message, one after another (``batch=False``),
   on one cached model per process, as the per-node path runs today;
 - ``batched``: a round's nodes trained as one batched computation, in this
-  process, on the default path (PyTorch: ``FLOWERBED_C_KERNELS`` unset here);
+  process, on the default path (the numba kernels,
+  :mod:`flowerbed.sims.numba_kernels`: ``FLOWERBED_C_KERNELS`` and
+  ``FLOWERBED_NUMBA_KERNELS`` unset here);
+- ``batched-onednn``: the same with the numba kernels off
+  (``FLOWERBED_NUMBA_KERNELS=0``: PyTorch's oneDNN);
 - ``batched-c``: the same opted in to the compiled C kernels
   (:mod:`flowerbed.sims.conv_kernels`, ``FLOWERBED_C_KERNELS=1``);
 - ``workers``: batched, over one worker process per core this process may use.
@@ -38,7 +42,7 @@ if TYPE_CHECKING:
     from flowerbed.sims.scenario import RunOutcome
     from flwr.app import Context, Message
 
-MODES = ("legacy", "per-node", "batched", "batched-c", "workers")
+MODES = ("legacy", "per-node", "batched", "batched-onednn", "batched-c", "workers")
 
 
 def cpu_seconds() -> float:
@@ -115,6 +119,7 @@ def _run(mode: str, run_config: dict[str, Any]) -> RunOutcome:
         "legacy": {"batch": False, "workers": 0},
         "per-node": {"batch": False, "workers": 0},
         "batched": {"batch": True, "workers": 0},
+        "batched-onednn": {"batch": True, "workers": 0},
         "batched-c": {"batch": True, "workers": 0},
         "workers": {"batch": True, "workers": _workers(mode)},
     }[mode]
@@ -140,12 +145,16 @@ def _workers(mode: str) -> int:
 
 def measure(mode: str, population: int, cohort: int, rounds: int) -> dict[str, Any]:
     from flowerbed.sims.conv_kernels import ENABLE_ENV
+    from flowerbed.sims.numba_kernels import ENABLE_ENV as NUMBA_ENV
 
-    # the compiled kernels for batched-c only (workers inherit the choice)
+    # the C kernels for batched-c only, the numba ones off for batched-onednn
+    # only (workers inherit the choice)
+    os.environ.pop(ENABLE_ENV, None)
+    os.environ.pop(NUMBA_ENV, None)
     if mode == "batched-c":
         os.environ[ENABLE_ENV] = "1"
-    else:
-        os.environ.pop(ENABLE_ENV, None)
+    elif mode == "batched-onednn":
+        os.environ[NUMBA_ENV] = "0"
     # Flower's INFO log off, as `flowerbed sim` runs (without --verbose); after
     # importing Flower, whose logger module sets its level when imported
     import flwr.supercore.logger  # noqa: F401

@@ -11,20 +11,32 @@ from typing import Any
 import pytest
 from flowerbed.bench import machinery, throughput
 from flowerbed.sims.conv_kernels import ENABLE_ENV
+from flowerbed.sims.numba_kernels import ENABLE_ENV as NUMBA_ENV
 
 
 @pytest.mark.parametrize(
     ("mode", "opted_in"),
-    [("batched", None), ("batched-c", "1"), ("per-node", None), ("legacy", None)],
+    [
+        ("batched", (None, None)),
+        ("batched-onednn", (None, "0")),
+        ("batched-c", ("1", None)),
+        ("per-node", (None, None)),
+        ("legacy", (None, None)),
+    ],
 )
 def test_only_batched_c_runs_opted_in_to_the_c_kernels(
-    monkeypatch: pytest.MonkeyPatch, mode: str, opted_in: str | None
+    monkeypatch: pytest.MonkeyPatch,
+    mode: str,
+    opted_in: tuple[str | None, str | None],
 ) -> None:
-    monkeypatch.setenv(ENABLE_ENV, "1")  # a user's setting does not leak in
-    seen: list[str | None] = []
+    """Which kernels each mode runs on: (``FLOWERBED_C_KERNELS``,
+    ``FLOWERBED_NUMBA_KERNELS``) as its runs see them."""
+    monkeypatch.setenv(ENABLE_ENV, "1")  # a user's settings do not leak in
+    monkeypatch.setenv(NUMBA_ENV, "0")
+    seen: list[tuple[str | None, str | None]] = []
 
     def run(mode: str, run_config: dict[str, Any]) -> SimpleNamespace:
-        seen.append(os.environ.get(ENABLE_ENV))
+        seen.append((os.environ.get(ENABLE_ENV), os.environ.get(NUMBA_ENV)))
         rounds = [{"wall_time_s": 0.5}]
         return SimpleNamespace(
             results={"trained_tasks": 4, "rounds": rounds, "final_accuracy": 0.5}
