@@ -5,20 +5,23 @@ Every array is C-contiguous float32 (a tensor's memory in the node layout,
 ``(nodes, H, W, channels, batch)``, weights ``(nodes, O, KH, KW, C)``), indexed
 flat; the sizes are arguments, so one machine code (cached on disk) serves
 every shape.
-A :data:`Vector` is :data:`LANES` samples of one position and channel, held
-as a tuple of floats: with superword-level vectorisation (which
+
+A :data:`Vector` is :data:`LANES` samples of one position and channel, held as
+a tuple of floats: with superword-level vectorisation (which
 :mod:`flowerbed.sims.numba_kernels` turns on while these compile) the compiler
 keeps each in one AVX-512 register (or two of AVX2), so a sum over taps and
 channels is accumulated there for a block of :data:`BLOCK` output (or input)
-channels at once, each input vector loaded once for the block. A block that
-would run past the last channel repeats the last one and keeps one copy of its
-result. Indices known to be non-negative are read as unsigned (numba checks a
-signed one for a negative value, which in the inner loops costs more than the
-load). ``fastmath={"contract"}``: a product and the sum it is added to are one
-fused multiply-add where the CPU has it (as the C kernels' ``-ffp-contract=
-fast``), nothing reassociated: each sum is taken in the loops' order, the
-order of the C kernels, whose values these equal bit for bit on this
-project's machine.
+channels at once (the weight gradient's: 8 output by 2 input channels), each
+input vector loaded once for the block. A block that would run past the last
+channel repeats the last one and keeps one copy of its result; the input
+gradient instead reads its weights from a copy whose channels are padded with
+zeros to whole blocks (one address for a block's weights, not eight). Indices
+known to be non-negative are read as unsigned (numba checks a signed one for a
+negative value, which in the inner loops costs more than the load).
+``fastmath={"contract"}``: a product and the sum it is added to are one fused
+multiply-add where the CPU has it (as the C kernels' ``-ffp-contract=fast``),
+nothing reassociated: each sum is taken in the loops' order, the order of the C
+kernels, whose values these equal bit for bit on this project's machine.
 """
 
 from __future__ import annotations
@@ -214,6 +217,13 @@ def conv_input_grad(
     g, w, gin = g.reshape(g.size), w.reshape(w.size), gin.reshape(gin.size)
     ho = hi + 2 * ph - kh + 1
     wo = wi + 2 * pw - kw + 1
+    # the weights with each tap's channels padded with zeros to whole blocks:
+    # a block's weights are then :data:`BLOCK` consecutive values
+    cp = -(-c // BLOCK) * BLOCK
+    padded = np.zeros(n * o * kh * kw * cp, np.float32)
+    for t in range(n * o * kh * kw):
+        for cc in range(c):
+            padded[t * cp + cc] = w[t * c + cc]
     for i in range(n):
         for y in range(hi):
             ky0 = max(y + ph - ho + 1, 0)
@@ -224,22 +234,22 @@ def conv_input_grad(
                 here = ((i * hi + y) * wi + xx) * c
                 for v in range(0, b, LANES):
                     for cb in range(0, c, BLOCK):
-                        k0, k1, k2, k3, k4, k5, k6, k7 = _block(cb, c)
                         a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = _fill(0.0)
                         for ky in range(ky0, ky1):
                             for kx in range(kx0, kx1):
                                 at = ((i * ho + y - ky + ph) * wo + xx - kx + pw) * o
                                 for oo in range(o):
                                     gv = _load(g, (at + oo) * b + v)
-                                    wp = (((i * o + oo) * kh + ky) * kw + kx) * c
-                                    a0 = _madd(a0, _at(w, wp + k0), gv)
-                                    a1 = _madd(a1, _at(w, wp + k1), gv)
-                                    a2 = _madd(a2, _at(w, wp + k2), gv)
-                                    a3 = _madd(a3, _at(w, wp + k3), gv)
-                                    a4 = _madd(a4, _at(w, wp + k4), gv)
-                                    a5 = _madd(a5, _at(w, wp + k5), gv)
-                                    a6 = _madd(a6, _at(w, wp + k6), gv)
-                                    a7 = _madd(a7, _at(w, wp + k7), gv)
+                                    t = ((i * o + oo) * kh + ky) * kw + kx
+                                    wb = padded[t * cp + cb : t * cp + cb + BLOCK]
+                                    a0 = _madd(a0, wb[0], gv)
+                                    a1 = _madd(a1, wb[1], gv)
+                                    a2 = _madd(a2, wb[2], gv)
+                                    a3 = _madd(a3, wb[3], gv)
+                                    a4 = _madd(a4, wb[4], gv)
+                                    a5 = _madd(a5, wb[5], gv)
+                                    a6 = _madd(a6, wb[6], gv)
+                                    a7 = _madd(a7, wb[7], gv)
                         _store_block(
                             gin,
                             (here + cb) * b + v,
@@ -268,7 +278,7 @@ def conv_update_weights(
     ho = hi + 2 * ph - kh + 1
     wo = wi + 2 * pw - kw + 1
     step = kh * kw * c  # from one output channel's weights to the next
-    lanes = np.empty(BLOCK * LANES, np.float32)  # a block's sums, to add up
+    lanes = np.empty(2 * BLOCK * LANES, np.float32)  # a block's sums, to add
     for i in range(n):
         if bias.size:
             for oo in range(o):
@@ -286,8 +296,10 @@ def conv_update_weights(
                 x1 = min(wi + pw - kx, wo)
                 for ob in range(0, o, BLOCK):
                     k0, k1, k2, k3, k4, k5, k6, k7 = _block(ob, o)
-                    for cc in range(c):
+                    for cc in range(0, c, 2):  # two input channels at once
+                        pair = cc + 1 < c
                         a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = _fill(0.0)
+                        b0 = b1 = b2 = b3 = b4 = b5 = b6 = b7 = a0
                         for y in range(y0, y1):
                             for xx in range(x0, x1):
                                 gp = ((i * ho + y) * wo + xx) * o * b
@@ -295,21 +307,53 @@ def conv_update_weights(
                                 xp = (at * c + cc) * b
                                 for v in range(0, b, LANES):
                                     xv = _load(x, xp + v)
+                                    xw = _load(x, xp + b + v) if pair else xv
                                     p = gp + v
-                                    a0 = _vmadd(a0, _load(g, p + k0 * b), xv)
-                                    a1 = _vmadd(a1, _load(g, p + k1 * b), xv)
-                                    a2 = _vmadd(a2, _load(g, p + k2 * b), xv)
-                                    a3 = _vmadd(a3, _load(g, p + k3 * b), xv)
-                                    a4 = _vmadd(a4, _load(g, p + k4 * b), xv)
-                                    a5 = _vmadd(a5, _load(g, p + k5 * b), xv)
-                                    a6 = _vmadd(a6, _load(g, p + k6 * b), xv)
-                                    a7 = _vmadd(a7, _load(g, p + k7 * b), xv)
+                                    gv = _load(g, p + k0 * b)
+                                    a0 = _vmadd(a0, gv, xv)
+                                    if pair:
+                                        b0 = _vmadd(b0, gv, xw)
+                                    gv = _load(g, p + k1 * b)
+                                    a1 = _vmadd(a1, gv, xv)
+                                    if pair:
+                                        b1 = _vmadd(b1, gv, xw)
+                                    gv = _load(g, p + k2 * b)
+                                    a2 = _vmadd(a2, gv, xv)
+                                    if pair:
+                                        b2 = _vmadd(b2, gv, xw)
+                                    gv = _load(g, p + k3 * b)
+                                    a3 = _vmadd(a3, gv, xv)
+                                    if pair:
+                                        b3 = _vmadd(b3, gv, xw)
+                                    gv = _load(g, p + k4 * b)
+                                    a4 = _vmadd(a4, gv, xv)
+                                    if pair:
+                                        b4 = _vmadd(b4, gv, xw)
+                                    gv = _load(g, p + k5 * b)
+                                    a5 = _vmadd(a5, gv, xv)
+                                    if pair:
+                                        b5 = _vmadd(b5, gv, xw)
+                                    gv = _load(g, p + k6 * b)
+                                    a6 = _vmadd(a6, gv, xv)
+                                    if pair:
+                                        b6 = _vmadd(b6, gv, xw)
+                                    gv = _load(g, p + k7 * b)
+                                    a7 = _vmadd(a7, gv, xv)
+                                    if pair:
+                                        b7 = _vmadd(b7, gv, xw)
                         sums = (a0, a1, a2, a3, a4, a5, a6, a7)
                         for k in range(BLOCK):
                             _store(lanes[k * LANES :], sums[k])
+                        sums = (b0, b1, b2, b3, b4, b5, b6, b7)
+                        for k in range(BLOCK):
+                            _store(lanes[(BLOCK + k) * LANES :], sums[k])
                         wp = (((i * o + ob) * kh + ky) * kw + kx) * c + cc
                         for k in range(min(BLOCK, o - ob)):
                             w[wp + k * step] -= _sum(lanes[k * LANES :])
+                            if pair:
+                                w[wp + k * step + 1] -= _sum(
+                                    lanes[(BLOCK + k) * LANES :]
+                                )
 
 
 @_kernel

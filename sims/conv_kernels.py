@@ -1,4 +1,4 @@
-"""Small 2-D convolutions of many nodes at once, compiled here for their shapes.
+"""Small 2-D convolutions of many nodes at once in C (an opt-in), their shapes.
 
 oneDNN pads each group of a grouped convolution to blocks of 16 channels: with
 LeNet's 1 and 6 input channels a node (and 6 outputs for the first layer), most
@@ -24,8 +24,10 @@ the same layout (:class:`PoolKernels`): PyTorch's kernel and its backward pass
 (which zero-fills the whole input gradient first) took ~60 us a pooling in a
 10-node LeNet step; the values and gradients are PyTorch's bit for bit.
 
-They are off by default: the default path is PyTorch's (oneDNN), the same
-on every host. ``FLOWERBED_C_KERNELS=1`` (:data:`ENABLE_ENV`) opts in; then the
+They are off by default: the default is the numba kernels of
+:mod:`flowerbed.sims.numba_kernels` (this layout, these sums, Python that
+numba compiles; the shapes, checks and :func:`eligible` here are theirs too).
+``FLOWERBED_C_KERNELS=1`` (:data:`ENABLE_ENV`) opts in; then the
 C source below is compiled once per shape by the C compiler (``$CC``, else
 ``cc``) with ``-O3 -march=native`` into a cache directory
 (``$FLOWERBED_KERNEL_CACHE``, else ``~/.cache/flowerbed/kernels``) created
@@ -36,9 +38,10 @@ loaded only when both files are this user's, private, and the library's hash
 is the record's (else it is rebuilt), and builds of other sources, or beyond
 :data:`MAX_BUILDS`, are removed (:func:`prune`). Not opted in, without a
 compiler, or for other shapes (strides, dilations, groups, batches that are not
-a multiple of :data:`LANES`), :func:`kernels_for` answers None and the caller
-keeps oneDNN. Nothing is compiled before a kernel is asked for (importing this
-module, or collecting the tests, builds nothing).
+a multiple of :data:`LANES`), :func:`kernels_for` answers None and
+:func:`flowerbed.sims.numba_kernels.kernels_for` takes the default. Nothing
+is compiled before a kernel is asked for (importing this module, or collecting
+the tests, builds nothing).
 """
 
 from __future__ import annotations
@@ -629,7 +632,7 @@ def _load(shape: ConvShape | PoolShape) -> ConvKernels | PoolKernels | None:
     try:
         library = ctypes.CDLL(str(path))
     except OSError as err:
-        log.warning("cannot load the kernels %s (%s): using oneDNN", path, err)
+        log.warning("cannot load the kernels %s (%s): using the default", path, err)
         return None
     if isinstance(shape, PoolShape):
         return PoolKernels(shape, library)
@@ -655,7 +658,7 @@ def private_cache() -> Path | None:
         where.mkdir(mode=0o700, parents=True, exist_ok=True)
         st = os.lstat(where)
     except OSError as err:
-        log.warning("kernel cache %s: %s; using oneDNN", where, err)
+        log.warning("kernel cache %s: %s; using the default kernels", where, err)
         return None
     problem = None
     if not stat.S_ISDIR(st.st_mode):
@@ -666,7 +669,7 @@ def private_cache() -> Path | None:
         problem = f"others may write to it (mode {stat.S_IMODE(st.st_mode):o})"
     if problem:
         log.warning(
-            "kernel cache %s is %s: not using the compiled kernels (using oneDNN); "
+            "kernel cache %s is %s: not using the C kernels (using the default); "
             "remove it, or set $%s to a directory of your own",
             where,
             problem,
@@ -794,7 +797,7 @@ def _compiled(defines: dict[str, int]) -> Path | None:
         log.debug("built convolution kernels %s (%s)", target.name, " ".join(args))
         prune(where, keep=target)
         return target
-    log.warning("cannot build the convolution kernels (%s): using oneDNN", failure)
+    log.warning("cannot build the C kernels (%s): using the default", failure)
     return None
 
 

@@ -23,9 +23,10 @@ digits (CPU time of :func:`~flowerbed.sims.batched.train_many`, one thread):
 Each layer's input gradient is computed before its weights
 move, so the step equals autograd's SGD step within float tolerance.
 
-Opted in to the compiled kernels of :mod:`flowerbed.sims.conv_kernels`
-(``FLOWERBED_C_KERNELS=1``; off by default), when every 2-D convolution of the
-chain is one they take and the batch is whole vectors of samples,
+When every 2-D convolution of the chain is one the node layout's kernels take
+(numba's, :mod:`flowerbed.sims.numba_kernels`, by default; the C ones of
+:mod:`flowerbed.sims.conv_kernels` opted in) and the batch is whole vectors of
+samples,
 :meth:`GroupedSGD.pack` lays the images out as ``(nodes, H, W, C, batch)`` and
 the step runs the same layer objects in that layout (:mod:`flowerbed.sims.layers`,
 the node layout): the kernels for the
@@ -105,11 +106,12 @@ class GroupedSGD:
 
     def pack(self, x: torch.Tensor) -> list[Grouped]:
         """Each step's inputs, ``(steps, nodes, batch, *features)``, laid out
-        for :meth:`step`: for the compiled kernels
-        (:mod:`flowerbed.sims.conv_kernels`, opted in) when every convolution of
-        the chain has them at this image size (``(nodes, H, W, C, batch)``, one copy for
-        all steps), else as :func:`~flowerbed.sims.grouped.grouped_inputs` lays
-        them out for oneDNN.
+        for :meth:`step`: for the node layout's kernels
+        (:func:`~flowerbed.sims.numba_kernels.kernels_for`) when every
+        convolution of the chain has them at this image size (``(nodes, H, W,
+        C, batch)``, one copy for all steps), else as
+        :func:`~flowerbed.sims.grouped.grouped_inputs` lays them out for
+        oneDNN.
 
         The kernels take whole vectors of samples: a batch that is not is
         padded with zero images up to the next multiple of
@@ -130,7 +132,7 @@ class GroupedSGD:
 
     def kernels_ready(self, sample: tuple[int, ...]) -> bool:
         """Whether the node layout runs a batch of ``(batch, C, H, W)`` images
-        (the kernels of every convolution compiled: cached per size)."""
+        (every convolution has kernels: cached per size)."""
         if not self.node_layout:
             return False
         if sample not in self._node_inputs:
@@ -231,9 +233,9 @@ def _takes_node_layout(chain: list[tuple[nn.Module, str]], layers: list[Layer]) 
 def _plan_kernels(
     layers: list[Layer], batch: int, c: int, height: int, width: int
 ) -> bool:
-    """Compile (or find) the kernels of every convolution for inputs of this
-    size; False if one has none (not opted in, no compiler, or the batch is not
-    whole vectors)."""
+    """Find the kernels of every convolution for inputs of this size; False if
+    one has none (turned off, numba missing, or the batch is not whole
+    vectors)."""
     for layer in layers:
         if isinstance(layer, Conv):
             module = layer.module

@@ -1,9 +1,9 @@
-"""The central evaluation's forward pass, its convolutions on the compiled kernels.
+"""The central evaluation's forward pass on the node layout's kernels.
 
 The central evaluation (:class:`~flowerbed.sims.recorder.RunRecorder`) scores
 the global model on the whole test set every round. For a model that batched
-training runs on the kernels it compiles when opted in
-(:mod:`flowerbed.sims.conv_kernels`, ``FLOWERBED_C_KERNELS=1``; LeNet: a chain
+training runs on the node layout's kernels (by default numba's,
+:mod:`flowerbed.sims.numba_kernels`, or the C ones opted in; LeNet: a chain
 of 2-D convolutions, ReLUs, max poolings, a flatten and linear layers), the
 evaluation runs the same layer objects (those of
 :class:`~flowerbed.sims.grouped_sgd.GroupedSGD`) instead of oneDNN: the test
@@ -12,7 +12,7 @@ set is cut into chunks of :data:`~flowerbed.sims.conv_kernels.LANES` images
 (``(chunks, H, W, C, 16)`` in memory), with the weights repeated for every
 chunk. Measured here on digits'
 360 test images (one thread): LeNet's two convolutions take ~0.04 and ~0.08 ms
-on the kernels against ~0.2 and ~0.17 ms on oneDNN (which pads 1 and 6
+on the C kernels against ~0.2 and ~0.17 ms on oneDNN (which pads 1 and 6
 channels to blocks of 16 and reorders to and from its blocked layout), the
 whole forward pass ~0.45 against ~0.87 ms. The kernels sum in their own order:
 the logits agree with oneDNN's within float tolerance
@@ -33,7 +33,7 @@ from torch import nn
 
 def kernel_pass(model: nn.Module) -> KernelPass | None:
     """``model``'s forward pass for inference (no autograd), its convolutions
-    on the compiled kernels; None when batched training would not run
+    on the node layout's kernels; None when batched training would not run
     ``model`` on them: its trace is not a chain of layers with a written-out
     backward (:class:`~flowerbed.sims.grouped_sgd.GroupedSGD`) whose images
     the node layout takes (:attr:`~flowerbed.sims.layers.Layer.NODE_LAYOUT`:
@@ -68,7 +68,8 @@ class KernelPass:
     def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
         """The logits of images ``x`` ``(N, C, H, W)``; None for inputs it
         cannot run (not float32 images of the first convolution's channels)
-        or without the kernels (not opted in, or no C compiler)."""
+        or without the kernels (:func:`~flowerbed.sims.numba_kernels.kernels_for`
+        has none: turned off, or numba missing)."""
         if x.dim() != 4 or x.dtype != torch.float32 or len(x) == 0:
             return None
         n, c, height, width = x.shape

@@ -14,8 +14,8 @@ gradient. Its users:
 - :class:`~flowerbed.sims.grouped_sgd.GroupedSGD` runs a chain of layers that
   all have a written-out backward, forward then back by hand;
 - the central evaluation runs GroupedForward for one node
-  (:func:`~flowerbed.sims.grouped.evaluation_logits`), or, opted in to the
-  compiled kernels, GroupedSGD's layers in the node layout
+  (:func:`~flowerbed.sims.grouped.evaluation_logits`), or, on the node
+  layout's kernels, GroupedSGD's layers in the node layout
   (:mod:`flowerbed.sims.kernel_inference`).
 
 A model with anything else (a layer not in the table, a function other than
@@ -26,8 +26,8 @@ Layouts. Values pass between layers in one of two layouts by default: *grouped*,
 ``(batch, nodes x channels, *spatial)`` (images in channels-last memory, where
 oneDNN's grouped convolution with ``groups = nodes x groups`` is fastest;
 sequences), and *flat*, ``(nodes, batch, features)``, where a linear layer is
-one ``baddbmm`` over the node axis. Opted in to the compiled kernels
-(:mod:`flowerbed.sims.conv_kernels`), a written-out step keeps images in a
+one ``baddbmm`` over the node axis. On the node layout's kernels (numba's by
+default, :mod:`flowerbed.sims.numba_kernels`), a written-out step keeps images in a
 third, the *node layout* ``(nodes, H, W, C, batch)`` (five dimensions), where
 the convolutions and max poolings run on the kernels their objects hold. Each
 table entry says which it takes:
