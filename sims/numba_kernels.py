@@ -8,10 +8,11 @@ update) and its max poolings over windows that do not overlap on kernels of
 that layout. :class:`NumbaConvKernels` and :class:`NumbaPoolKernels` are those
 kernels in Python compiled by numba (:mod:`flowerbed.sims._conv_numba`), with
 the interface of the C kernels of :mod:`flowerbed.sims.conv_kernels`; the sizes
-are arguments, so each kernel compiles once (~1-2 s, at its first call, never
-at import) and numba's on-disk cache (``cache=True``) serves every later
-process and shape. The convolutions sum in their own order (the same values
-as PyTorch's within float tolerance); the pooling is PyTorch's bit for bit
+are arguments, so each kernel compiles once (at its first call, never at
+import; ~12 s for the five here) and numba's on-disk cache (``cache=True``)
+serves every later process (~0.4 s to load) and shape. The convolutions sum
+in their own order (the same values as PyTorch's within float tolerance); the
+pooling is PyTorch's bit for bit
 (``tests/test_numba_kernels.py``).
 
 :func:`kernels_for` and :func:`pool_kernels_for` choose: the C kernels when
