@@ -411,3 +411,31 @@ def test_the_command_is_rebuilt_from_the_options_given(
 ) -> None:
     args = build_parser(argv).parse_args(argv)
     assert cli.command_line(args) == command
+
+
+@pytest.mark.parametrize(
+    ("speedups", "said"),
+    [
+        (
+            {"10": 6.1, "100": 8.4, "1000": 3.0},
+            [
+                "10 nodes (the default scenario) 6.1x (met)",
+                "100 nodes 8.4x (met)",
+                "1000 nodes 3.0x.",
+            ],
+        ),
+        (
+            {"10": 5.9, "100": 7.9},
+            ["5.9x (**not met**)", "100 nodes 7.9x (**not met**)"],
+        ),
+    ],
+)
+def test_batched_throughput_is_judged_at_each_size_with_a_target(
+    speedups: dict[str, float], said: list[str]
+) -> None:
+    data = results(quick=False)
+    data["sections"]["machinery"]["data"]["throughput"]["speedup_vs_legacy"] = speedups
+    page = report.render(data, "flowerbed bench")
+    for text in said:
+        assert text in page, text
+    assert "at least 6x at 10 nodes a round and 8x at 100 nodes a round" in page
