@@ -111,7 +111,7 @@ def two_speed_percentile(
     than one that waits, and more per second only when waiting is expensive.
     What waiting costs is known from the durations the deadline already
     records; how much accuracy a round gains is not (the train loss replies
-    report is local and noisy under non-IID data). Measured (issue 14,
+    report is local and noisy under non-IID data). Measured (the
     ``flowerbed bench`` suite and tests/test_deadline_sweep.py): on phones-10x
     with digits, where a slow phone's transfers alone outlast a fast phone's
     task, ``c(80) / c(30)`` is ~3.4 and the patient deadline is needed from the

@@ -1,6 +1,6 @@
-"""The gateway against careless and malicious clients (issue 17, "Gateway").
+"""The gateway against careless and malicious clients.
 
-Each case of the issue is a test here: malformed requests get a 4xx JSON error and
+Each case is a test here: malformed requests get a 4xx JSON error and
 the server keeps serving; slow and idle connections cannot pin it; keep-alive stays
 in step after an error; tokens change without a restart; refusals are logged at a
 limited rate; an accepted result stays accepted.

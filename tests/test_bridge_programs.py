@@ -1,4 +1,4 @@
-"""Protocol revision 2 (issue 18): version negotiation, programs served by the
+"""Protocol revision 2: version negotiation, programs served by the
 gateway, enrolment URIs and token rotation/revocation without restart."""
 
 from __future__ import annotations

@@ -105,7 +105,7 @@ CLI_BAD_INPUT = [
     (["--dataset", "svhn"], "unknown dataset 'svhn'"),
     (["--strategy", "magic"], "unknown strategy 'magic'"),
     (["--nodes", "-1"], "'num-nodes' must be >= 1"),
-    # issue 17: 3,000,000 nodes all sampled each round (~800 GiB of replies)
+    # 3,000,000 nodes all sampled each round (~800 GiB of replies)
     (["--nodes", "3000000"], "a round of 3000000 train tasks holds about"),
     (["--alpha", "0"], "--alpha: run-config 'alpha' must be in (0, 1000000]"),
     (["--target", "2"], "'target-accuracy' must be in"),

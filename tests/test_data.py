@@ -200,7 +200,7 @@ def test_synthetic_as_loaded_has_its_writers_shapes_and_seed() -> None:
     d = load_dataset("synthetic")
     assert d.x_train.shape[1:] == d.x_test.shape[1:] == (1, 60)
     assert d.x_train.dtype == np.float32 and d.num_classes == 10
-    assert len(d.y_test) >= 5_000  # issue 14: a test set of at least 5,000
+    assert len(d.y_test) >= 5_000  # a test set of at least 5,000 samples
     assert d.train_writers is not None and d.test_writers is not None
     assert set(np.unique(d.train_writers)) == set(range(SYNTHETIC_WRITERS))
     assert np.bincount(d.train_writers).max() <= SYNTHETIC_MAX_SAMPLES

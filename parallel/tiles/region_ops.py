@@ -19,7 +19,7 @@ is a :class:`~flowerbed.parallel.tiles.regions.TileError` naming the layer):
 - normalisation: ``GroupNorm`` and ``BatchNorm2d`` (see below);
 - ``nn.Sequential`` of these (its children are flattened).
 
-Normalisation (issue 13, item 4). Batch norm normalises by statistics over the
+Normalisation. Batch norm normalises by statistics over the
 batch and the *whole* map, group norm over a group of channels and the whole map
 of each sample; a tile's own pixels give different statistics. In ``sync`` mode
 (default) :class:`SharedNorm` makes them exact: every device sums ``x`` and
