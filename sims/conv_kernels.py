@@ -610,18 +610,29 @@ MAX_BUILDS = 64
 beyond it are removed (a model's shapes at one batch size take 2-4)."""
 
 
+def switch(name: str, default: bool, on_means: str, off_means: str) -> bool:
+    """Whether the environment variable ``name`` is on (:data:`ON`) or off
+    (:data:`OFF`); ``default`` when unset or empty. ``ValueError`` naming the
+    valid values, and what each side means, for anything else."""
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return default
+    if value in ON:
+        return True
+    if value in OFF:
+        return False
+    on_text = f"the default: {on_means}" if default else on_means
+    off_text = off_means if default else f"the default: {off_means}"
+    raise ValueError(
+        f"${name}={value!r}: valid values are {', '.join(ON)} ({on_text}) or "
+        f"{', '.join(repr(v) for v in OFF if v)} ({off_text})"
+    )
+
+
 def enabled() -> bool:
     """Whether :data:`ENABLE_ENV` opts in to the compiled kernels (off when
     unset); ``ValueError`` for a value that is neither on nor off."""
-    value = os.environ.get(ENABLE_ENV, "").strip().lower()
-    if value in OFF:
-        return False
-    if value in ON:
-        return True
-    raise ValueError(
-        f"${ENABLE_ENV}={value!r}: valid values are {', '.join(ON)} (compile the "
-        f"C kernels) or {', '.join(repr(v) for v in OFF)} (the default: PyTorch)"
-    )
+    return switch(ENABLE_ENV, False, "compile the C kernels", "PyTorch")
 
 
 @functools.lru_cache(maxsize=64)

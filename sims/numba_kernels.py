@@ -24,7 +24,6 @@ None (the caller keeps PyTorch's oneDNN and its own layout).
 from __future__ import annotations
 
 import functools
-import os
 from types import ModuleType
 from typing import Any
 
@@ -32,8 +31,6 @@ import torch
 from flowerbed.sims import conv_kernels
 from flowerbed.sims.conv_kernels import (
     LANES,
-    OFF,
-    ON,
     ConvKernels,
     ConvShape,
     PoolKernels,
@@ -50,15 +47,7 @@ ENABLE_ENV = "FLOWERBED_NUMBA_KERNELS"
 def enabled() -> bool:
     """Whether :data:`ENABLE_ENV` leaves the numba kernels on (on when unset);
     ``ValueError`` for a value that is neither on nor off."""
-    value = os.environ.get(ENABLE_ENV, "1").strip().lower() or "1"
-    if value in ON:
-        return True
-    if value in OFF:
-        return False
-    raise ValueError(
-        f"${ENABLE_ENV}={value!r}: valid values are {', '.join(ON)} (the default: "
-        f"the numba kernels) or {', '.join(repr(v) for v in OFF if v)} (PyTorch)"
-    )
+    return conv_kernels.switch(ENABLE_ENV, True, "the numba kernels", "PyTorch")
 
 
 @functools.lru_cache(maxsize=1)
